@@ -1,0 +1,113 @@
+package discover
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+
+	"github.com/gpubridge/gpubridge/lib/cli"
+	"github.com/gpubridge/gpubridge/lib/probe"
+)
+
+// MaxProbeBytes bounds the probe report gbdiscover reads.
+const MaxProbeBytes = 16 << 20
+
+// ReadProbe decodes gbprobe's --json report.
+func ReadProbe(in io.Reader) (*probe.Report, error) {
+	b, err := io.ReadAll(io.LimitReader(in, MaxProbeBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("read probe report: %w", err)
+	}
+	if len(b) > MaxProbeBytes {
+		return nil, fmt.Errorf("probe report is over %d bytes", MaxProbeBytes)
+	}
+	if len(b) == 0 {
+		return nil, fmt.Errorf("probe report is empty (did gbprobe --json run?)")
+	}
+	var rep probe.Report
+	if err := json.Unmarshal(b, &rep); err != nil {
+		return nil, fmt.Errorf("probe report is not JSON: %w", err)
+	}
+	if rep.Schema != probe.Schema {
+		return nil, fmt.Errorf("probe report has schema %q, want %q", rep.Schema, probe.Schema)
+	}
+	return &rep, nil
+}
+
+// BuildRecord makes this rank's record from its options and probe report.
+// Nothing here fails: whatever is wrong with this rank becomes a problem in
+// its record, so that every rank reports it.
+func BuildRecord(o RunOptions, probeIn io.Reader) *Record {
+	rec := &Record{
+		Schema: RecordSchema, Rank: o.Rank, WorldSize: o.WorldSize, LocalRank: o.LocalRank,
+		ToolVersion: cli.Version, Bridge: o.Bridge, SplitTest: o.SplitTest, Settings: o.Settings,
+	}
+	problem := func(format string, args ...any) { rec.Problems = append(rec.Problems, fmt.Sprintf(format, args...)) }
+	rep, err := ReadProbe(probeIn)
+	if err != nil {
+		rec.Hostname, _ = os.Hostname()
+		problem("%v", err)
+		rec.Mode = ModeGPU
+		if o.CPUOnly {
+			rec.Mode = ModeCPU
+		}
+		return rec
+	}
+	rec.Hostname = rep.Hostname
+	rec.Simulated = rep.Simulated
+	rec.Probe = ProbeSummary{Vendor: rep.RealVendor, GPUs: len(rep.GPUs), NICs: len(rep.NICs), Problems: len(rep.Problems)}
+	for _, d := range rep.RDMA {
+		for _, p := range d.Ports {
+			if p.Active() {
+				rec.Probe.RDMA++
+			}
+		}
+	}
+
+	switch {
+	case rep.Simulated:
+		rec.Mode, rec.Vendor = ModeCPU, rep.Vendor
+	case o.Vendor == VendorNVIDIA || o.Vendor == VendorAMD:
+		rec.Vendor = o.Vendor
+	case rep.RealVendor == probe.VendorNVIDIA || rep.RealVendor == probe.VendorAMD:
+		rec.Vendor = rep.RealVendor
+	case rep.RealVendor == probe.VendorMixed:
+		problem("the node has both NVIDIA and AMD GPUs: pass --vendor (the vendor of this rank's torch build)")
+	default:
+		problem("no detectable vendor: no usable GPU found (NVML %s) and GPUBRIDGE_VENDOR is not set", nvmlWords(rep.NVML))
+	}
+	if rec.Mode == "" {
+		rec.Mode = ModeGPU
+		if o.CPUOnly {
+			rec.Mode = ModeCPU
+		}
+	}
+	if rec.Mode == ModeCPU && o.SimHostname != "" {
+		rec.Hostname = o.SimHostname
+	}
+	if rec.Mode != ModeGPU || rec.Vendor == "" {
+		return rec
+	}
+	for _, p := range rep.Problems {
+		problem("probe: %s", p)
+	}
+	if o.LocalRank < 0 {
+		problem("LOCAL_RANK is not set: cannot tell which GPU this rank drives")
+		return rec
+	}
+	g, err := rep.DeviceFor(rec.Vendor, o.LocalRank, o.getenv)
+	if err != nil {
+		problem("%v", err)
+		return rec
+	}
+	rec.GPU = &GPU{Index: g.Index, Name: g.Name, UUID: g.UUID, PCI: g.PCIBusID}
+	return rec
+}
+
+func nvmlWords(s probe.NVMLStatus) string {
+	if s.Error != "" {
+		return s.State + ": " + s.Error
+	}
+	return s.State
+}

@@ -1,0 +1,144 @@
+// Package discover is gpubridge's start-up agreement: every rank writes a
+// record of itself into the job's c10d store, reads every other rank's
+// record, and computes from them, as a pure function, either the same
+// topology (islands, leaders, bridge) or the same list of problems on every
+// rank.
+package discover
+
+import (
+	"encoding/json"
+	"fmt"
+	"sort"
+	"strings"
+)
+
+// Schemas of what this package writes.
+const (
+	RecordSchema   = "gpubridge.record/v1"
+	TopologySchema = "gpubridge.topology/v1"
+)
+
+// Vendors and modes.
+const (
+	VendorNVIDIA = "nvidia"
+	VendorAMD    = "amd"
+
+	ModeGPU = "gpu"
+	ModeCPU = "cpu"
+)
+
+// Bridge transports a rank may ask for.
+const (
+	BridgeAuto  = "auto"
+	BridgeTCP   = "tcp"
+	BridgeSHM   = "shm"
+	BridgeVerbs = "verbs"
+	BridgeNone  = "none"
+)
+
+// Split-test modes: a single-vendor job labeled as two vendors.
+const (
+	SplitHalf      = "half"
+	SplitAlternate = "alternate"
+	SplitNode      = "node"
+)
+
+// Run kinds of a topology.
+const (
+	KindGPUMixed        = "gpu-mixed"
+	KindGPUSingleVendor = "gpu-single-vendor"
+	KindSplitTest       = "split-test"
+	KindCPU             = "cpu"
+)
+
+// GPU identifies the device a rank will drive.
+type GPU struct {
+	Index int    `json:"index"`
+	Name  string `json:"name,omitempty"`
+	UUID  string `json:"uuid,omitempty"`
+	PCI   string `json:"pci_bus_id,omitempty"`
+}
+
+// Record is what one rank writes into the store about itself.
+type Record struct {
+	Schema      string `json:"schema"`
+	Rank        int    `json:"rank"`
+	WorldSize   int    `json:"world_size"`
+	LocalRank   int    `json:"local_rank"`
+	Hostname    string `json:"hostname"`
+	ToolVersion string `json:"tool_version"`
+	// Vendor is the rank's vendor: real, or simulated (Simulated true).
+	Vendor    string `json:"vendor"`
+	Simulated bool   `json:"simulated"`
+	// Mode is gpu or cpu (simulation and CPU-only runs).
+	Mode string `json:"mode"`
+	GPU  *GPU   `json:"gpu,omitempty"`
+	// Bridge is the transport this rank asked for.
+	Bridge string `json:"bridge"`
+	// SplitTest is the split-test mode this rank runs under, if any.
+	SplitTest string `json:"split_test,omitempty"`
+	// Settings are policy settings that must be equal on every rank.
+	Settings map[string]string `json:"settings,omitempty"`
+	// Probe summarises what gbprobe found on the rank's node.
+	Probe ProbeSummary `json:"probe"`
+	// Problems are this rank's own reasons the job cannot run.
+	Problems []string `json:"problems,omitempty"`
+}
+
+// ProbeSummary is the part of gbprobe's report a record carries.
+type ProbeSummary struct {
+	Vendor   string `json:"vendor"`
+	GPUs     int    `json:"gpus"`
+	NICs     int    `json:"nics"`
+	RDMA     int    `json:"rdma_ports_active"`
+	Problems int    `json:"problems"`
+}
+
+// Encode returns the record's JSON.
+func (r *Record) Encode() ([]byte, error) {
+	return json.Marshal(r)
+}
+
+// MaxRecordBytes bounds a record read from the store.
+const MaxRecordBytes = 1 << 20
+
+// DecodeRecord parses a record read from the store for rank, checking that it
+// is of this schema and names that rank.
+func DecodeRecord(rank int, b []byte) (*Record, error) {
+	if len(b) > MaxRecordBytes {
+		return nil, fmt.Errorf("record of rank %d is %d bytes, over the %d-byte limit", rank, len(b), MaxRecordBytes)
+	}
+	var r Record
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, fmt.Errorf("record of rank %d is not valid JSON: %w", rank, err)
+	}
+	if r.Schema != RecordSchema {
+		return nil, fmt.Errorf("record of rank %d has schema %q, want %q (different gpubridge versions?)", rank, r.Schema, RecordSchema)
+	}
+	if r.Rank != rank {
+		return nil, fmt.Errorf("record stored for rank %d names rank %d", rank, r.Rank)
+	}
+	return &r, nil
+}
+
+// who names a rank in messages: "rank 3 (host-b)".
+func who(r *Record) string {
+	return fmt.Sprintf("rank %d (%s)", r.Rank, r.Hostname)
+}
+
+func rankList(ranks []int) string {
+	s := make([]string, len(ranks))
+	for i, r := range ranks {
+		s[i] = fmt.Sprint(r)
+	}
+	return strings.Join(s, ",")
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}

@@ -1,0 +1,101 @@
+// Command gbprobe says what is on this node: GPUs (NVML, amdgpu sysfs and
+// KFD), NICs (netlink), RDMA devices (sysfs), as a human summary or JSON,
+// and gives a verdict on --require words for Slurm prologs.
+package main
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/cli"
+	"github.com/gpubridge/gpubridge/lib/probe"
+)
+
+type grammar struct {
+	JSON           bool          `name:"json" help:"Print the report as one JSON object (schema gpubridge.probe/v1) instead of the human summary."`
+	Require        []string      `name:"require" help:"A requirement that must hold, else exit 1 (repeatable, or comma-separated): gpu, gpus=N, gpus>=N, nvidia, amd, nvml, rdma, ib, roce, nic=NAME, route, no-problems." env:"GPUBRIDGE_REQUIRE" placeholder:"WORD"`
+	SysfsRoot      string        `name:"sysfs-root" help:"Read sysfs (PCI, DRM, KFD, InfiniBand) under this directory instead of /; it must hold sys/. NICs still come from this host's netlink." env:"GPUBRIDGE_SYSFS_ROOT" placeholder:"DIR"`
+	NVML           string        `name:"nvml" help:"Consult NVML: auto (only when --sysfs-root is the real /), on or off." enum:"auto,on,off" default:"auto" env:"GPUBRIDGE_NVML"`
+	NVMLLibrary    string        `name:"nvml-library" help:"NVML library to load. Default: libnvidia-ml.so.1 on the loader's path." env:"GPUBRIDGE_NVML_LIBRARY" placeholder:"PATH"`
+	NVMLTimeout    time.Duration `name:"nvml-timeout" help:"Give up on NVML after this long (a broken driver can hang its init)." default:"5s" env:"GPUBRIDGE_NVML_TIMEOUT"`
+	NoNICs         bool          `name:"no-nics" help:"Do not probe network interfaces (no netlink): nics is empty and nics_probed false." env:"GPUBRIDGE_NO_NICS"`
+	RouteTo        string        `name:"route-to" help:"Report the interface and source address the kernel would use to reach this host (name or address)." placeholder:"HOST"`
+	SimulateVendor string        `name:"simulate-vendor" help:"Claim this vendor (nvidia or amd) in the report, marked simulated; the real findings stay in gpus and real_vendor." env:"GPUBRIDGE_VENDOR" placeholder:"VENDOR"`
+}
+
+func (g *grammar) Run(env *cli.Env) error {
+	reqs, err := probe.ParseRequirements(g.Require)
+	if err != nil {
+		return cli.CannotRun(fmt.Errorf("--require: %w", err))
+	}
+	rep, err := probe.Run(env.Ctx, probe.Options{
+		SysfsRoot:      g.SysfsRoot,
+		NVML:           g.NVML,
+		NVMLLibrary:    g.NVMLLibrary,
+		NVMLTimeout:    g.NVMLTimeout,
+		NoNICs:         g.NoNICs,
+		RouteTo:        g.RouteTo,
+		SimulateVendor: strings.ToLower(strings.TrimSpace(g.SimulateVendor)),
+		Requirements:   reqs,
+	})
+	if err != nil {
+		return cli.CannotRun(err)
+	}
+	if g.JSON {
+		if err := rep.WriteJSON(env.Stdout); err != nil {
+			return cli.CannotRun(err)
+		}
+		for _, p := range rep.Problems {
+			env.Log.Warn("probe problem", "problem", p)
+		}
+	} else if err := rep.WriteText(env.Stdout); err != nil {
+		return cli.CannotRun(fmt.Errorf("write report: %w", err))
+	}
+	env.Log.Debug("probe done", "ms", rep.ProbeMS, "vendor", rep.Vendor, "gpus", len(rep.GPUs))
+	failed := rep.Failed()
+	for _, f := range failed {
+		fmt.Fprintf(env.Stderr, "%s: requirement %s failed: %s\n", env.Tool.Name, f.Require, f.Reason)
+	}
+	if len(failed) > 0 {
+		return cli.Silent(cli.ExitFail)
+	}
+	return nil
+}
+
+var tool = cli.Tool{
+	Name:    "gbprobe",
+	Summary: "say what is on this node: GPUs, NICs, RDMA devices; verdicts for Slurm prologs",
+	Description: `gbprobe reads what a gpubridge rank needs to know about its node. NVIDIA GPUs come from NVML, loaded at run time (a node without libnvidia-ml.so.1 says so; nothing crashes), bounded by --nvml-timeout. AMD GPUs come from sysfs: /sys/class/drm/card*/device (vendor 0x1002) for name, PCI address and VRAM, and the KFD topology (/sys/class/kfd/kfd/topology/nodes) for the gfx target, unique id and ROCm's device order. /sys/bus/pci/devices is scanned for every NVIDIA and AMD GPU-class function (class 0x03 or 0x12), so a GPU whose driver is missing is reported as a problem rather than dropped. NICs come from netlink (state, MTU, MAC, addresses) and /sys/class/net/NAME/speed; RDMA devices from /sys/class/infiniband (ports, states, link layer, rate, non-zero GIDs with their types, RoCE netdevs).
+
+Without --json gbprobe prints a short summary for people; with --json one JSON object. Stdout carries only the report; log lines and failed requirements go to stderr.
+
+--sysfs-root points every sysfs read at a fake tree (tests). Under a fake root NVML is not consulted (--nvml=auto means off there; --nvml=on forces it), while NICs and --route-to still come from this host's netlink unless --no-nics.
+
+GPUBRIDGE_VENDOR=nvidia|amd (--simulate-vendor) makes a CPU-only node stand in for a vendor: vendor is the simulated one and simulated is true, while gpus, pci_gpus and real_vendor keep the real findings. The nvidia and amd requirements follow the simulated vendor (their reason says so); gpu and gpus=N count real GPUs only.
+
+--require makes gbprobe a verdict. Words: gpu (a usable GPU), gpus=N or gpus>=N (at least N usable GPUs), nvidia, amd (a usable GPU of that vendor, or that vendor simulated), nvml (NVML answered), rdma (an ACTIVE RDMA port), ib (an ACTIVE InfiniBand port), roce (an ACTIVE Ethernet link-layer port), nic=NAME (the interface exists and is up), route (the --route-to host has a route), no-problems (the report lists no problem). Each failed requirement prints one line on stderr, "gbprobe: requirement WORD failed: REASON", and its reason is in the JSON.`,
+	Output: `With --json, one JSON object, schema "gpubridge.probe/v1": schema; hostname; vendor (nvidia, amd, none or mixed; the simulated one when simulated); simulated (bool); real_vendor (from the usable GPUs); sysfs_root; gpus[] (vendor, index, name, uuid, pci_bus_id, device_id, memory_bytes, driver_version, cuda_driver_version, compute_capability, gfx_target, unique_id, drm_card, kfd_node, source nvml or sysfs); pci_gpus[] (pci_bus_id, vendor, vendor_id, device_id, class, driver, usable); nvml (state ok, off, unavailable, timeout or error; error; driver_version; cuda_driver_version); nics_probed (bool); nics[] (name, index, state up or down, oper_state, kind, mtu, mac, addresses[] in CIDR form, speed_mbps); rdma[] (name, node_guid, node_type, fw_version, pci_bus_id, ports[]: port, state, phys_state, link_layer, rate, rate_gbps, lid, gids[] (index, gid, type, netdev), netdevs[]); route (only with --route-to: to, ip, interface, source, gateway, error); problems[] (sentences); requirements[] (require, ok, reason); probe_ms. Empty lists are [], never null. Fields may be added within v1; none is removed or changes meaning.
+
+Without --json, a summary for people whose format may change.`,
+	ExitCodes: []cli.ExitCode{
+		{Code: cli.ExitOK, Meaning: "the probe ran and every --require held (problems alone do not fail it; --require no-problems does)"},
+		{Code: cli.ExitFail, Meaning: "the probe ran and at least one --require failed; one line per failed requirement on stderr, the reasons also in the JSON"},
+		{Code: cli.ExitUsage, Meaning: "the probe could not run: bad flags, an unknown --require word, a bad GPUBRIDGE_VENDOR, an unreadable --sysfs-root"},
+	},
+	Examples: []cli.Example{
+		{Command: "gbprobe", Text: "What is on this node, for people."},
+		{Command: "gbprobe --json | gbdiscover --rank $RANK --world-size $WORLD_SIZE", Text: "Start-up of one rank: the report feeds discovery."},
+		{Command: "gbprobe --json --require 'nvidia,gpus>=8,ib' --route-to $MASTER_ADDR", Text: "An NVIDIA node with 8 GPUs and an active InfiniBand port; also which interface reaches the master."},
+		{Command: `#!/bin/bash
+# slurm.conf: Prolog=/etc/slurm/prolog.sh
+if ! out=$(/usr/local/bin/gbprobe --json --require gpu,rdma 2>&1 >/dev/null); then
+    scontrol update nodename="$SLURMD_NODENAME" state=drain reason="$(echo "$out" | grep -m1 '^gbprobe: ')"
+    exit 1
+fi`, Text: "A Slurm prolog that drains a node whose GPUs or RDMA port are gone, with gbprobe's reason (see ci/slurm/prolog-test.sh)."},
+		{Command: "GPUBRIDGE_VENDOR=amd gbprobe --json --no-nics", Text: "A CPU-only node standing in for an AMD node in tests."},
+	},
+	SeeAlso: []string{"gbdiscover", "gbbridge"},
+}
+
+func main() { cli.Main(tool, &grammar{}) }
