@@ -34,7 +34,7 @@ func TestMain(m *testing.M) {
 				return 2
 			}
 			defer os.RemoveAll(dir)
-			cmd := exec.Command("go", "build", "-o", dir+"/", "./gbprobe", "./gbdiscover")
+			cmd := exec.Command("go", "build", "-o", dir+"/", "./gbprobe", "./gbdiscover", "./gbbridge")
 			cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 			if err := cmd.Run(); err != nil {
 				fmt.Fprintln(os.Stderr, "build tools:", err)

@@ -14,7 +14,7 @@ import (
 )
 
 // ServeSchema is the schema of the line `gbdiscover serve` prints.
-const ServeSchema = "gpubridge.serve/v1"
+const ServeSchema = "gpubridge.store-serve/v1"
 
 // ServeOptions configure the embedded store server.
 type ServeOptions struct {

@@ -78,7 +78,7 @@ Any problem on any rank (a probe problem, a CPU/GPU mix, different bridge reques
 The namespace must be fresh for every job and restart attempt: by default it is made from TORCHELASTIC_RUN_ID (or SLURM_JOB_ID) and TORCHELASTIC_RESTART_COUNT.`,
 	Output: `run: on success one JSON object, schema "gpubridge.topology/v1": namespace, world_size, run_kind, mode (gpu or cpu), simulated, split_test, version, settings, islands[] (label, vendor, backend, ranks, leader, hosts), bridge (members, hosts, requested, transport, reason), ranks[] (rank, local_rank, hostname, island, role, gpu), digest (equal on every rank for the same job), self (this rank's entry). On failure one JSON object {"schema": "gpubridge.discover-failure/v1", "namespace", "problems": [...]}, and the same problems on stderr.
 
-serve: one JSON line {"schema": "gpubridge.serve/v1", "listen": "HOST:PORT"} once the store listens; logs on stderr.`,
+serve: one JSON line {"schema": "gpubridge.store-serve/v1", "listen": "HOST:PORT"} once the store listens; logs on stderr.`,
 	ExitCodes: []cli.ExitCode{
 		{Code: cli.ExitOK, Meaning: "run: the job can start and the topology is on stdout; serve: stopped by SIGINT or SIGTERM"},
 		{Code: cli.ExitFail, Meaning: "run: the job cannot start; every rank prints the same problems"},

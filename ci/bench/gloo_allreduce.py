@@ -1,0 +1,71 @@
+"""The anchor of gbbridge's benchmarks: torch Gloo all_reduce on host float32
+tensors, N ranks on this host, the same sizes and row format as
+`gbbridge bench --json` (schema gpubridge.bench/v1, transport "torch gloo").
+
+Usage: python gloo_allreduce.py --members 2 --sizes 1048576,16777216 --iters 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker(rank: int, n: int, port: int, sizes: list[int], iters: int, warmup: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
+                            timeout=timedelta(seconds=300))
+    for size in sizes:
+        count = max(size // 4, 1)
+        t = torch.full((count,), float(rank + 1), dtype=torch.float32)
+        for _ in range(warmup):
+            dist.all_reduce(t)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        elapsed = (time.perf_counter() - start) / iters
+        slowest = torch.tensor([elapsed], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        t.fill_(float(rank + 1))
+        dist.all_reduce(t)
+        wrong = int((t != float(n * (n + 1) // 2)).sum())
+        if rank == 0:
+            sec = float(slowest.item())
+            algbw = count * 4 / sec / 1e9
+            print(json.dumps({"schema": "gpubridge.bench/v1", "collective": "all_reduce", "members": n,
+                              "transport": "torch gloo", "size": count * 4, "count": count, "type": "float32",
+                              "redop": "sum", "time_us": sec * 1e6, "algbw_gbps": algbw,
+                              "busbw_gbps": algbw * 2 * (n - 1) / n, "wrong": wrong}), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--members", type=int, default=2)
+    p.add_argument("--sizes", default="1048576,16777216,268435456")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    a = p.parse_args()
+    sizes = [int(s) for s in a.sizes.split(",")]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.start_processes(worker, args=(a.members, free_port(), sizes, a.iters, a.warmup), nprocs=a.members,
+                       start_method="spawn")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

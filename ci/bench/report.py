@@ -1,0 +1,72 @@
+"""Turns ci/bench/run.sh's rows.jsonl into the Markdown tables of
+docs/BENCHMARKS.md: algbw (GB/s) by size for each configuration, and the
+ratios the goals are stated in. Usage: report.py ROWS.jsonl [TITLE]"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+title = sys.argv[2] if len(sys.argv) > 2 else "run"
+bw: dict[str, dict[int, float]] = defaultdict(dict)
+wrong: dict[str, int] = defaultdict(int)
+desc: dict[str, str] = {}
+for r in rows:
+    bw[r["config"]][r.get("size", 0)] = r["algbw_gbps"]
+    wrong[r["config"]] += int(r.get("wrong", 0))
+    desc[r["config"]] = r.get("transport", "")
+sizes = sorted({s for c in bw for s in bw[c] if s})
+
+
+def human(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def table(cols: list[tuple[str, str]], ratios: list[tuple[str, str, str]] = ()) -> None:
+    cols = [(h, c) for h, c in cols if c in bw]
+    ratios = [(h, a, b) for h, a, b in ratios if a in bw and b in bw]
+    print("| size | " + " | ".join(h for h, _ in cols) + "".join(f" | {h}" for h, _, _ in ratios) + " |")
+    print("|---" * (1 + len(cols) + len(ratios)) + "|")
+    for s in sizes:
+        cells = [f"{bw[c].get(s, float('nan')):.2f}" for _, c in cols]
+        cells += [f"{bw[a].get(s, float('nan')) / bw[b].get(s, float('nan')):.2f}×" if bw[b].get(s) else "–"
+                  for _, a, b in ratios]
+        print(f"| {human(s)} | " + " | ".join(cells) + " |")
+    print()
+
+
+print(f"### {title}\n")
+print("algbw in GB/s (bytes of the buffer / time per call; nccl-tests' definition). "
+      "Every gbbridge row was checked element by element after timing; wrong elements in total: "
+      + ", ".join(f"{c} {w}" for c, w in sorted(wrong.items()) if w) + (" none." if not any(wrong.values()) else ".") + "\n")
+print("#### 2 members: gbbridge vs Gloo and the ceilings\n")
+table([("Gloo", "gloo-2"), ("TCP exchange (ceiling, 4 streams)", "tcp-exchange-s4"), ("gbbridge TCP 4 streams", "tcp-allreduce-s4"),
+       ("shm exchange", "shm-exchange"), ("gbbridge shm", "shm-allreduce"), ("memcpy, 1 core", "memcpy")],
+      [("TCP / Gloo", "tcp-allreduce-s4", "gloo-2"), ("TCP / ceiling", "tcp-allreduce-s4", "tcp-exchange-s4"),
+       ("shm / Gloo", "shm-allreduce", "gloo-2"), ("shm / memcpy", "shm-allreduce", "memcpy")])
+print("#### TCP streams (2 members)\n")
+table([(f"exchange {s}", f"tcp-exchange-s{s}") for s in (1, 2, 4, 8, 16)] +
+      [(f"all_reduce {s}", f"tcp-allreduce-s{s}") for s in (1, 2, 4, 8, 16)])
+print("#### CRC32C per frame on and off (2 members)\n")
+table([("TCP 4 streams, no CRC", "tcp-allreduce-s4"), ("TCP 4 streams, CRC", "tcp-allreduce-s4-crc"),
+       ("exchange, no CRC", "tcp-exchange-s4"), ("exchange, CRC", "tcp-exchange-s4-crc"),
+       ("shm, no CRC", "shm-allreduce"), ("shm, CRC", "shm-allreduce-crc")],
+      [("TCP with CRC / without", "tcp-allreduce-s4-crc", "tcp-allreduce-s4"), ("shm with CRC / without", "shm-allreduce-crc", "shm-allreduce")])
+print("#### shm streams (2 members)\n")
+table([("exchange 4", "shm-exchange"), ("exchange 8", "shm-exchange-s8"), ("exchange 16", "shm-exchange-s16"),
+       ("all_reduce 4", "shm-allreduce"), ("all_reduce 8", "shm-allreduce-s8"), ("all_reduce 16", "shm-allreduce-s16")],
+      [("best shm / Gloo", "shm-allreduce-s16", "gloo-2")])
+print("#### 4 members (ring)\n")
+table([("Gloo, 4 ranks", "gloo-4"), ("gbbridge TCP 4 streams", "tcp-allreduce-4m"), ("gbbridge TCP 8 streams", "tcp-allreduce-4m-s8"),
+       ("gbbridge shm 4 streams", "shm-allreduce-4m"), ("gbbridge shm 8 streams", "shm-allreduce-4m-s8")],
+      [("TCP / Gloo", "tcp-allreduce-4m", "gloo-4"), ("shm / Gloo", "shm-allreduce-4m", "gloo-4")])
+for c in sorted(bw):
+    if c.startswith("iperf3"):
+        print(f"- {desc[c]}: {bw[c][0]:.2f} GB/s per direction")
+print()
+print("Transports as the members described them: " + "; ".join(
+    f"`{c}`: {desc[c]}" for c in sorted(desc) if c.startswith(("tcp-allreduce-s4", "shm-allreduce", "tcp-allreduce-4m"))) + ".")

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# gbbridge's benchmarks and their anchors, in one run on one machine:
+#   - memcpy (one core) and the raw 2-member TCP exchange (the ceiling),
+#   - iperf3 over loopback (when installed),
+#   - gbbridge all_reduce over TCP (streams 1..16, CRC on and off) and shm,
+#     2 and 4 members, 1 MiB … 1 GiB,
+#   - torch Gloo all_reduce, 2 and 4 ranks, the same sizes.
+# Usage: ci/bench/run.sh OUTDIR [BIN] [PYTHON]
+# Writes OUTDIR/rows.jsonl (every row, schema gpubridge.bench/v1 plus a
+# "config" field) and OUTDIR/env.txt; ci/bench/report.py makes the tables.
+set -uo pipefail
+out=${1:?usage: run.sh OUTDIR [BIN] [PYTHON]}
+bin=${2:-bin}
+py=${3:-python3}
+mkdir -p "$out"
+rows=$out/rows.jsonl
+: > "$rows"
+sizes=${GB_SIZES:-1M,4M,16M,64M,256M,1G}
+iters=${GB_ITERS:-3}
+here=$(cd "$(dirname "$0")" && pwd)
+
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "commit: $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo "${GB_COMMIT:-unknown}")"
+  echo "host: $(hostname), $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
+  echo "cpu: $(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)"
+  echo "gbbridge: $("$bin/gbbridge" --version)"
+  echo "torch: $("$py" -c 'import torch; print(torch.__version__)' 2>&1)"
+} > "$out/env.txt"
+cat "$out/env.txt" >&2
+
+tag() { # tag CONFIG: add "config" to each JSON row on stdin
+  "$py" -c 'import json,sys
+for l in sys.stdin:
+    l = l.strip()
+    if l.startswith("{"):
+        d = json.loads(l); d["config"] = sys.argv[1]; print(json.dumps(d), flush=True)' "$1"
+}
+
+bench() { # bench CONFIG ARGS...
+  local cfg=$1; shift
+  echo "== $cfg: gbbridge bench $*" >&2
+  "$bin/gbbridge" bench --json --iters "$iters" --warmup 1 "$@" | tag "$cfg" >> "$rows" \
+    || echo "!! $cfg failed" >&2
+}
+
+bench memcpy --members 2 --transport shm --collective memcpy --sizes "$sizes"
+for s in 1 2 4 8 16; do
+  bench "tcp-exchange-s$s" --members 2 --transport tcp --streams "$s" --collective exchange --sizes "$sizes"
+  bench "tcp-allreduce-s$s" --members 2 --transport tcp --streams "$s" --collective all_reduce --sizes "$sizes"
+done
+bench tcp-allreduce-s4-crc --members 2 --transport tcp --streams 4 --crc --collective all_reduce --sizes "$sizes"
+bench tcp-exchange-s4-crc --members 2 --transport tcp --streams 4 --crc --collective exchange --sizes "$sizes"
+bench shm-exchange --members 2 --transport shm --collective exchange --sizes "$sizes"
+bench shm-allreduce --members 2 --transport shm --collective all_reduce --sizes "$sizes"
+bench shm-allreduce-crc --members 2 --transport shm --crc --collective all_reduce --sizes "$sizes"
+for s in 8 16; do
+  bench "shm-exchange-s$s" --members 2 --transport shm --streams "$s" --collective exchange --sizes "$sizes"
+  bench "shm-allreduce-s$s" --members 2 --transport shm --streams "$s" --collective all_reduce --sizes "$sizes"
+done
+bench tcp-allreduce-4m --members 4 --transport tcp --collective all_reduce --sizes "$sizes"
+bench tcp-allreduce-4m-s8 --members 4 --transport tcp --streams 8 --collective all_reduce --sizes "$sizes"
+bench shm-allreduce-4m --members 4 --transport shm --collective all_reduce --sizes "$sizes"
+bench shm-allreduce-4m-s8 --members 4 --transport shm --streams 8 --collective all_reduce --sizes "$sizes"
+
+bytes=$("$py" -c 'import sys
+m={"K":1<<10,"M":1<<20,"G":1<<30}
+print(",".join(str(int(s[:-1])*m[s[-1]]) if s[-1] in m else s for s in sys.argv[1].split(",")))' "$sizes")
+for n in 2 4; do
+  echo "== gloo, $n ranks" >&2
+  "$py" "$here/gloo_allreduce.py" --members "$n" --sizes "$bytes" --iters "$iters" | tag "gloo-$n" >> "$rows" \
+    || echo "!! gloo $n failed" >&2
+done
+
+if command -v iperf3 >/dev/null 2>&1; then
+  echo "== iperf3 loopback, 1 and 4 streams, bidirectional" >&2
+  iperf3 -s -1 -p 5299 >/dev/null 2>&1 &
+  sleep 0.5
+  for p in 1 4; do
+    iperf3 -c 127.0.0.1 -p 5299 -t 5 -P "$p" --bidir -J > "$out/iperf3-$p.json" 2>/dev/null || true
+    iperf3 -s -1 -p 5299 >/dev/null 2>&1 &
+    sleep 0.5
+  done
+  kill %% 2>/dev/null
+  "$py" - "$out" >> "$rows" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+for p in (1, 4):
+    f = os.path.join(out, f"iperf3-{p}.json")
+    try:
+        d = json.load(open(f))
+        end = d["end"]
+        send = end["sum_sent"]["bits_per_second"] / 8e9
+        recv = end.get("sum_sent_bidir_reverse", end.get("sum_received", {})).get("bits_per_second", 0) / 8e9
+        print(json.dumps({"schema": "gpubridge.bench/v1", "collective": "iperf3", "config": f"iperf3-P{p}-bidir",
+                          "members": 2, "transport": f"iperf3 loopback, {p} streams, both directions",
+                          "algbw_gbps": min(send, recv) if recv else send, "size": 0, "wrong": 0}))
+    except Exception as e:  # noqa: BLE001
+        print(f"iperf3 {p}: {e}", file=sys.stderr)
+PY
+else
+  echo "== iperf3 not installed: skipped (apt-get install iperf3)" >&2
+fi
+echo "rows: $(wc -l < "$rows") in $rows" >&2

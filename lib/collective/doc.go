@@ -1,0 +1,211 @@
+// Package collective runs the bridge's collectives — all_reduce,
+// broadcast, all_gather, reduce_scatter, barrier — and tagged
+// point-to-point messages between the members of a bridge (the island
+// leaders), over a transport.Mesh (TCP, shared memory, or in memory for
+// tests).
+//
+// # Calling it
+//
+// Every member creates a Comm with New over its mesh and calls the
+// collectives one at a time, in the same order, with the same arguments
+// (sizes, dtype, op, root) and the same Options.ChunkBytes, like NCCL.
+// Collectives of one Comm are serialised; Send and Recv may run
+// concurrently with them and with each other, from any number of
+// goroutines. Buffers are raw little-endian elements (a torch tensor's
+// storage); lengths must be whole elements of the dtype.
+//
+// Arguments are checked before anything is sent: a wrong length, an
+// unsupported dtype/op pair (reduce.Supported: avg is for floating dtypes
+// only), a root or peer out of range, or an overlap of input and output
+// other than the allowed in-place forms fails at once with an *Error
+// wrapping ErrInvalid; the call takes no sequence number and the Comm stays
+// usable.
+//
+// Each call runs under its context's deadline, or Options.Timeout (default
+// 5 minutes) when the context has none.
+//
+// # Sequence numbers and mismatches
+//
+// Every collective takes the next sequence number (Seq; the first is #1).
+// Its frames carry the number, the collective (in the high bits of the
+// frame's Step, with the algorithm step) and a 16-bit fingerprint of the
+// arguments every member must agree on (byte count, dtype, op, root,
+// chunk size). A member that receives a frame of another collective or
+// number fails with, for example,
+//
+//	all_reduce #12 (float32 sum, 64 MiB): member 1 sent all_gather #12, this member is in all_reduce #12: members called collectives in different orders
+//
+// and one whose peer passed other arguments with
+//
+//	all_reduce #12 (...): member 1 called all_reduce #12 with other arguments than this member's (float32 sum, 64 MiB, 4 MiB chunks): every member must pass the same sizes, dtype, op and root, and use the same ChunkBytes
+//
+// Barrier tokens (on the control streams) are checked the same way. A
+// collective that sends without receiving (a broadcast root) cannot see a
+// mismatch; it learns in its next call.
+//
+// # all_reduce
+//
+// With one member AllReduce applies reduce.Finish with n = 1 (nothing
+// changes). With two members it is a chunked exchange: each member sends
+// its buffer in chunks of ChunkBytes, chunk k on data stream k mod Streams,
+// and reduces each chunk of the peer's as it arrives, straight from the
+// transport's receive buffer, while later chunks are on the wire. A chunk
+// of its own is overwritten only once it has been sent. Both members
+// compute, for every element,
+//
+//	x0 op x1   (member 0's value is the earlier operand, a, of reduce.Combine)
+//
+// then reduce.Finish with n = 2, so both hold the same bits, equal to
+// reduce.Reference.
+//
+// With three or more members it is a pipelined ring: a reduce-scatter of
+// n-1 steps then an all-gather of n-1 steps. The buffer of E elements is
+// cut into n segments of ceil(E/n) elements (segment j holds elements
+// [j*ceil(E/n), (j+1)*ceil(E/n)), clipped to E; for small buffers the last
+// segments are shorter or empty). At step t member r sends segment
+// r-t-1 to member r+1 and receives segment r-t-2 from member r-1 (mod n).
+// Each segment is cut into chunks, chunk c on stream c mod Streams, and
+// every chunk moves on as soon as its previous step is done, so a chunk is
+// being reduced while later ones travel. In the reduce-scatter the
+// received partial is the earlier operand and the member's own input the
+// later one, so segment j is reduced in the order
+//
+//	((x[j+1] op x[j+2]) op ...) op x[j]   (member indices mod n)
+//
+// and becomes final at member j, which applies reduce.Finish (for avg: the
+// division by n, once) before the all-gather carries the final bytes to
+// everyone. Every member ends with identical bits, equal to
+// ReferenceAllReduce(op, dt, inputs, n). With n = 3 and one element per
+// segment: element 0 is (x1 op x2) op x0, element 1 (x2 op x0) op x1,
+// element 2 (x0 op x1) op x2.
+//
+// Integer results and max/min of non-NaN values do not depend on the
+// order; sums and products of floats, and which NaN comes out, do (see
+// lib/reduce for the arithmetic: IEEE operations in the dtype's own
+// precision, no FMA, denormals kept, NaN propagation with a fixed choice of
+// payload, -0 below +0 for max/min, float16 and bfloat16 computed in
+// float32 and rounded once per step).
+//
+// The reductions run on several cores: every stream has its own receiving
+// goroutine, and each reduces with reduce.CombineParallel over
+// Workers/Streams goroutines (Options.Workers, default runtime.NumCPU()).
+//
+// # reduce_scatter, all_gather, broadcast
+//
+// ReduceScatter(out, in) (len(in) = n*len(out)) leaves segment m of the
+// reduction, bytes [m*len(out), (m+1)*len(out)), in member m's out. It is
+// the first half of the ring above over segments of len(out): segment m is
+// reduced in the order x[m+1], x[m+2], ..., x[m] (mod n) and finished at
+// member m; with two members the order is x0 op x1 as in AllReduce. So
+// when len(in) is a multiple of n elements its segments equal the
+// AllReduce's bit for bit. ReferenceReduceScatter computes it. in is not
+// modified (partials wait in a scratch buffer of up to 2*len(out) bytes
+// that the Comm keeps); out may be this member's own segment of in.
+//
+// AllGather(out, in) (len(out) = n*len(in)) is the second half of the ring:
+// member order in out; in may be this member's own slot of out.
+//
+// Broadcast(buf, root) forwards chunks along the chain root, root+1, ...,
+// root-1: each member passes every chunk on as soon as it has it, so the
+// time is about one transfer of the buffer plus n-2 chunk hops.
+//
+// Buffers of 0 bytes send nothing (and check nothing).
+//
+// # Barrier
+//
+// Barrier runs on the control streams: a dissemination barrier, in round k
+// (k < ceil(log2 n)) member r sends a token to member r+2^k and waits for
+// the one of member r-2^k. It returns once every member has entered it.
+//
+// # Progress: streaming the input and the result
+//
+// A Progress lets the feed (the torch plugin's GPU copies) overlap with the
+// collective. Ready(ctx, end) must block until input bytes [0, end) hold
+// their values; the collective calls it before it reads or sends any input
+// byte below end (calls are serialised but may come from different
+// goroutines, with ends not always increasing). Done(off, n) reports that
+// result bytes [off, off+n) are final and no longer read or written by the
+// collective; the ranges are disjoint and cover the result exactly once
+// before a successful return, and may be reported from several goroutines
+// at once. When they come: two-member all_reduce, as each chunk is reduced
+// (roughly in input order, so the result streams back while later input
+// streams in); ring all_reduce and all_gather, in the all-gather, once a chunk has
+// been passed on (or has arrived, at the last step); reduce_scatter, as
+// each chunk of out is final; broadcast, once a chunk was sent on (the
+// last member of the chain: once it arrived). The input is the buffer
+// (all_reduce, broadcast: only the root calls Ready) or in (all_gather,
+// reduce_scatter); the result is buf or out.
+//
+// The ring needs segment r-1 (and so nearly the whole input, for member 0)
+// ready before member r sends; streaming the input helps the two-member
+// exchange most.
+//
+// # Point-to-point
+//
+// Send(peer, tag, buf) and Recv(peer, tag, buf) carry messages on the
+// control stream to peer, apart from the data streams. Messages match by
+// (source, tag): a Recv takes the next message from that peer with that
+// tag, whatever is pending on other tags, so many tags can be in flight at
+// once and a Recv for tag B completes while tag A's message waits for its
+// Recv. Messages with the same (source, destination, tag) are delivered in
+// the order sent, exactly once. A message is cut into frames of ChunkBytes
+// (KindP2P, Step = the tag, Seq = the message's number on its
+// (source, destination, tag), the last frame flagged FlagLast); frames of
+// concurrent Sends on different tags may interleave, which the receiver
+// undoes by tag; Sends on the same tag go one after the other.
+//
+// On each member one goroutine per peer reads the control stream: a frame
+// for a posted Recv is copied straight from the transport's buffer into the
+// Recv's buffer; otherwise the message is queued. Queued ("unexpected")
+// messages take memory: over 1 GiB (DefaultMaxUnexpected) in all, the
+// communicator breaks with an error saying so. A message longer than the
+// Recv's buffer fails that Recv with ErrTooLong (the message is consumed,
+// its length returned). A Recv whose context ends before its message
+// started consumes nothing; one that gives up while its message is
+// arriving hands the message, as far as it came, to the next Recv on the
+// tag or back to the head of the queue.
+//
+// Send returns once buf may be reused, not when the peer has received the
+// message.
+//
+// # Failures
+//
+// Every failure is an *Error naming the call, its number and arguments:
+//
+//	all_reduce #12 (float32 sum, 64 MiB): member 1 (rank 2 on host-b): connection closed
+//
+// A collective that fails for any reason but a local misuse — a transport
+// error, a timeout, a mismatch, a cancelled context, an error from
+// Progress.Ready — breaks the communicator: the mesh is aborted, so the
+// peers fail promptly with this member's error as the reason ("member 0:
+// failed: all_reduce #3 (...): ..."), and every later call fails at once
+// with an error wrapping ErrBroken: "bridge broken by an earlier failure:
+// <cause>". A point-to-point Send breaks it likewise when the transport failed
+// or the message went out only in part; a Recv that times out does not.
+//
+// A peer that stops sending or never calls makes the call time out:
+//
+//	all_reduce #3 (float32 sum, 4 KiB): timed out after 5s waiting for member 1 (nothing received from it in this collective)
+//
+// In a ring or a barrier of three or more members a member waits on its
+// neighbour, which may itself be waiting on the member at fault. A member
+// whose own timeout points at a member that did send (or at a later barrier
+// round) waits a short grace (a tenth of the timeout, 50 ms to 2 s) for
+// another member's abort before reporting its own view, so the members
+// usually all report the member that was not there. Likewise a member whose
+// data stream to a peer breaks waits up to that grace for the peer's abort
+// message on the control stream, so it reports why the peer failed rather
+// than only that its connection closed.
+//
+// When a peer's control stream ends (it closed, died or aborted), the
+// collective in progress is left to finish or fail on its data streams —
+// the peer may have closed right after finishing that very collective —
+// and messages that arrived from it whole can still be received; but
+// waiting Recvs and barriers on that peer fail, and the next collective
+// fails at once and breaks the bridge, so nobody waits for a member that
+// refuses.
+//
+// Close ends the communicator: calls in progress fail with ErrClosed, the
+// mesh is closed, and the per-peer reader goroutines end before Close
+// returns. No goroutine of a call outlives it.
+package collective

@@ -1,0 +1,132 @@
+package collective
+
+import (
+	"encoding/binary"
+	"fmt"
+	"hash/crc32"
+	"strings"
+	"time"
+	"unsafe"
+
+	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/wire"
+)
+
+// kind is a collective, as encoded in the high bits of a frame's Step.
+type kind uint8
+
+const (
+	kAllReduce kind = iota + 1
+	kBroadcast
+	kAllGather
+	kReduceScatter
+	kBarrier
+)
+
+var kindNames = [...]string{
+	kAllReduce:     "all_reduce",
+	kBroadcast:     "broadcast",
+	kAllGather:     "all_gather",
+	kReduceScatter: "reduce_scatter",
+	kBarrier:       "barrier",
+}
+
+func (k kind) String() string {
+	if k >= kAllReduce && k <= kBarrier {
+		return kindNames[k]
+	}
+	return fmt.Sprintf("an unknown collective (%d)", uint8(k))
+}
+
+// Step layout of collective frames: bits 31..27 the collective, 26..16 the
+// algorithm step, 15..0 a fingerprint of the call's arguments.
+const (
+	stepShift = 16
+	stepBits  = 11
+	kindShift = stepShift + stepBits
+	maxStep   = 1<<stepBits - 1
+)
+
+func encodeStep(k kind, step int, fp uint16) uint32 {
+	return uint32(k)<<kindShift | uint32(step)<<stepShift | uint32(fp)
+}
+
+func decodeStep(s uint32) (k kind, step int, fp uint16) {
+	return kind(s >> kindShift), int(s>>stepShift) & maxStep, uint16(s)
+}
+
+// fingerprint digests what every member must pass identically to a
+// collective: the sizes, dtype, op, root and the chunk size.
+func fingerprint(k kind, n int, dt reduce.DType, op reduce.Op, root, chunk int) uint16 {
+	var b [26]byte
+	b[0] = byte(k)
+	binary.LittleEndian.PutUint64(b[1:], uint64(n))
+	b[9] = byte(dt)
+	b[10] = byte(op)
+	binary.LittleEndian.PutUint64(b[11:], uint64(root))
+	binary.LittleEndian.PutUint64(b[18:], uint64(chunk))
+	s := crc32.ChecksumIEEE(b[:])
+	return uint16(s) ^ uint16(s>>16)
+}
+
+// check validates the header of a data frame from peer against what this
+// member expects at (step, chunk), n payload bytes.
+func (cl *call) check(peer int, h wire.Header, step, chunk, n int) error {
+	c := cl.c
+	who := c.mesh.Peer(peer)
+	if h.Kind != wire.KindData {
+		return fmt.Errorf("%s sent a %s frame on a data stream during %s #%d: protocol error", who, h.Kind, cl.kind, cl.seq)
+	}
+	k, st, fp := decodeStep(h.Step)
+	if k != cl.kind || h.Seq != cl.seq {
+		return fmt.Errorf("%s sent %s #%d, this member is in %s #%d: members called collectives in different orders", who, k, h.Seq, cl.kind, cl.seq)
+	}
+	if fp != cl.fp {
+		return fmt.Errorf("%s called %s #%d with other arguments than this member's (%s, %s chunks): every member must pass the same sizes, dtype, op and root, and use the same ChunkBytes", who, cl.kind, cl.seq, cl.desc, fmtBytes(c.chunk))
+	}
+	if st != step || int(h.Chunk) != chunk || int(h.Len) != n {
+		return fmt.Errorf("%s sent %s #%d step %d chunk %d (%d bytes), this member expected step %d chunk %d (%d bytes): protocol error", who, cl.kind, cl.seq, st, h.Chunk, h.Len, step, chunk, n)
+	}
+	return nil
+}
+
+// fmtBytes writes a byte count the way people read it: "64 MiB" when exact,
+// else "1000 B".
+func fmtBytes(n int) string {
+	units := []string{"B", "KiB", "MiB", "GiB", "TiB"}
+	u := 0
+	for n >= 1024 && n%1024 == 0 && u < len(units)-1 {
+		n /= 1024
+		u++
+	}
+	return fmt.Sprintf("%d %s", n, units[u])
+}
+
+// fmtDuration writes d without trailing zero units: "5m", "1m30s", "300ms".
+func fmtDuration(d time.Duration) string {
+	s := d.String()
+	if strings.HasSuffix(s, "m0s") {
+		s = strings.TrimSuffix(s, "0s")
+	}
+	if strings.HasSuffix(s, "h0m") {
+		s = strings.TrimSuffix(s, "0m")
+	}
+	return s
+}
+
+// sameSlice reports whether a and b are the very same bytes.
+func sameSlice(a, b []byte) bool {
+	return len(a) == len(b) && (len(a) == 0 || unsafe.SliceData(a) == unsafe.SliceData(b))
+}
+
+// overlap reports whether a and b share memory.
+func overlap(a, b []byte) bool {
+	if len(a) == 0 || len(b) == 0 {
+		return false
+	}
+	pa := uintptr(unsafe.Pointer(unsafe.SliceData(a)))
+	pb := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	return pa < pb+uintptr(len(b)) && pb < pa+uintptr(len(a))
+}
+
+func mod(a, n int) int { return ((a % n) + n) % n }

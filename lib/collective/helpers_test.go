@@ -1,0 +1,245 @@
+package collective
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/transport"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// cluster is the communicators of one in-memory bridge.
+type cluster struct {
+	meshes []transport.Mesh
+	comms  []*Comm
+}
+
+func newCluster(t testing.TB, n, streams int, o Options) *cluster {
+	t.Helper()
+	return newClusterLimit(t, n, streams, o, DefaultMaxUnexpected)
+}
+
+func newClusterLimit(t testing.TB, n, streams int, o Options, maxUnexpected int64) *cluster {
+	t.Helper()
+	return newClusterMesh(t, transport.NewMem(n, streams, true), o, maxUnexpected)
+}
+
+func newClusterMesh(t testing.TB, meshes []transport.Mesh, o Options, maxUnexpected int64) *cluster {
+	t.Helper()
+	cl := &cluster{meshes: meshes}
+	for _, m := range cl.meshes {
+		cl.comms = append(cl.comms, newComm(m, o, maxUnexpected))
+	}
+	t.Cleanup(cl.close)
+	return cl
+}
+
+func (cl *cluster) close() {
+	for _, c := range cl.comms {
+		_ = c.Close()
+	}
+}
+
+// each runs f for every member at once and returns their errors.
+func (cl *cluster) each(f func(m int, c *Comm) error) []error {
+	errs := make([]error, len(cl.comms))
+	var wg sync.WaitGroup
+	for m, c := range cl.comms {
+		wg.Go(func() { errs[m] = f(m, c) })
+	}
+	wg.Wait()
+	return errs
+}
+
+func requireNoErrors(t testing.TB, errs []error) {
+	t.Helper()
+	for m, err := range errs {
+		require.NoError(t, err, "member %d", m)
+	}
+}
+
+// specialBits are interesting raw values of the floating dtypes: zeros,
+// denormals, infinities, quiet and signalling NaNs with payloads.
+var specialBits = map[reduce.DType][]uint64{
+	reduce.Float16:  {0x0000, 0x8000, 0x0001, 0x83ff, 0x0400, 0x7bff, 0x7c00, 0xfc00, 0x7e00, 0xfe01, 0x7d00, 0x7c01},
+	reduce.BFloat16: {0x0000, 0x8000, 0x0001, 0x807f, 0x0080, 0x7f7f, 0x7f80, 0xff80, 0x7fc0, 0xffc1, 0x7f81, 0x7fa5},
+	reduce.Float32: {0, 0x80000000, 1, 0x807fffff, 0x00800000, 0x7f7fffff, 0x7f800000, 0xff800000,
+		0x7fc00000, 0xffc00001, 0x7f800001, 0x7fa5a5a5},
+	reduce.Float64: {0, 1 << 63, 1, 0x800fffffffffffff, 0x0010000000000000, 0x7fefffffffffffff,
+		0x7ff0000000000000, 0xfff0000000000000, 0x7ff8000000000000, 0xfff8000000000001, 0x7ff0000000000001, 0x7ff4a5a5a5a5a5a5},
+}
+
+// randData returns n random elements of dt: for the floating dtypes mostly
+// ordinary values of either sign, with random bit patterns and the special
+// values above mixed in.
+func randData(rng *rand.Rand, dt reduce.DType, n int) []byte {
+	es := dt.Size()
+	b := make([]byte, n*es)
+	for i := range n {
+		e := b[i*es : (i+1)*es]
+		var bits uint64
+		r := rng.IntN(16)
+		switch {
+		case !dt.IsFloat() || r == 0:
+			bits = rng.Uint64()
+		case r == 1:
+			sp := specialBits[dt]
+			bits = sp[rng.IntN(len(sp))]
+		default:
+			f := (rng.Float64()*4 - 2) * math.Pow(2, float64(rng.IntN(9)-4))
+			switch dt {
+			case reduce.Float16:
+				bits = uint64(reduce.F32ToF16(float32(f)))
+			case reduce.BFloat16:
+				bits = uint64(reduce.F32ToBF16(float32(f)))
+			case reduce.Float32:
+				bits = uint64(math.Float32bits(float32(f)))
+			case reduce.Float64:
+				bits = math.Float64bits(f)
+			}
+		}
+		var w [8]byte
+		binary.LittleEndian.PutUint64(w[:], bits)
+		copy(e, w[:es])
+	}
+	return b
+}
+
+func randBytes(rng *rand.Rand, n int) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(rng.Uint32())
+	}
+	return b
+}
+
+// requireBits fails with the first differing element when got != want.
+func requireBits(t testing.TB, want, got []byte, es int, msg string, args ...any) {
+	t.Helper()
+	if bytes.Equal(want, got) {
+		return
+	}
+	require.Equal(t, len(want), len(got), "length: %s", fmt.Sprintf(msg, args...))
+	for i := 0; i < len(want); i += es {
+		if !bytes.Equal(want[i:i+es], got[i:i+es]) {
+			t.Fatalf("%s: element %d (byte %d of %d): want %x, got %x", fmt.Sprintf(msg, args...), i/es, i, len(want), want[i:i+es], got[i:i+es])
+		}
+	}
+}
+
+// doneRecorder checks Progress.Done: ranges disjoint, covering [0, n)
+// exactly once, each final when reported (compared with want at the end).
+type doneRecorder struct {
+	mu     sync.Mutex
+	buf    []byte // the result buffer being reported on
+	ranges [][2]int
+	snaps  [][]byte
+}
+
+func (d *doneRecorder) done(off, n int) {
+	snap := slices.Clone(d.buf[off : off+n])
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.ranges = append(d.ranges, [2]int{off, n})
+	d.snaps = append(d.snaps, snap)
+}
+
+func (d *doneRecorder) check(t testing.TB, want []byte, what string) {
+	t.Helper()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	idx := make([]int, len(d.ranges))
+	for i := range idx {
+		idx[i] = i
+	}
+	slices.SortFunc(idx, func(a, b int) int { return d.ranges[a][0] - d.ranges[b][0] })
+	at := 0
+	for _, i := range idx {
+		r := d.ranges[i]
+		require.Greater(t, r[1], 0, "%s: empty range reported", what)
+		require.Equal(t, at, r[0], "%s: ranges %v leave a gap or overlap at %d", what, d.ranges, at)
+		require.True(t, bytes.Equal(want[r[0]:r[0]+r[1]], d.snaps[i]), "%s: range [%d,+%d) was not final when reported", what, r[0], r[1])
+		at += r[1]
+	}
+	require.Equal(t, len(want), at, "%s: ranges cover %d of %d bytes", what, at, len(want))
+}
+
+// readyGate releases an input as a growing prefix: its Ready blocks until
+// release has made [0,end) ready. It checks that Ready is never called
+// concurrently and never beyond the input.
+type readyGate struct {
+	t       testing.TB
+	mu      sync.Mutex
+	cond    *sync.Cond
+	upto    int
+	size    int
+	busy    bool
+	maxCall int
+}
+
+func newReadyGate(t testing.TB, size int) *readyGate {
+	g := &readyGate{t: t, size: size}
+	g.cond = sync.NewCond(&g.mu)
+	return g
+}
+
+func (g *readyGate) ready(ctx context.Context, end int) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.busy {
+		g.t.Errorf("Ready called concurrently")
+	}
+	if end > g.size || end <= 0 {
+		g.t.Errorf("Ready(%d) for an input of %d bytes", end, g.size)
+	}
+	g.maxCall = max(g.maxCall, end)
+	g.busy = true
+	defer func() { g.busy = false }()
+	stop := context.AfterFunc(ctx, func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		g.cond.Broadcast()
+	})
+	defer stop()
+	for g.upto < end {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		g.cond.Wait()
+	}
+	return nil
+}
+
+// release copies src into dst piece by piece, making each piece ready after
+// writing it, with a pause between pieces.
+func (g *readyGate) release(dst, src []byte, piece int, pause time.Duration) {
+	for off := 0; off < len(src); off += piece {
+		end := min(off+piece, len(src))
+		g.mu.Lock()
+		copy(dst[off:end], src[off:end])
+		g.upto = end
+		g.cond.Broadcast()
+		g.mu.Unlock()
+		time.Sleep(pause)
+	}
+}
+
+// garbage fills b with a pattern that no test input has.
+func garbage(b []byte) {
+	for i := range b {
+		b[i] = 0xA5 ^ byte(i*7)
+	}
+}

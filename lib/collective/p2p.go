@@ -1,0 +1,433 @@
+package collective
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	"github.com/gpubridge/gpubridge/lib/transport"
+	"github.com/gpubridge/gpubridge/lib/wire"
+)
+
+// peer is the point-to-point state of one peer member.
+type peer struct {
+	ctl  chan struct{} // held while a frame is written to the control stream
+	gone chan struct{} // closed when the control stream from the peer ended
+	lost error         // why; set before gone is closed
+
+	tagMu sync.Mutex
+	tags  map[uint32]*tagSend
+
+	mu         sync.Mutex // guards the receive side, including copies into posted buffers
+	posted     map[uint32][]*recvReq
+	unexpected map[uint32][]*message
+	inflight   map[uint32]*incoming
+	last       map[uint32]uint64 // number of the last message begun, per tag
+}
+
+// goneErr returns the error of calls on a lost peer, or nil while it is
+// there.
+func (pr *peer) goneErr() error {
+	select {
+	case <-pr.gone:
+		return &brokenError{pr.lost}
+	default:
+		return nil
+	}
+}
+
+func newPeer() *peer {
+	return &peer{
+		ctl:        make(chan struct{}, 1),
+		gone:       make(chan struct{}),
+		tags:       map[uint32]*tagSend{},
+		posted:     map[uint32][]*recvReq{},
+		unexpected: map[uint32][]*message{},
+		inflight:   map[uint32]*incoming{},
+		last:       map[uint32]uint64{},
+	}
+}
+
+// tagSend orders the messages sent on one tag.
+type tagSend struct {
+	sem  chan struct{} // held for a whole message
+	next uint64        // number of the last message sent
+}
+
+func (pr *peer) tagSend(tag uint32) *tagSend {
+	pr.tagMu.Lock()
+	defer pr.tagMu.Unlock()
+	ts := pr.tags[tag]
+	if ts == nil {
+		ts = &tagSend{sem: make(chan struct{}, 1)}
+		pr.tags[tag] = ts
+	}
+	return ts
+}
+
+// recvReq is a posted Recv.
+type recvReq struct {
+	buf   []byte
+	state int    // posted, filling, complete
+	seq   uint64 // message number, once matched
+	n     int    // bytes written into buf
+	total int    // message bytes received
+	done  chan struct{}
+}
+
+const (
+	posted = iota
+	filling
+	complete
+)
+
+// message is one that arrived before a matching Recv.
+type message struct {
+	seq      uint64
+	data     []byte
+	complete bool
+	done     chan struct{}
+}
+
+// incoming is the message arriving on a tag: into a posted Recv, into the
+// unexpected queue, or (req and msg nil) dropped.
+type incoming struct {
+	seq  uint64
+	next uint32 // frame index expected next
+	req  *recvReq
+	msg  *message
+}
+
+// errNotSent: a control frame was not sent (the stream was busy until the
+// deadline); nothing reached the wire.
+type errNotSent struct{ err error }
+
+func (e *errNotSent) Error() string { return e.err.Error() }
+func (e *errNotSent) Unwrap() error { return e.err }
+
+// sendControl writes one frame to peer's control stream.
+func (c *Comm) sendControl(ctx context.Context, peer int, h wire.Header, payload []byte) error {
+	pr := c.peers[peer]
+	select {
+	case pr.ctl <- struct{}{}:
+	case <-ctx.Done():
+		return &errNotSent{ctx.Err()}
+	case <-c.stop:
+		return &errNotSent{c.hardState()}
+	}
+	defer func() { <-pr.ctl }()
+	return c.mesh.Control(peer).Send(ctx, h, payload)
+}
+
+func (c *Comm) checkPeer(peer int) error {
+	switch {
+	case peer < 0 || peer >= c.size:
+		return invalid("peer %d is not a member (0..%d)", peer, c.size-1)
+	case peer == c.self:
+		return invalid("peer %d is this member itself", peer)
+	}
+	return nil
+}
+
+// Send sends buf to peer as one message with tag. It returns once buf may
+// be reused (the message is on its way, not necessarily received). Messages
+// to one peer with one tag are received in the order of their Sends;
+// concurrent Sends may interleave their frames on the wire, except on the
+// same tag, where they go one after the other.
+func (c *Comm) Send(ctx context.Context, peer int, tag uint32, buf []byte) error {
+	desc := fmt.Sprintf("tag %d, %s to member %d", tag, fmtBytes(len(buf)), peer)
+	if err := c.checkPeer(peer); err != nil {
+		return &Error{Op: "send", Desc: desc, Err: err}
+	}
+	desc = fmt.Sprintf("tag %d, %s to %s", tag, fmtBytes(len(buf)), c.mesh.Peer(peer))
+	if err := c.hardState(); err != nil {
+		return &Error{Op: "send", Desc: desc, Err: err}
+	}
+	if err := c.peers[peer].goneErr(); err != nil {
+		return &Error{Op: "send", Desc: desc, Err: err}
+	}
+	ctx, cancel, limit := c.deadline(ctx)
+	defer cancel()
+	ts := c.peers[peer].tagSend(tag)
+	select {
+	case ts.sem <- struct{}{}:
+	case <-ctx.Done():
+		return &Error{Op: "send", Desc: desc, Err: c.classify(ctx, ctx.Err(), peer, limit, false, "an earlier message on this tag was still being sent")}
+	case <-c.stop:
+		return &Error{Op: "send", Desc: desc, Err: c.hardState()}
+	}
+	defer func() { <-ts.sem }()
+	seq := ts.next + 1
+	frames := max(1, (len(buf)+c.chunk-1)/c.chunk)
+	for i := range frames {
+		lo := i * c.chunk
+		hi := min(lo+c.chunk, len(buf))
+		h := wire.Header{Kind: wire.KindP2P, Seq: seq, Step: tag, Chunk: uint32(i)}
+		if i == frames-1 {
+			h.Flags = wire.FlagLast
+		}
+		err := c.sendControl(ctx, peer, h, buf[lo:hi])
+		if err == nil {
+			ts.next = seq
+			continue
+		}
+		var ns *errNotSent
+		if errors.As(err, &ns) {
+			if st := c.hardState(); st != nil {
+				return &Error{Op: "send", Seq: seq, Desc: desc, Err: st}
+			}
+			if i == 0 {
+				// Nothing of this message went out: no need to break.
+				return &Error{Op: "send", Seq: seq, Desc: desc, Err: c.classify(ctx, ns.err, peer, limit, false, "its control stream was busy")}
+			}
+		}
+		// Part of the message is on the wire: the stream cannot go on.
+		e := &Error{Op: "send", Seq: seq, Desc: desc, Err: c.classify(ctx, err, peer, limit, false, "it is not reading")}
+		if !errors.Is(err, ErrClosed) {
+			c.fail(e)
+		}
+		return e
+	}
+	return nil
+}
+
+// Recv receives the next message from peer with tag into buf and returns
+// its length. Messages are matched by (peer, tag) only: a Recv for one tag
+// completes whatever other tags have pending. A message longer than buf is
+// an error wrapping ErrTooLong; it is consumed, buf holds its first
+// len(buf) bytes and the length returned is the message's.
+//
+// When ctx ends before a message matched, nothing is consumed. When it ends
+// while a message is arriving into buf, the message goes back to the head
+// of the queue with what arrived so far, for the next Recv on the tag
+// (unless it had already overflowed buf, then it is dropped).
+func (c *Comm) Recv(ctx context.Context, peer int, tag uint32, buf []byte) (int, error) {
+	desc := fmt.Sprintf("tag %d from member %d, %s buffer", tag, peer, fmtBytes(len(buf)))
+	if err := c.checkPeer(peer); err != nil {
+		return 0, &Error{Op: "recv", Desc: desc, Err: err}
+	}
+	desc = fmt.Sprintf("tag %d from %s, %s buffer", tag, c.mesh.Peer(peer), fmtBytes(len(buf)))
+	if err := c.hardState(); err != nil {
+		return 0, &Error{Op: "recv", Desc: desc, Err: err}
+	}
+	ctx, cancel, limit := c.deadline(ctx)
+	defer cancel()
+	pr := c.peers[peer]
+	fail := func(seq uint64, err error) (int, error) {
+		return 0, &Error{Op: "recv", Seq: seq, Desc: desc, Err: err}
+	}
+	stopped := func(seq uint64) (int, error) {
+		if err := c.hardState(); err != nil {
+			return fail(seq, err)
+		}
+		if err := pr.goneErr(); err != nil {
+			return fail(seq, err)
+		}
+		return fail(seq, c.classify(ctx, ctx.Err(), peer, limit, true, "no message with this tag arrived"))
+	}
+	for {
+		pr.mu.Lock()
+		if q := pr.unexpected[tag]; len(q) > 0 {
+			m := q[0]
+			if !m.complete {
+				// Arriving: wait for its end, then take it. (Messages
+				// that arrived whole are delivered even once the peer
+				// has gone.)
+				pr.mu.Unlock()
+				if pr.goneErr() != nil {
+					return stopped(0)
+				}
+				select {
+				case <-m.done:
+				case <-ctx.Done():
+					return stopped(0)
+				case <-c.stop:
+					return stopped(0)
+				case <-pr.gone:
+				}
+				continue
+			}
+			pr.unexpected[tag] = q[1:]
+			if len(q) == 1 {
+				delete(pr.unexpected, tag)
+			}
+			pr.mu.Unlock()
+			c.unexpected.Add(-int64(len(m.data)))
+			copy(buf, m.data)
+			if len(m.data) > len(buf) {
+				return len(m.data), &Error{Op: "recv", Seq: m.seq, Desc: desc, Err: tooLong(len(m.data), len(buf))}
+			}
+			return len(m.data), nil
+		}
+		if pr.goneErr() != nil {
+			pr.mu.Unlock()
+			return stopped(0)
+		}
+		req := &recvReq{buf: buf, done: make(chan struct{})}
+		pr.posted[tag] = append(pr.posted[tag], req)
+		pr.mu.Unlock()
+		select {
+		case <-req.done:
+		case <-ctx.Done():
+		case <-c.stop:
+		case <-pr.gone:
+		}
+		pr.mu.Lock()
+		switch req.state {
+		case posted:
+			pr.posted[tag] = slices.DeleteFunc(pr.posted[tag], func(r *recvReq) bool { return r == req })
+			if len(pr.posted[tag]) == 0 {
+				delete(pr.posted, tag)
+			}
+			pr.mu.Unlock()
+			return stopped(0)
+		case filling:
+			c.detach(pr, tag, req)
+			pr.mu.Unlock()
+			return stopped(req.seq)
+		}
+		pr.mu.Unlock()
+		if req.total > len(buf) {
+			return req.total, &Error{Op: "recv", Seq: req.seq, Desc: desc, Err: tooLong(req.total, len(buf))}
+		}
+		return req.total, nil
+	}
+}
+
+func tooLong(n, size int) error {
+	return fmt.Errorf("%w: a message of %d bytes for a %d-byte buffer (the message is consumed)", ErrTooLong, n, size)
+}
+
+// detach takes a message that is arriving into req (whose Recv gives up)
+// away from it: to the next posted Recv on the tag, else back to the head
+// of the unexpected queue, else (it overflowed req) nowhere. pr.mu is held.
+func (c *Comm) detach(pr *peer, tag uint32, req *recvReq) {
+	in := pr.inflight[tag]
+	in.req = nil
+	if req.total > req.n {
+		return // overflowed: the bytes past buf are gone; drop the rest
+	}
+	data := req.buf[:req.n]
+	if q := pr.posted[tag]; len(q) > 0 {
+		next := q[0]
+		pr.posted[tag] = q[1:]
+		if len(q) == 1 {
+			delete(pr.posted, tag)
+		}
+		next.state, next.seq = filling, in.seq
+		next.n = copy(next.buf, data)
+		next.total = len(data) // may overflow next.buf: then it fails with ErrTooLong
+		in.req = next
+		return
+	}
+	m := &message{seq: in.seq, data: slices.Clone(data), done: make(chan struct{})}
+	c.unexpected.Add(int64(len(m.data)))
+	pr.unexpected[tag] = append([]*message{m}, pr.unexpected[tag]...)
+	in.msg = m
+}
+
+// p2pFrame files a point-to-point frame from peer (on the dispatcher):
+// into the posted Recv it matches, copied straight from the frame, or into
+// the unexpected queue.
+func (c *Comm) p2pFrame(peer int, h wire.Header, payload []byte) error {
+	pr := c.peers[peer]
+	tag := h.Step
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	in := pr.inflight[tag]
+	if in == nil {
+		if h.Chunk != 0 || h.Seq != pr.last[tag]+1 {
+			return fmt.Errorf("%s sent frame %d of message %d on tag %d, this member expected frame 0 of message %d: protocol error", c.mesh.Peer(peer), h.Chunk, h.Seq, tag, pr.last[tag]+1)
+		}
+		pr.last[tag] = h.Seq
+		in = &incoming{seq: h.Seq}
+		if q := pr.posted[tag]; len(q) > 0 {
+			in.req = q[0]
+			pr.posted[tag] = q[1:]
+			if len(q) == 1 {
+				delete(pr.posted, tag)
+			}
+			in.req.state, in.req.seq = filling, h.Seq
+		} else {
+			in.msg = &message{seq: h.Seq, done: make(chan struct{})}
+			pr.unexpected[tag] = append(pr.unexpected[tag], in.msg)
+		}
+		pr.inflight[tag] = in
+	} else if h.Seq != in.seq || h.Chunk != in.next {
+		return fmt.Errorf("%s sent frame %d of message %d on tag %d, this member expected frame %d of message %d: protocol error", c.mesh.Peer(peer), h.Chunk, h.Seq, tag, in.next, in.seq)
+	}
+	in.next++
+	switch {
+	case in.req != nil:
+		r := in.req
+		r.n += copy(r.buf[r.n:], payload)
+		r.total += len(payload)
+	case in.msg != nil:
+		if total := c.unexpected.Add(int64(len(payload))); total > c.maxUnexpected {
+			return fmt.Errorf("%s: %d bytes of messages wait for a matching Recv, over the limit of %s (message %d on tag %d): post receives earlier", c.mesh.Peer(peer), total, fmtBytes(int(c.maxUnexpected)), h.Seq, tag)
+		}
+		in.msg.data = append(in.msg.data, payload...)
+	}
+	if h.Flags&wire.FlagLast != 0 {
+		delete(pr.inflight, tag)
+		switch {
+		case in.req != nil:
+			in.req.state = complete
+			close(in.req.done)
+		case in.msg != nil:
+			in.msg.complete = true
+			close(in.msg.done)
+		}
+	}
+	return nil
+}
+
+// dispatch reads peer's control stream until the communicator stops:
+// point-to-point frames go to their Recv or queue, barrier tokens to the
+// barrier. A failure breaks the communicator.
+func (c *Comm) dispatch(peer int) {
+	defer c.wg.Done()
+	st := c.mesh.Control(peer)
+	for {
+		err := st.Recv(c.dctx, func(h wire.Header, payload []byte) error {
+			var err error
+			switch h.Kind {
+			case wire.KindP2P:
+				err = c.p2pFrame(peer, h, payload)
+			case wire.KindBarrier:
+				err = c.barrierFrame(peer, h)
+			case wire.KindClose:
+				return &transport.PeerError{Peer: c.mesh.Peer(peer), Err: errors.New("closed the bridge")}
+			default:
+				err = fmt.Errorf("%s sent a %s frame on the control stream: protocol error", c.mesh.Peer(peer), h.Kind)
+			}
+			if err != nil {
+				return &localError{err}
+			}
+			return nil
+		})
+		if err == nil {
+			continue
+		}
+		select {
+		case <-c.stop:
+			return
+		default:
+		}
+		var le *localError
+		if errors.As(err, &le) {
+			// This member found the peer's frames wrong: break, so the
+			// peer learns it too.
+			c.fail(le.err)
+			return
+		}
+		var pe *transport.PeerError
+		if !errors.As(err, &pe) {
+			err = &transport.PeerError{Peer: c.mesh.Peer(peer), Err: err}
+		}
+		c.lose(peer, err)
+		return
+	}
+}

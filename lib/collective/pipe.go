@@ -1,0 +1,165 @@
+package collective
+
+import "fmt"
+
+// pipe is the engine under every data collective. At each step t this
+// member sends segment sendSeg(t) to next and receives segment recvSeg(t)
+// from prev (either may be -1: none). A segment is cut into chunks of
+// chunk bytes; chunk c travels on data stream c % Streams. Per stream one
+// goroutine sends and one receives, in (step, chunk) order, so later chunks
+// are on the wire while earlier ones are being reduced.
+//
+// Two dependencies order them, both between items of the same stream:
+//   - sendLag >= 0: the send of (t, c) waits for the receive of
+//     (t-sendLag, c) (a ring forwards what it received; a broadcast chain
+//     forwards what arrived);
+//   - recvFrom <= t <= recvTo: consuming the receive of (t, c) waits for the
+//     send of (t-recvLag, c) (the received bytes overwrite memory that send
+//     reads); the frame itself is read off the stream before that wait.
+//
+// Both require the chunk lists of the paired segments to agree; run checks.
+type pipe struct {
+	cl         *call
+	next, prev int
+	steps      int
+	sendSeg    func(t int) int
+	recvSeg    func(t int) int
+	segLen     func(j int) int
+	chunk      int
+
+	sendLag                   int // -1: sends wait for no receive
+	recvLag, recvFrom, recvTo int // recvFrom > recvTo: receives wait for no send
+
+	// payload returns the bytes of chunk c of segment j sent at step t;
+	// off is the chunk's offset within the segment.
+	payload func(t, j, c, off, n int) ([]byte, error)
+	// sent runs after chunk (t, c) was sent; may be nil.
+	sent func(t, j, c, off, n int) error
+	// prep runs before chunk (t, c) is received; may be nil.
+	prep func(t, j, c, off, n int) error
+	// recv consumes the payload of chunk (t, c); it is a view valid only
+	// during the call.
+	recv func(t, j, c, off, n int, p []byte) error
+	// primary: whether a receive timeout points at prev itself.
+	primary bool
+}
+
+func (pp *pipe) nchunks(j int) int { return (pp.segLen(j) + pp.chunk - 1) / pp.chunk }
+
+func (pp *pipe) span(j, c int) (off, n int) {
+	off = c * pp.chunk
+	return off, min(pp.chunk, pp.segLen(j)-off)
+}
+
+func (pp *pipe) sendWaits(t int) bool { return pp.prev >= 0 && pp.sendLag >= 0 && t >= pp.sendLag }
+func (pp *pipe) recvWaits(t int) bool {
+	return pp.next >= 0 && pp.recvFrom <= t && t <= pp.recvTo && t-pp.recvLag >= 0
+}
+
+// run runs the pipe and returns the first error.
+func (pp *pipe) run() error {
+	for t := range pp.steps {
+		if pp.sendWaits(t) && pp.next >= 0 && pp.nchunks(pp.sendSeg(t)) != pp.nchunks(pp.recvSeg(t-pp.sendLag)) {
+			panic(fmt.Sprintf("collective: pipe: send step %d does not match receive step %d", t, t-pp.sendLag))
+		}
+		if pp.recvWaits(t) && pp.prev >= 0 && pp.nchunks(pp.recvSeg(t)) != pp.nchunks(pp.sendSeg(t-pp.recvLag)) {
+			panic(fmt.Sprintf("collective: pipe: receive step %d does not match send step %d", t, t-pp.recvLag))
+		}
+	}
+	S := pp.cl.c.streams
+	for s := range S {
+		var nsend, nrecv int
+		for t := range pp.steps {
+			if pp.next >= 0 {
+				nsend += max(0, (pp.nchunks(pp.sendSeg(t))-s+S-1)/S)
+			}
+			if pp.prev >= 0 {
+				nrecv += max(0, (pp.nchunks(pp.recvSeg(t))-s+S-1)/S)
+			}
+		}
+		recvTok := make(chan struct{}, nrecv) // receive (t, c) done, for the send of (t+sendLag, c)
+		sendTok := make(chan struct{}, nsend) // send (t, c) done, for the receive of (t+recvLag, c)
+		if nsend > 0 {
+			pp.cl.spawn(func() error { return pp.sender(s, recvTok, sendTok) })
+		}
+		if nrecv > 0 {
+			pp.cl.spawn(func() error { return pp.receiver(s, recvTok, sendTok) })
+		}
+	}
+	return pp.cl.wait()
+}
+
+func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}) error {
+	cl := pp.cl
+	S := cl.c.streams
+	st := cl.c.mesh.Stream(pp.next, s)
+	for t := range pp.steps {
+		j := pp.sendSeg(t)
+		for c := s; c < pp.nchunks(j); c += S {
+			if pp.sendWaits(t) {
+				select {
+				case <-recvTok:
+				case <-cl.ctx.Done():
+					return errSibling
+				}
+			}
+			off, n := pp.span(j, c)
+			p, err := pp.payload(t, j, c, off, n)
+			if err != nil {
+				return err
+			}
+			if err := cl.send(st, pp.next, t, c, p); err != nil {
+				return err
+			}
+			if pp.sent != nil {
+				if err := pp.sent(t, j, c, off, n); err != nil {
+					return err
+				}
+			}
+			if pp.prev >= 0 && pp.recvWaits(t+pp.recvLag) {
+				sendTok <- struct{}{}
+			}
+		}
+	}
+	return nil
+}
+
+func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}) error {
+	cl := pp.cl
+	S := cl.c.streams
+	st := cl.c.mesh.Stream(pp.prev, s)
+	for t := range pp.steps {
+		j := pp.recvSeg(t)
+		for c := s; c < pp.nchunks(j); c += S {
+			off, n := pp.span(j, c)
+			if pp.prep != nil {
+				if err := pp.prep(t, j, c, off, n); err != nil {
+					return err
+				}
+			}
+			// The chunk is read off the stream first and waits in the
+			// transport's receive buffer for the send it depends on:
+			// waiting before the read would leave the socket undrained
+			// while the peer's send of the same chunk blocks on it, and
+			// the two directions of a stream would take turns.
+			waitSend := pp.recvWaits(t)
+			err := cl.recv(st, pp.prev, t, c, n, pp.primary, func(p []byte) error {
+				if waitSend {
+					select {
+					case <-sendTok:
+					case <-cl.ctx.Done():
+						return errSibling
+					}
+				}
+				return pp.recv(t, j, c, off, n, p)
+			})
+			if err != nil {
+				return err
+			}
+			if pp.next >= 0 && pp.sendLag >= 0 && t+pp.sendLag < pp.steps {
+				recvTok <- struct{}{}
+			}
+		}
+	}
+	return nil
+}

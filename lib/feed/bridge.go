@@ -1,0 +1,34 @@
+package feed
+
+import (
+	"context"
+
+	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/reduce"
+)
+
+// Progress is how the feed streams one collective through the bridge: Ready
+// blocks until input bytes [0,end) are in place, Done reports result ranges
+// that are final (disjoint, covering the result once, possibly from several
+// goroutines). It is collective.Progress.
+type Progress = collective.Progress
+
+// Bridge is what the feed server drives: the collectives and point-to-point
+// operations of one bridge member. *collective.Comm implements it.
+// Collectives are called from one goroutine, in request order; Send and Recv
+// from other goroutines at the same time. p is nil for requests that are not
+// streamed.
+type Bridge interface {
+	AllReduce(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, p *Progress) error
+	Broadcast(ctx context.Context, buf []byte, root int, p *Progress) error
+	AllGather(ctx context.Context, out, in []byte, p *Progress) error
+	ReduceScatter(ctx context.Context, out, in []byte, dt reduce.DType, op reduce.Op, p *Progress) error
+	Barrier(ctx context.Context) error
+	Send(ctx context.Context, peer int, tag uint32, buf []byte) error
+	Recv(ctx context.Context, peer int, tag uint32, buf []byte) (int, error)
+	// Seq is the sequence number of the last collective started (the
+	// first is 1; 0 before any).
+	Seq() uint64
+}
+
+var _ Bridge = (*collective.Comm)(nil)

@@ -1,0 +1,227 @@
+package feed
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/transport"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// commBridges returns n collective.Comms over in-memory meshes.
+func commBridges(t testing.TB, n int, chunk int) []Bridge {
+	t.Helper()
+	var out []Bridge
+	for _, m := range transport.NewMem(n, 2, true) {
+		c := collective.New(m, collective.Options{ChunkBytes: chunk, Workers: 2})
+		t.Cleanup(func() { _ = c.Close() })
+		out = append(out, c)
+	}
+	return out
+}
+
+func randomF32(r *rand.Rand, b []byte) {
+	for i := 0; i+4 <= len(b); i += 4 {
+		binary.LittleEndian.PutUint32(b[i:], math.Float32bits(float32(r.NormFloat64()*1000)))
+	}
+}
+
+// TestWithCollective runs every request type through two feed servers over
+// collective.Comms on in-memory meshes, checking results bit for bit
+// against the collective package's reference.
+func TestWithCollective(t *testing.T) {
+	const chunk = 4096
+	e := startFeeds(t, commBridges(t, 2, chunk), nil)
+	ctx := context.Background()
+	cs := e.clients
+	regs := mapRegions(t, cs, 1<<20)
+	r := rand.New(rand.NewPCG(1, 2))
+
+	// all_reduce of odd sizes, plain and streamed.
+	for _, n := range []int{4, 4 * 1001, 4 * 65537} {
+		for _, streamed := range []bool{false, true} {
+			inputs := make([][]byte, 2)
+			for i, reg := range regs {
+				randomF32(r, reg.Mem[:n])
+				inputs[i] = append([]byte(nil), reg.Mem[:n]...)
+			}
+			want := collective.ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 2)
+			var mu sync.Mutex
+			cover := make([][][2]uint64, 2)
+			parallel(t, 2, func(i int) error {
+				req := Request{Kind: MsgAllReduce, Buf: regs[i].Span(0, n), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}
+				if !streamed {
+					_, err := cs[i].Do(ctx, req)
+					return err
+				}
+				req.Flags = FlagStreamed
+				k, err := cs[i].Start(req, func(off, m uint64) {
+					mu.Lock()
+					cover[i] = append(cover[i], [2]uint64{off, m})
+					mu.Unlock()
+				})
+				if err != nil {
+					return err
+				}
+				for end := 0; end < n; {
+					end = min(end+3000, n)
+					if err := k.Ready(end); err != nil {
+						return err
+					}
+				}
+				_, err = k.Wait(ctx)
+				return err
+			})
+			for i, reg := range regs {
+				require.True(t, bytes.Equal(want, reg.Mem[:n]), "member %d, %d bytes, streamed %v: result differs from the reference", i, n, streamed)
+				if streamed {
+					rs := cover[i]
+					sort.Slice(rs, func(a, b int) bool { return rs[a][0] < rs[b][0] })
+					var at uint64
+					for _, x := range rs {
+						require.Equal(t, at, x[0])
+						at += x[1]
+					}
+					require.Equal(t, uint64(n), at)
+				}
+			}
+		}
+	}
+
+	// broadcast from member 1.
+	randomF32(r, regs[1].Mem[:40000])
+	want := append([]byte(nil), regs[1].Mem[:40000]...)
+	parallel(t, 2, func(i int) error { return cs[i].Broadcast(ctx, regs[i].Span(0, 40000), 1) })
+	assert.True(t, bytes.Equal(want, regs[0].Mem[:40000]))
+
+	// all_gather, in place: the input is this member's slot of the output.
+	const slot = 10000
+	for i, reg := range regs {
+		for k := 0; k < slot; k++ {
+			reg.Mem[100000+i*slot+k] = byte(i*7 + k)
+		}
+	}
+	parallel(t, 2, func(i int) error {
+		return cs[i].AllGather(ctx, regs[i].Span(100000, 2*slot), regs[i].Span(100000+i*slot, slot))
+	})
+	for i := range regs {
+		for m := 0; m < 2; m++ {
+			for k := 0; k < slot; k += 999 {
+				require.Equal(t, byte(m*7+k), regs[i].Mem[100000+m*slot+k])
+			}
+		}
+	}
+
+	// reduce_scatter of bfloat16 max.
+	inputs := make([][]byte, 2)
+	for i, reg := range regs {
+		for k := 0; k < 8000; k += 2 {
+			binary.LittleEndian.PutUint16(reg.Mem[200000+k:], uint16(r.Uint32()&0x7f7f))
+		}
+		inputs[i] = append([]byte(nil), reg.Mem[200000:208000]...)
+	}
+	wantRS := collective.ReferenceReduceScatter(reduce.Max, reduce.BFloat16, inputs, 2)
+	parallel(t, 2, func(i int) error {
+		return cs[i].ReduceScatter(ctx, regs[i].Span(300000, 4000), regs[i].Span(200000, 8000), reduce.BFloat16, reduce.Max)
+	})
+	for i := range regs {
+		assert.True(t, bytes.Equal(wantRS[i], regs[i].Mem[300000:304000]), "member %d", i)
+	}
+
+	// barrier, then tagged send/recv in both directions while a collective runs.
+	parallel(t, 2, func(i int) error { return cs[i].Barrier(ctx) })
+	copy(regs[0].Mem[500000:], "hello from zero")
+	parallel(t, 2, func(i int) error {
+		if i == 0 {
+			if err := cs[0].Send(ctx, 1, 5, regs[0].Span(500000, 15)); err != nil {
+				return err
+			}
+			return cs[0].Barrier(ctx)
+		}
+		if err := cs[1].Barrier(ctx); err != nil {
+			return err
+		}
+		n, err := cs[1].Recv(ctx, 0, 5, regs[1].Span(600000, 100))
+		if err == nil && string(regs[1].Mem[600000:600000+n]) != "hello from zero" {
+			t.Errorf("received %q", regs[1].Mem[600000:600000+n])
+		}
+		return err
+	})
+	e.closeAll()
+}
+
+// TestCollectiveMismatch: members that disagree get a bridge error naming
+// the peer, and the bridge is broken on both.
+func TestCollectiveMismatch(t *testing.T) {
+	e := startFeeds(t, commBridges(t, 2, 4096), nil)
+	ctx := context.Background()
+	regs := mapRegions(t, e.clients, 4096)
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for i := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = e.clients[i].AllReduce(ctx, regs[i].Span(0, 8*(i+1)), reduce.Float32, reduce.Sum)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		var re *RequestError
+		require.ErrorAs(t, err, &re, "member %d", i)
+		assert.Equal(t, StatusBridgeError, re.Status)
+		assert.Contains(t, re.Msg, "member")
+		err = e.clients[i].Barrier(ctx)
+		require.ErrorAs(t, err, &re)
+		assert.Equal(t, StatusBroken, re.Status)
+		assert.Contains(t, re.Msg, "bridge broken by an earlier failure")
+	}
+	e.closeAll()
+}
+
+// TestP2PBehindCollective: member 0 sends an all_reduce and then a send
+// without waiting; member 1 first waits for that message and only then
+// joins the all_reduce. The send must not wait for the all_reduce (as with
+// NCCL, where point-to-point runs beside collectives), or both would hang.
+func TestP2PBehindCollective(t *testing.T) {
+	for _, delay := range []time.Duration{-1, DefaultHandoffDelay, 20 * time.Millisecond} {
+		t.Run(delay.String(), func(t *testing.T) {
+			e := startFeeds(t, commBridges(t, 2, 4096), func(o *ServerOptions) { o.HandoffDelay = delay })
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			regs := mapRegions(t, e.clients, 4096)
+			copy(regs[0].Mem[100:], "ping")
+			parallel(t, 2, func(i int) error {
+				c := e.clients[i]
+				if i == 0 {
+					ar, err := c.Start(Request{Kind: MsgAllReduce, Buf: regs[0].Span(0, 4), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+					if err != nil {
+						return err
+					}
+					if err := c.Send(ctx, 1, 3, regs[0].Span(100, 4)); err != nil {
+						return err
+					}
+					_, err = ar.Wait(ctx)
+					return err
+				}
+				n, err := c.Recv(ctx, 0, 3, regs[1].Span(100, 16))
+				if err != nil || n != 4 || string(regs[1].Mem[100:104]) != "ping" {
+					return fmt.Errorf("recv: %d bytes, %v", n, err)
+				}
+				return c.AllReduce(ctx, regs[1].Span(0, 4), reduce.Float32, reduce.Sum)
+			})
+			e.closeAll()
+		})
+	}
+}

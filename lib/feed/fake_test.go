@@ -1,0 +1,259 @@
+package feed
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/gpubridge/gpubridge/lib/reduce"
+)
+
+// fakeGroup is an in-memory bridge of n members with the semantics of
+// lib/collective: collectives meet by sequence number, results equal
+// reduce.Reference, streamed collectives wait for input chunk by chunk and
+// report result chunks from two goroutines. It lets the feed be tested
+// without a transport, and injects failures.
+type fakeGroup struct {
+	n     int
+	chunk int
+
+	mu     sync.Mutex
+	rounds map[uint64]*fakeRound
+	boxes  map[[3]int]chan []byte
+
+	// failSeq makes the collective with this sequence number fail on
+	// failMember with failErr.
+	failSeq    uint64
+	failMember int
+	failErr    error
+}
+
+type fakeRound struct {
+	in   [][]byte
+	got  int
+	left int
+	all  chan struct{}
+}
+
+type fakeMember struct {
+	g    *fakeGroup
+	self int
+	seq  atomic.Uint64
+}
+
+func newFakeGroup(n, chunk int) []*fakeMember {
+	g := &fakeGroup{n: n, chunk: chunk, rounds: map[uint64]*fakeRound{}, boxes: map[[3]int]chan []byte{}}
+	out := make([]*fakeMember, n)
+	for i := range out {
+		out[i] = &fakeMember{g: g, self: i}
+	}
+	return out
+}
+
+func bridges(ms []*fakeMember) []Bridge {
+	out := make([]Bridge, len(ms))
+	for i, m := range ms {
+		out[i] = m
+	}
+	return out
+}
+
+func (m *fakeMember) Seq() uint64 { return m.seq.Load() }
+
+func (m *fakeMember) begin() (uint64, error) {
+	seq := m.seq.Add(1)
+	if m.g.failSeq == seq && m.g.failMember == m.self {
+		return seq, m.g.failErr
+	}
+	return seq, nil
+}
+
+// input waits for the input chunk by chunk and copies it.
+func (m *fakeMember) input(ctx context.Context, buf []byte, p *Progress) ([]byte, error) {
+	if p != nil {
+		for end := 0; end < len(buf); {
+			end = min(end+m.g.chunk, len(buf))
+			if err := p.Ready(ctx, end); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return append([]byte{}, buf...), nil
+}
+
+// output copies res into buf and reports it chunk by chunk, alternating
+// between two goroutines.
+func (m *fakeMember) output(buf, res []byte, p *Progress) {
+	copy(buf, res)
+	if p == nil {
+		return
+	}
+	var wg sync.WaitGroup
+	for g := 0; g < 2; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i, off := 0, 0; off < len(buf); i, off = i+1, off+m.g.chunk {
+				if i%2 == g {
+					p.Done(off, min(m.g.chunk, len(buf)-off))
+				}
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// exchange deposits in for round seq and returns every member's input.
+func (m *fakeMember) exchange(ctx context.Context, seq uint64, in []byte) ([][]byte, error) {
+	g := m.g
+	g.mu.Lock()
+	r := g.rounds[seq]
+	if r == nil {
+		r = &fakeRound{in: make([][]byte, g.n), all: make(chan struct{}), left: g.n}
+		g.rounds[seq] = r
+	}
+	r.in[m.self] = in
+	r.got++
+	if r.got == g.n {
+		close(r.all)
+	}
+	g.mu.Unlock()
+	select {
+	case <-r.all:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("fake collective %d: %w", seq, context.Cause(ctx))
+	}
+	g.mu.Lock()
+	r.left--
+	if r.left == 0 {
+		delete(g.rounds, seq)
+	}
+	g.mu.Unlock()
+	return r.in, nil
+}
+
+func (m *fakeMember) AllReduce(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, p *Progress) error {
+	seq, err := m.begin()
+	if err != nil {
+		return err
+	}
+	in, err := m.input(ctx, buf, p)
+	if err != nil {
+		return err
+	}
+	all, err := m.exchange(ctx, seq, in)
+	if err != nil {
+		return err
+	}
+	res, err := reduce.Reference(op, dt, all)
+	if err != nil {
+		return err
+	}
+	m.output(buf, res, p)
+	return nil
+}
+
+func (m *fakeMember) Broadcast(ctx context.Context, buf []byte, root int, p *Progress) error {
+	seq, err := m.begin()
+	if err != nil {
+		return err
+	}
+	var in []byte
+	if m.self == root {
+		if in, err = m.input(ctx, buf, p); err != nil {
+			return err
+		}
+	}
+	all, err := m.exchange(ctx, seq, in)
+	if err != nil {
+		return err
+	}
+	m.output(buf, all[root], p)
+	return nil
+}
+
+func (m *fakeMember) AllGather(ctx context.Context, out, in []byte, p *Progress) error {
+	seq, err := m.begin()
+	if err != nil {
+		return err
+	}
+	mine, err := m.input(ctx, in, p)
+	if err != nil {
+		return err
+	}
+	all, err := m.exchange(ctx, seq, mine)
+	if err != nil {
+		return err
+	}
+	var res []byte
+	for _, b := range all {
+		res = append(res, b...)
+	}
+	m.output(out, res, p)
+	return nil
+}
+
+func (m *fakeMember) ReduceScatter(ctx context.Context, out, in []byte, dt reduce.DType, op reduce.Op, p *Progress) error {
+	seq, err := m.begin()
+	if err != nil {
+		return err
+	}
+	mine, err := m.input(ctx, in, p)
+	if err != nil {
+		return err
+	}
+	all, err := m.exchange(ctx, seq, mine)
+	if err != nil {
+		return err
+	}
+	res, err := reduce.Reference(op, dt, all)
+	if err != nil {
+		return err
+	}
+	m.output(out, res[m.self*len(out):(m.self+1)*len(out)], p)
+	return nil
+}
+
+func (m *fakeMember) Barrier(ctx context.Context) error {
+	seq, err := m.begin()
+	if err != nil {
+		return err
+	}
+	_, err = m.exchange(ctx, seq, nil)
+	return err
+}
+
+func (m *fakeMember) box(from, to int, tag uint32) chan []byte {
+	m.g.mu.Lock()
+	defer m.g.mu.Unlock()
+	k := [3]int{from, to, int(tag)}
+	b := m.g.boxes[k]
+	if b == nil {
+		b = make(chan []byte, 64)
+		m.g.boxes[k] = b
+	}
+	return b
+}
+
+func (m *fakeMember) Send(ctx context.Context, peer int, tag uint32, buf []byte) error {
+	select {
+	case m.box(m.self, peer, tag) <- append([]byte{}, buf...):
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
+
+func (m *fakeMember) Recv(ctx context.Context, peer int, tag uint32, buf []byte) (int, error) {
+	select {
+	case b := <-m.box(peer, m.self, tag):
+		if len(b) > len(buf) {
+			return 0, errors.New("fake recv: message longer than the buffer")
+		}
+		return copy(buf, b), nil
+	case <-ctx.Done():
+		return 0, context.Cause(ctx)
+	}
+}

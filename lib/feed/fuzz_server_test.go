@@ -1,0 +1,76 @@
+package feed
+
+import (
+	"context"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/reduce"
+	"golang.org/x/sys/unix"
+)
+
+// socketPair returns the two ends of a Unix stream socket pair.
+func socketPair(t testing.TB) (*net.UnixConn, *net.UnixConn) {
+	t.Helper()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := func(fd int) *net.UnixConn {
+		f := os.NewFile(uintptr(fd), "feed")
+		defer f.Close()
+		c, err := net.FileConn(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c.(*net.UnixConn)
+	}
+	return conn(fds[0]), conn(fds[1])
+}
+
+// FuzzServerInput sends HELLO and then arbitrary bytes to a server over a
+// one-member fake bridge, then closes the feed: the server must answer
+// what it can, never panic or touch memory out of bounds, and stop.
+func FuzzServerInput(f *testing.F) {
+	for _, m := range sampleMessages() {
+		f.Add(m.Append(nil))
+	}
+	var seq []byte
+	seq = (&Request{Kind: MsgAllReduce, ID: 1, DType: reduce.Float32, Op: reduce.Sum, Peer: -1}).Append(seq)
+	seq = (&Request{Kind: MsgAllReduce, ID: 2, Flags: FlagStreamed, DType: reduce.Float32, Op: reduce.Sum, Buf: Span{Region: 1, Len: 8}, Peer: -1}).Append(seq)
+	seq = (&ReadyMsg{ID: 2, End: 4}).Append(seq)
+	seq = (&ReleaseMsg{ID: 3, Region: 1}).Append(seq)
+	seq = (&ByeMsg{}).Append(seq)
+	f.Add(seq)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		a, z := socketPair(t)
+		defer a.Close()
+		errc := make(chan error, 1)
+		go func() {
+			errc <- NewServer(z, newFakeGroup(1, 4)[0], ServerOptions{Members: 1, WriteTimeout: time.Second}).Serve(context.Background())
+		}()
+		// Drain what the server writes so that it never blocks.
+		drained := make(chan struct{})
+		go func() {
+			defer close(drained)
+			buf := make([]byte, 4096)
+			for {
+				if _, err := a.Read(buf); err != nil {
+					return
+				}
+			}
+		}()
+		_, _ = a.Write((&HelloMsg{MinVersion: 1, MaxVersion: 1}).Append(nil))
+		_, _ = a.Write(b)
+		_ = a.CloseWrite()
+		select {
+		case <-errc:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the server did not stop")
+		}
+		a.Close()
+		<-drained
+	})
+}

@@ -1,0 +1,290 @@
+package harness
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"math"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/wire"
+)
+
+// BenchSchema is the schema of gbbridge bench's JSON lines.
+const BenchSchema = "gpubridge.bench/v1"
+
+// BenchRow is one row of a bench: nccl-tests' columns plus what ran.
+type BenchRow struct {
+	Schema     string  `json:"schema"`
+	Collective string  `json:"collective"`
+	Members    int     `json:"members"`
+	Transport  string  `json:"transport"`
+	Size       int64   `json:"size"`
+	Count      int64   `json:"count"`
+	Type       string  `json:"type"`
+	Redop      string  `json:"redop"`
+	Root       int     `json:"root"`
+	TimeUS     float64 `json:"time_us"`
+	AlgBW      float64 `json:"algbw_gbps"`
+	BusBW      float64 `json:"busbw_gbps"`
+	Wrong      int64   `json:"wrong"`
+}
+
+// SweepOptions choose what a bench times.
+type SweepOptions struct {
+	Coll   string // all_reduce, broadcast, all_gather, reduce_scatter
+	DType  reduce.DType
+	Op     reduce.Op
+	Sizes  []int64 // bytes of the whole buffer (all_gather: the output, reduce_scatter: the input)
+	Iters  int
+	Warmup int
+	// ChunkB is the frame size of the raw exchange.
+	ChunkB int
+	// Row, if set, receives each row as soon as it is measured (member 0).
+	Row func(BenchRow)
+}
+
+// exchange is the ceiling the bridge is measured against: the two members
+// send each other buf at the same time over every data stream, in frames of
+// chunk bytes, and neither reduces nor copies what arrives — the traffic of
+// a 2-member all_reduce without its arithmetic.
+func exchange(ctx context.Context, m *Member, buf []byte, chunk int) error {
+	if m.Size != 2 {
+		return fmt.Errorf("bench: the exchange needs 2 members, not %d", m.Size)
+	}
+	peer, streams := 1-m.Rank, m.Mesh.Streams()
+	chunks := (len(buf) + chunk - 1) / chunk
+	errc := make(chan error, 2*streams)
+	for s := 0; s < streams; s++ {
+		st := m.Mesh.Stream(peer, s)
+		go func() {
+			for k := s; k < chunks; k += streams {
+				end := min((k+1)*chunk, len(buf))
+				if err := st.Send(ctx, wire.Header{Kind: wire.KindData, Chunk: uint32(k)}, buf[k*chunk:end]); err != nil {
+					errc <- err
+					return
+				}
+			}
+			errc <- nil
+		}()
+		go func() {
+			for k := s; k < chunks; k += streams {
+				if err := st.Recv(ctx, func(wire.Header, []byte) error { return nil }); err != nil {
+					errc <- err
+					return
+				}
+			}
+			errc <- nil
+		}()
+	}
+	var first error
+	for i := 0; i < 2*streams; i++ {
+		if err := <-errc; err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+// BusFactor is nccl-tests' factor from algorithm to bus bandwidth.
+func BusFactor(coll string, n int) float64 {
+	switch coll {
+	case "all_reduce", "exchange":
+		return 2 * float64(n-1) / float64(n)
+	case "all_gather", "reduce_scatter":
+		return float64(n-1) / float64(n)
+	}
+	return 1
+}
+
+// ParseSizes parses "8,1K,64M,1G" (powers of 1024) into bytes.
+func ParseSizes(s string) ([]int64, error) {
+	var out []int64
+	for _, f := range strings.Split(s, ",") {
+		f = strings.TrimSpace(strings.ToUpper(f))
+		f = strings.TrimSuffix(f, "B")
+		mult := int64(1)
+		switch {
+		case strings.HasSuffix(f, "K"):
+			mult, f = 1<<10, f[:len(f)-1]
+		case strings.HasSuffix(f, "M"):
+			mult, f = 1<<20, f[:len(f)-1]
+		case strings.HasSuffix(f, "G"):
+			mult, f = 1<<30, f[:len(f)-1]
+		}
+		v, err := strconv.ParseInt(f, 10, 64)
+		if err != nil || v <= 0 {
+			return nil, fmt.Errorf("size %q: want a positive number with an optional K, M or G suffix", f)
+		}
+		out = append(out, v*mult)
+	}
+	return out, nil
+}
+
+// DefaultSizes are 8 B … 1 GiB in steps of 8.
+func DefaultSizes() []int64 {
+	var out []int64
+	for s := int64(8); s <= 1<<30; s *= 8 {
+		out = append(out, s)
+	}
+	return out
+}
+
+// Sweep times one collective at every size. Every member runs it; rows are
+// returned (and passed to o.Row) on every member, with the time the slowest
+// member measured.
+func Sweep(ctx context.Context, m *Member, o SweepOptions) ([]BenchRow, error) {
+	n, sz := m.Size, int64(o.DType.Size())
+	var rows []BenchRow
+	for _, size := range o.Sizes {
+		// Whole elements, and for the segmented collectives whole
+		// elements per member.
+		unit := sz
+		if o.Coll == "all_gather" || o.Coll == "reduce_scatter" {
+			unit = sz * int64(n)
+		}
+		size = max(size/unit*unit, unit)
+		buf, in := make([]byte, size), []byte(nil)
+		switch o.Coll {
+		case "memcpy":
+			in = make([]byte, size)
+		case "all_gather":
+			in = make([]byte, size/int64(n))
+		case "reduce_scatter":
+			in, buf = buf, make([]byte, size/int64(n))
+		}
+		run := func() error {
+			switch o.Coll {
+			case "all_reduce":
+				return m.Comm.AllReduce(ctx, buf, o.DType, o.Op, nil)
+			case "broadcast":
+				return m.Comm.Broadcast(ctx, buf, 0, nil)
+			case "all_gather":
+				return m.Comm.AllGather(ctx, buf, in, nil)
+			case "reduce_scatter":
+				return m.Comm.ReduceScatter(ctx, buf, in, o.DType, o.Op, nil)
+			case "exchange":
+				return exchange(ctx, m, buf, o.ChunkB)
+			case "memcpy":
+				copy(in, buf)
+				return nil
+			}
+			return fmt.Errorf("bench: unknown collective %q", o.Coll)
+		}
+		fillBench(o, m.Rank, buf, in)
+		for i := 0; i < o.Warmup; i++ {
+			if err := run(); err != nil {
+				return rows, err
+			}
+		}
+		if err := m.Comm.Barrier(ctx); err != nil {
+			return rows, err
+		}
+		start := time.Now()
+		for i := 0; i < o.Iters; i++ {
+			if err := run(); err != nil {
+				return rows, err
+			}
+		}
+		elapsed := time.Since(start).Seconds() / float64(o.Iters)
+		slowest, err := maxAcross(ctx, m, elapsed)
+		if err != nil {
+			return rows, err
+		}
+		// Correctness: one more run on fresh data, checked element by element.
+		fillBench(o, m.Rank, buf, in)
+		if err := run(); err != nil {
+			return rows, err
+		}
+		wrong, err := checkBench(o, n, m.Rank, buf)
+		if err != nil {
+			return rows, err
+		}
+		totalWrong, err := sumAcross(ctx, m, int64(wrong))
+		if err != nil {
+			return rows, err
+		}
+		algbw := float64(size) / slowest / 1e9
+		row := BenchRow{
+			Schema: BenchSchema, Collective: o.Coll, Members: n, Transport: m.Mesh.Describe(),
+			Size: size, Count: size / sz, Type: o.DType.String(), Redop: o.Op.String(),
+			TimeUS: slowest * 1e6, AlgBW: algbw, BusBW: algbw * BusFactor(o.Coll, n), Wrong: totalWrong,
+		}
+		switch o.Coll {
+		case "memcpy":
+			row.BusBW, row.Redop = algbw, "none"
+		case "broadcast", "all_gather", "exchange":
+			row.Redop = "none"
+		}
+		rows = append(rows, row)
+		if o.Row != nil {
+			o.Row(row)
+		}
+	}
+	return rows, nil
+}
+
+func fillBench(o SweepOptions, me int, buf, in []byte) {
+	switch o.Coll {
+	case "all_reduce":
+		fillPattern(buf, o.DType, me, o.Op)
+	case "broadcast":
+		fillPattern(buf, o.DType, me, o.Op) // only the root's survives
+	case "all_gather":
+		fillPattern(in, o.DType, me, o.Op)
+	case "reduce_scatter":
+		fillPattern(in, o.DType, me, o.Op)
+	}
+}
+
+// checkBench counts wrong elements of this member's result.
+func checkBench(o SweepOptions, n, me int, buf []byte) (int, error) {
+	sz := o.DType.Size()
+	switch o.Coll {
+	case "exchange", "memcpy":
+		return 0, nil
+	case "all_reduce":
+		return countPatternWrong(buf, o.DType, o.Op, n, 0)
+	case "broadcast":
+		want := make([]byte, len(buf))
+		fillPattern(want, o.DType, 0, o.Op)
+		return countWrong(buf, want, sz), nil
+	case "all_gather":
+		seg := len(buf) / n
+		want := make([]byte, len(buf))
+		for r := 0; r < n; r++ {
+			fillPattern(want[r*seg:(r+1)*seg], o.DType, r, o.Op)
+		}
+		return countWrong(buf, want, sz), nil
+	case "reduce_scatter":
+		// Member me holds segment me of the reduced input.
+		return countPatternWrong(buf, o.DType, o.Op, n, me*len(buf)/sz)
+	}
+	return 0, fmt.Errorf("bench: unknown collective %q", o.Coll)
+}
+
+// maxAcross all-reduces one float64 with max over the bridge.
+func maxAcross(ctx context.Context, m *Member, v float64) (float64, error) {
+	b := make([]byte, 8)
+	binary.LittleEndian.PutUint64(b, math.Float64bits(v))
+	if err := m.Comm.AllReduce(ctx, b, reduce.Float64, reduce.Max, nil); err != nil {
+		return 0, err
+	}
+	return math.Float64frombits(binary.LittleEndian.Uint64(b)), nil
+}
+
+// WriteRowText writes a row in nccl-tests' layout.
+func WriteRowText(w io.Writer, r BenchRow) {
+	fmt.Fprintf(w, "%12d %12d %9s %7s %12.1f %8.3f %8.3f %6d\n", r.Size, r.Count, r.Type, r.Redop, r.TimeUS, r.AlgBW, r.BusBW, r.Wrong)
+}
+
+// WriteHeaderText writes the column titles of WriteRowText.
+func WriteHeaderText(w io.Writer, coll string, n int, transport string) {
+	fmt.Fprintf(w, "# gbbridge bench: %s, %d members, %s\n", coll, n, transport)
+	fmt.Fprintf(w, "# %10s %12s %9s %7s %12s %8s %8s %6s\n", "size", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong")
+	fmt.Fprintf(w, "# %10s %12s %9s %7s %12s %8s %8s %6s\n", "(B)", "(elements)", "", "", "", "(GB/s)", "(GB/s)", "")
+}

@@ -1,0 +1,156 @@
+package harness
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/transport"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// memMembers joins n members over in-memory meshes.
+func memMembers(t *testing.T, n int) []*Member {
+	t.Helper()
+	meshes := transport.NewMem(n, 2, true)
+	ms := make([]*Member, n)
+	for i := range ms {
+		ms[i] = &Member{Rank: i, Size: n, Mesh: meshes[i],
+			Comm: collective.New(meshes[i], collective.Options{ChunkBytes: 4096, Timeout: 30 * time.Second})}
+	}
+	t.Cleanup(func() {
+		for _, m := range ms {
+			_ = m.Comm.Close()
+			_ = m.Mesh.Close()
+		}
+	})
+	return ms
+}
+
+// each runs f on every member concurrently.
+func each(ms []*Member, f func(m *Member) error) []error {
+	errs := make([]error, len(ms))
+	done := make(chan struct{})
+	for i, m := range ms {
+		go func() { errs[i] = f(m); done <- struct{}{} }()
+	}
+	for range ms {
+		<-done
+	}
+	return errs
+}
+
+func TestSelftestCasesPass(t *testing.T) {
+	for _, n := range []int{2, 3} {
+		ms := memMembers(t, n)
+		var cases []Case
+		for _, c := range Cases(n) {
+			if c.Elems <= 1021 { // the small cases: every collective × dtype × op
+				cases = append(cases, c)
+			}
+		}
+		var out bytes.Buffer
+		errs := each(ms, func(m *Member) error {
+			return SelftestMember(context.Background(), m, cases, false, &out, nil)
+		})
+		for i, err := range errs {
+			require.NoError(t, err, "member %d", i)
+		}
+		var rep RunReport
+		require.NoError(t, json.Unmarshal(out.Bytes(), &rep))
+		assert.Equal(t, n, rep.Members)
+		assert.Equal(t, len(cases), rep.Cases)
+		assert.Zero(t, rep.Failed, "%v", rep.Failures)
+	}
+}
+
+func TestCasesCoverEveryCollectiveDTypeOp(t *testing.T) {
+	seen := map[string]bool{}
+	for _, c := range Cases(4) {
+		seen[c.Coll+"/"+c.DType.String()+"/"+c.Op.String()] = true
+	}
+	for _, dt := range reduce.AllDTypes() {
+		for _, op := range reduce.AllOps() {
+			if reduce.Supported(op, dt) != nil {
+				continue
+			}
+			assert.True(t, seen["all_reduce/"+dt.String()+"/"+op.String()], "all_reduce %s %s", dt, op)
+			assert.True(t, seen["reduce_scatter/"+dt.String()+"/"+op.String()], "reduce_scatter %s %s", dt, op)
+		}
+	}
+	assert.True(t, seen["p2p/"+reduce.DType(0).String()+"/"+reduce.Op(0).String()])
+}
+
+// A wrong result is counted: the selftest can fail.
+func TestCountWrong(t *testing.T) {
+	want := []byte{1, 2, 3, 4, 5, 6, 7, 8}
+	got := append([]byte(nil), want...)
+	assert.Zero(t, countWrong(got, want, 4))
+	got[5] ^= 1
+	assert.Equal(t, 1, countWrong(got, want, 4))
+	assert.Equal(t, 1, countWrong(got[:4], want, 4), "a short result counts its missing elements")
+
+	buf := make([]byte, 64*4)
+	for _, op := range []reduce.Op{reduce.Sum, reduce.Max, reduce.Min, reduce.Prod, reduce.Avg} {
+		fillPattern(buf, reduce.Float32, 0, op)
+		w, err := countPatternWrong(buf, reduce.Float32, op, 1, 0)
+		require.NoError(t, err)
+		assert.Zero(t, w, "one member's pattern is its own reduction (%s)", op)
+		w, err = countPatternWrong(buf, reduce.Float32, op, 3, 0)
+		require.NoError(t, err)
+		assert.Positive(t, w, "%s over 3 members differs from one member's values", op)
+	}
+}
+
+func TestSweepRowsAreExact(t *testing.T) {
+	for _, coll := range []string{"all_reduce", "broadcast", "all_gather", "reduce_scatter", "exchange", "memcpy"} {
+		n := 2
+		ms := memMembers(t, n)
+		rows := make([][]BenchRow, n)
+		errs := each(ms, func(m *Member) error {
+			r, err := Sweep(context.Background(), m, SweepOptions{Coll: coll, DType: reduce.BFloat16, Op: reduce.Sum,
+				Sizes: []int64{8, 10000, 1 << 20}, Iters: 2, Warmup: 1, ChunkB: 4096})
+			rows[m.Rank] = r
+			return err
+		})
+		for i, err := range errs {
+			require.NoError(t, err, "%s member %d", coll, i)
+		}
+		require.Len(t, rows[0], 3)
+		for _, r := range rows[0] {
+			assert.Zero(t, r.Wrong, "%s %+v", coll, r)
+			assert.Positive(t, r.AlgBW)
+			assert.InDelta(t, r.AlgBW*BusFactor(coll, n), r.BusBW, 1e-9)
+			assert.Equal(t, BenchSchema, r.Schema)
+		}
+	}
+}
+
+func TestParseSizes(t *testing.T) {
+	got, err := ParseSizes("8, 1K,64M,1G,3")
+	require.NoError(t, err)
+	assert.Equal(t, []int64{8, 1024, 64 << 20, 1 << 30, 3}, got)
+	for _, bad := range []string{"", "x", "-1", "0", "1T"} {
+		_, err := ParseSizes(bad)
+		assert.Error(t, err, bad)
+	}
+	assert.Equal(t, int64(8), DefaultSizes()[0])
+	assert.Equal(t, int64(1<<30), DefaultSizes()[len(DefaultSizes())-1])
+}
+
+func TestBusFactor(t *testing.T) {
+	assert.Equal(t, 1.0, BusFactor("all_reduce", 2))
+	assert.Equal(t, 1.5, BusFactor("all_reduce", 4))
+	assert.Equal(t, 0.75, BusFactor("all_gather", 4))
+	assert.Equal(t, 0.75, BusFactor("reduce_scatter", 4))
+	assert.Equal(t, 1.0, BusFactor("broadcast", 4))
+}

@@ -1,0 +1,262 @@
+package harness
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/reduce"
+)
+
+// Case is one selftest check.
+type Case struct {
+	Coll  string       `json:"collective"`
+	DType reduce.DType `json:"-"`
+	Op    reduce.Op    `json:"-"`
+	Elems int          `json:"elements"`
+	Root  int          `json:"root,omitempty"`
+}
+
+func (c Case) String() string {
+	switch c.Coll {
+	case "broadcast":
+		return fmt.Sprintf("broadcast %s root %d, %d elements", c.DType, c.Root, c.Elems)
+	case "all_gather":
+		return fmt.Sprintf("all_gather %s, %d elements per member", c.DType, c.Elems)
+	case "barrier", "p2p":
+		return c.Coll
+	}
+	return fmt.Sprintf("%s %s %s, %d elements", c.Coll, c.DType, c.Op, c.Elems)
+}
+
+// selftestSizes are the element counts every collective × dtype × op runs
+// at: one element, odd sizes, several chunks.
+var selftestSizes = []int{1, 7, 1021, 65537, 1<<20 + 3}
+
+// SelftestLargeBytes is the size of the largest buffers: every collective ×
+// dtype runs once at this size (with sum, or no op).
+const SelftestLargeBytes = 64 << 20
+
+// Cases lists every check of a selftest of n members.
+func Cases(n int) []Case {
+	var cs []Case
+	for _, dt := range reduce.AllDTypes() {
+		large := SelftestLargeBytes / dt.Size()
+		for _, elems := range append(selftestSizes, large) {
+			ops := reduce.AllOps()
+			if elems == large {
+				ops = []reduce.Op{reduce.Sum}
+			}
+			for _, op := range ops {
+				if reduce.Supported(op, dt) != nil {
+					continue
+				}
+				cs = append(cs, Case{Coll: "all_reduce", DType: dt, Op: op, Elems: elems})
+				cs = append(cs, Case{Coll: "reduce_scatter", DType: dt, Op: op, Elems: elems})
+			}
+			cs = append(cs, Case{Coll: "broadcast", DType: dt, Elems: elems, Root: (elems + len(cs)) % n})
+			cs = append(cs, Case{Coll: "all_gather", DType: dt, Elems: elems})
+		}
+	}
+	return append(cs, Case{Coll: "barrier"}, Case{Coll: "p2p"})
+}
+
+// Failure is a check that failed.
+type Failure struct {
+	Case  string `json:"case"`
+	Wrong int64  `json:"wrong_elements,omitempty"`
+	Error string `json:"error,omitempty"`
+}
+
+// RunReport is what member 0 reports of one selftest run.
+type RunReport struct {
+	Members   int        `json:"members"`
+	Transport string     `json:"transport"`
+	Cases     int        `json:"cases"`
+	Failed    int        `json:"failed"`
+	Failures  []Failure  `json:"failures"`
+	Bandwidth []BenchRow `json:"bandwidth"`
+	Seconds   float64    `json:"seconds"`
+}
+
+// ErrChecksFailed marks a selftest whose checks failed (exit 1).
+var ErrChecksFailed = errors.New("selftest checks failed")
+
+// SelftestMember runs the cases on a joined member, then (with sweep) a
+// short all_reduce bandwidth sweep, and on member 0 writes the run's report
+// as one JSON line to out. Progress lines go to progress when it is not nil.
+func SelftestMember(ctx context.Context, m *Member, cases []Case, sweep bool, out, progress io.Writer) error {
+	start := time.Now()
+	rep := RunReport{Members: m.Size, Transport: m.Mesh.Describe(), Cases: len(cases), Failures: []Failure{}}
+	for i, c := range cases {
+		wrong, err := runCase(ctx, m, c, uint64(i))
+		if err != nil {
+			// The bridge is broken: every later case would fail the same way.
+			rep.Failures = append(rep.Failures, Failure{Case: c.String(), Error: err.Error()})
+			rep.Failed = len(cases) - i
+			break
+		}
+		total, err := sumAcross(ctx, m, int64(wrong))
+		if err != nil {
+			rep.Failures = append(rep.Failures, Failure{Case: c.String(), Error: err.Error()})
+			rep.Failed = len(cases) - i
+			break
+		}
+		if total != 0 {
+			rep.Failures = append(rep.Failures, Failure{Case: c.String(), Wrong: total})
+			rep.Failed++
+		}
+		if progress != nil && m.Rank == 0 {
+			fmt.Fprintf(progress, "\r%d members: %d/%d checks, %d failed", m.Size, i+1, len(cases), rep.Failed)
+		}
+	}
+	if progress != nil && m.Rank == 0 {
+		fmt.Fprintln(progress)
+	}
+	if rep.Failed == 0 && sweep {
+		rows, err := Sweep(ctx, m, SweepOptions{Coll: "all_reduce", DType: reduce.Float32, Op: reduce.Sum,
+			Sizes: []int64{1 << 20, 16 << 20, 64 << 20}, Iters: 5, Warmup: 1})
+		if err != nil {
+			rep.Failures = append(rep.Failures, Failure{Case: "bandwidth sweep", Error: err.Error()})
+			rep.Failed++
+		}
+		rep.Bandwidth = rows
+	}
+	if rep.Bandwidth == nil {
+		rep.Bandwidth = []BenchRow{}
+	}
+	rep.Seconds = time.Since(start).Seconds()
+	if m.Rank == 0 {
+		if err := writeJSON(out, rep); err != nil {
+			return err
+		}
+	}
+	if rep.Failed > 0 {
+		return ErrChecksFailed
+	}
+	return nil
+}
+
+// sumAcross all-reduces one int64 over the bridge.
+func sumAcross(ctx context.Context, m *Member, v int64) (int64, error) {
+	b := make([]byte, 8)
+	binary.LittleEndian.PutUint64(b, uint64(v))
+	if err := m.Comm.AllReduce(ctx, b, reduce.Int64, reduce.Sum, nil); err != nil {
+		return 0, err
+	}
+	return int64(binary.LittleEndian.Uint64(b)), nil
+}
+
+// inputs generates every member's input of a case.
+func inputs(c Case, n int, bytesEach int, id uint64) [][]byte {
+	in := make([][]byte, n)
+	for r := range in {
+		in[r] = make([]byte, bytesEach)
+		fillRandom(in[r], c.DType, seedFor(id, uint64(r)))
+	}
+	return in
+}
+
+// runCase runs one case and returns how many of this member's result
+// elements are wrong.
+func runCase(ctx context.Context, m *Member, c Case, id uint64) (int, error) {
+	n, me := m.Size, m.Rank
+	switch c.Coll {
+	case "barrier":
+		return 0, m.Comm.Barrier(ctx)
+	case "p2p":
+		return runP2P(ctx, m, id)
+	}
+	sz := c.DType.Size()
+	switch c.Coll {
+	case "all_reduce":
+		in := inputs(c, n, c.Elems*sz, id)
+		want := collective.ReferenceAllReduce(c.Op, c.DType, in, n)
+		buf := append([]byte(nil), in[me]...)
+		if err := m.Comm.AllReduce(ctx, buf, c.DType, c.Op, nil); err != nil {
+			return 0, err
+		}
+		return countWrong(buf, want, sz), nil
+	case "reduce_scatter":
+		in := inputs(c, n, n*c.Elems*sz, id)
+		want := collective.ReferenceReduceScatter(c.Op, c.DType, in, n)[me]
+		out := make([]byte, c.Elems*sz)
+		if err := m.Comm.ReduceScatter(ctx, out, in[me], c.DType, c.Op, nil); err != nil {
+			return 0, err
+		}
+		return countWrong(out, want, sz), nil
+	case "broadcast":
+		buf := make([]byte, c.Elems*sz)
+		want := make([]byte, len(buf))
+		fillRandom(want, c.DType, seedFor(id, uint64(c.Root)))
+		if me == c.Root {
+			copy(buf, want)
+		}
+		if err := m.Comm.Broadcast(ctx, buf, c.Root, nil); err != nil {
+			return 0, err
+		}
+		return countWrong(buf, want, sz), nil
+	case "all_gather":
+		in := inputs(c, n, c.Elems*sz, id)
+		var want []byte
+		for _, p := range in {
+			want = append(want, p...)
+		}
+		out := make([]byte, len(want))
+		if err := m.Comm.AllGather(ctx, out, in[me], nil); err != nil {
+			return 0, err
+		}
+		return countWrong(out, want, sz), nil
+	}
+	return 0, fmt.Errorf("unknown collective %q", c.Coll)
+}
+
+// runP2P sends 8 tagged messages of different sizes to the next member and
+// receives 8 from the previous one, posting the receives in reverse tag
+// order so that matching by tag, not by arrival, is checked.
+func runP2P(ctx context.Context, m *Member, id uint64) (int, error) {
+	n, me := m.Size, m.Rank
+	next, prev := (me+1)%n, (me+n-1)%n
+	const msgs = 8
+	size := func(tag int) int { return 1 + tag*tag*4099 }
+	errc := make(chan error, 2*msgs)
+	wrong := make(chan int, msgs)
+	for tag := 0; tag < msgs; tag++ {
+		go func() {
+			b := make([]byte, size(tag))
+			fillRandom(b, reduce.Uint8, seedFor(id, uint64(me), uint64(tag)))
+			errc <- m.Comm.Send(ctx, next, uint32(tag), b)
+		}()
+	}
+	for tag := msgs - 1; tag >= 0; tag-- {
+		go func() {
+			want := make([]byte, size(tag))
+			fillRandom(want, reduce.Uint8, seedFor(id, uint64(prev), uint64(tag)))
+			got := make([]byte, len(want)+16)
+			k, err := m.Comm.Recv(ctx, prev, uint32(tag), got)
+			if err == nil && k != len(want) {
+				err = fmt.Errorf("p2p tag %d from member %d: got %d bytes, want %d", tag, prev, k, len(want))
+			}
+			if err == nil {
+				wrong <- countWrong(got[:k], want, 1)
+			}
+			errc <- err
+		}()
+	}
+	total := 0
+	var first error
+	for i := 0; i < 2*msgs; i++ {
+		if err := <-errc; err != nil && first == nil {
+			first = err
+		}
+	}
+	close(wrong)
+	for w := range wrong {
+		total += w
+	}
+	return total, first
+}

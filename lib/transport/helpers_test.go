@@ -1,0 +1,302 @@
+package transport
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/store"
+	"github.com/gpubridge/gpubridge/lib/wire"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+)
+
+const childEnv = "GPUBRIDGE_TRANSPORT_TEST_CHILD"
+
+func TestMain(m *testing.M) {
+	if spec := os.Getenv(childEnv); spec != "" {
+		os.Exit(childMain(spec))
+	}
+	goleak.VerifyTestMain(m)
+}
+
+// syncBuffer is a goroutine-safe log sink.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// startStore runs an in-process c10d store on a loopback port until the
+// test ends and returns its address.
+func startStore(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv := store.NewServer(store.ServerOptions{})
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ln) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		require.NoError(t, srv.Shutdown(ctx))
+		require.NoError(t, <-done)
+	})
+	return ln.Addr().String()
+}
+
+// dialStore returns a client of the store at addr, prefixed to ns.
+func dialStore(t testing.TB, addr, ns string) *store.Client {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := store.Dial(ctx, addr, store.WithConnectTimeout(10*time.Second))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	return c.Prefix(ns)
+}
+
+func hostname(t testing.TB) string {
+	h, err := os.Hostname()
+	require.NoError(t, err)
+	return h
+}
+
+// members describes n members for a transport: all on this host for shm,
+// on made-up hosts for tcp (the host names only appear in messages).
+func members(t testing.TB, transport string, n int) []MemberInfo {
+	out := make([]MemberInfo, n)
+	for i := range out {
+		out[i] = MemberInfo{Rank: 2 * i, Host: fmt.Sprintf("host-%c", 'a'+i)}
+		if transport == "shm" {
+			out[i].Host = hostname(t)
+		}
+	}
+	return out
+}
+
+// bridge is a set of members' configs over one store namespace.
+type bridge struct {
+	addr, ns string
+	cfgs     []Config
+}
+
+// newBridge makes configs for n members; mod adjusts member i's.
+func newBridge(t testing.TB, transport string, n, streams int, crc bool) *bridge {
+	addr := startStore(t)
+	b := &bridge{addr: addr, ns: "job-" + strings.ReplaceAll(t.Name(), "/", "-"), cfgs: make([]Config, n)}
+	ms := members(t, transport, n)
+	for i := range b.cfgs {
+		b.cfgs[i] = Config{
+			Store: dialStore(t, addr, b.ns), Self: i, Members: ms, Transport: transport,
+			Streams: streams, CRC: crc, ListenHost: "127.0.0.1", Timeout: 20 * time.Second,
+		}
+	}
+	return b
+}
+
+// establish runs Establish for the given members at once and returns the
+// meshes (closed when the test ends) and errors, by member.
+func (b *bridge) establish(t testing.TB, which ...int) ([]Mesh, []error) {
+	t.Helper()
+	if len(which) == 0 {
+		for i := range b.cfgs {
+			which = append(which, i)
+		}
+	}
+	meshes := make([]Mesh, len(b.cfgs))
+	errs := make([]error, len(b.cfgs))
+	var wg sync.WaitGroup
+	for _, i := range which {
+		wg.Go(func() { meshes[i], errs[i] = Establish(context.Background(), b.cfgs[i]) })
+	}
+	wg.Wait()
+	t.Cleanup(func() {
+		for _, m := range meshes {
+			if m != nil {
+				_ = m.Close()
+			}
+		}
+	})
+	return meshes, errs
+}
+
+// mustEstablish establishes every member and fails the test on an error.
+func (b *bridge) mustEstablish(t testing.TB) []Mesh {
+	t.Helper()
+	ms, errs := b.establish(t)
+	for i, err := range errs {
+		require.NoError(t, err, "member %d", i)
+	}
+	return ms
+}
+
+// pattern fills p with bytes determined by the frame's identity: a random
+// 4 KiB block from that seed, repeated, each copy stamped with its offset
+// (cheap under the race detector, and still catches misplaced data).
+func pattern(p []byte, from, to, stream int, seq uint64) {
+	r := rand.New(rand.NewPCG(uint64(from)<<48|uint64(to)<<32|uint64(stream), seq))
+	var block [4096]byte
+	for i := 0; i < len(block); i += 8 {
+		binary.LittleEndian.PutUint64(block[i:], r.Uint64())
+	}
+	for off := 0; off < len(p); off += len(block) {
+		n := copy(p[off:], block[:])
+		if n >= 8 {
+			binary.LittleEndian.PutUint64(p[off:], uint64(off)^seq)
+		}
+	}
+}
+
+// streamOf returns data stream i, or the control stream for i == Streams.
+func streamOf(m Mesh, peer, i int) Stream {
+	if i == m.Streams() {
+		return m.Control(peer)
+	}
+	return m.Stream(peer, i)
+}
+
+// exchange sends frames of the given sizes on every stream (control
+// included) from every member to every other, all at once, and checks
+// their content, headers and order.
+func exchange(t *testing.T, meshes []Mesh, sizes []int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	n := len(meshes)
+	var wg sync.WaitGroup
+	errc := make(chan error, 2*n*n*(meshes[0].Streams()+1))
+	for a := range n {
+		for b := range n {
+			if a == b {
+				continue
+			}
+			for s := 0; s <= meshes[a].Streams(); s++ {
+				wg.Go(func() {
+					out := streamOf(meshes[a], b, s)
+					buf := make([]byte, 0, 1<<20)
+					for k, size := range sizes {
+						if cap(buf) < size {
+							buf = make([]byte, size)
+						}
+						p := buf[:size]
+						pattern(p, a, b, s, uint64(k))
+						h := wire.Header{Kind: wire.KindData, Seq: uint64(k), Step: uint32(s), Chunk: uint32(a)}
+						if err := out.Send(ctx, h, p); err != nil {
+							errc <- fmt.Errorf("send %d->%d stream %d frame %d: %w", a, b, s, k, err)
+							return
+						}
+					}
+				})
+				wg.Go(func() {
+					in := streamOf(meshes[a], b, s)
+					want := make([]byte, 0, 1<<20)
+					for k, size := range sizes {
+						if cap(want) < size {
+							want = make([]byte, size)
+						}
+						w := want[:size]
+						pattern(w, b, a, s, uint64(k))
+						err := in.Recv(ctx, func(h wire.Header, p []byte) error {
+							if h.Seq != uint64(k) || h.Step != uint32(s) || h.Chunk != uint32(b) || h.Kind != wire.KindData {
+								return fmt.Errorf("header %+v, want seq %d step %d chunk %d", h, k, s, b)
+							}
+							if !bytes.Equal(p, w) {
+								return fmt.Errorf("payload of %d bytes differs (want %d)", len(p), len(w))
+							}
+							return nil
+						})
+						if err != nil {
+							errc <- fmt.Errorf("recv %d<-%d stream %d frame %d: %w", a, b, s, k, err)
+							return
+						}
+					}
+				})
+			}
+		}
+	}
+	wg.Wait()
+	close(errc)
+	for err := range errc {
+		t.Error(err)
+	}
+}
+
+// childSpec is what a child member (a re-exec of the test binary) does.
+type childSpec struct {
+	Store     string       `json:"store"`
+	NS        string       `json:"ns"`
+	Transport string       `json:"transport"`
+	Members   []MemberInfo `json:"members"`
+	Self      int          `json:"self"`
+	Streams   int          `json:"streams"`
+}
+
+// childMain establishes the bridge, sends "hello" on data stream 0 to
+// member 0, then waits to be killed.
+func childMain(spec string) int {
+	var cs childSpec
+	if err := json.Unmarshal([]byte(spec), &cs); err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := store.Dial(ctx, cs.Store)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	m, err := Establish(ctx, Config{Store: c.Prefix(cs.NS), Self: cs.Self, Members: cs.Members, Transport: cs.Transport,
+		Streams: cs.Streams, ListenHost: "127.0.0.1", Timeout: 20 * time.Second,
+		Log: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	if err := m.Stream(0, 0).Send(ctx, wire.Header{Kind: wire.KindData}, []byte("hello")); err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	time.Sleep(time.Minute)
+	return 0
+}
+
+// startChild starts a child process as member self of b.
+func startChild(t *testing.T, b *bridge, self int) *exec.Cmd {
+	t.Helper()
+	spec, err := json.Marshal(childSpec{Store: b.addr, NS: b.ns, Transport: b.cfgs[self].Transport,
+		Members: b.cfgs[self].Members, Self: self, Streams: b.cfgs[self].Streams})
+	require.NoError(t, err)
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"="+string(spec))
+	cmd.Stderr = os.Stderr
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	return cmd
+}

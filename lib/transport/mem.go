@@ -1,0 +1,163 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/gpubridge/gpubridge/lib/wire"
+)
+
+// ErrClosed is returned by streams of a closed mesh.
+var ErrClosed = errors.New("bridge closed")
+
+// memQueue frames a directed in-memory stream may hold before Send blocks.
+const memQueue = 4
+
+type memFrame struct {
+	hdr     wire.Header
+	payload []byte
+}
+
+type memLink struct{ ch chan memFrame }
+
+type memMesh struct {
+	self, size, streams int
+	crc                 bool
+	links               [][][]*memLink // links[from][to][stream], stream == streams is control
+	done                []chan struct{}
+	closeOnce           []*sync.Once
+}
+
+// NewMem returns the meshes of size members joined in memory, with streams
+// data streams per pair, for tests. Send copies the payload, as a real
+// transport does.
+func NewMem(size, streams int, crc bool) []Mesh {
+	links := make([][][]*memLink, size)
+	for a := range links {
+		links[a] = make([][]*memLink, size)
+		for b := range links[a] {
+			if a == b {
+				continue
+			}
+			links[a][b] = make([]*memLink, streams+1)
+			for s := range links[a][b] {
+				links[a][b][s] = &memLink{ch: make(chan memFrame, memQueue)}
+			}
+		}
+	}
+	done := make([]chan struct{}, size)
+	once := make([]*sync.Once, size)
+	for i := range done {
+		done[i] = make(chan struct{})
+		once[i] = &sync.Once{}
+	}
+	out := make([]Mesh, size)
+	for i := range out {
+		out[i] = &memMesh{self: i, size: size, streams: streams, crc: crc, links: links, done: done, closeOnce: once}
+	}
+	return out
+}
+
+func (m *memMesh) Self() int    { return m.self }
+func (m *memMesh) Size() int    { return m.size }
+func (m *memMesh) Streams() int { return m.streams }
+func (m *memMesh) Peer(member int) string {
+	return fmt.Sprintf("member %d", member)
+}
+func (m *memMesh) Describe() string {
+	crc := "no crc"
+	if m.crc {
+		crc = "crc32c"
+	}
+	return fmt.Sprintf("mem, %d streams per peer, %s", m.streams, crc)
+}
+
+func (m *memMesh) Stream(peer, i int) Stream {
+	if i < 0 || i >= m.streams {
+		panic(fmt.Sprintf("transport: stream %d of %d", i, m.streams))
+	}
+	return m.stream(peer, i)
+}
+
+func (m *memMesh) Control(peer int) Stream { return m.stream(peer, m.streams) }
+
+func (m *memMesh) stream(peer, i int) Stream {
+	if peer == m.self || peer < 0 || peer >= m.size {
+		panic(fmt.Sprintf("transport: member %d has no stream to member %d", m.self, peer))
+	}
+	return &memStream{m: m, peer: peer, out: m.links[m.self][peer][i], in: m.links[peer][m.self][i]}
+}
+
+// Abort queues an abort frame on every stream to every peer (where there is
+// room) and closes the mesh.
+func (m *memMesh) Abort(err error) {
+	var h wire.Header
+	h.Kind = wire.KindAbort
+	msg := []byte(err.Error())
+	h.Seal(msg, m.crc)
+	for p := 0; p < m.size; p++ {
+		if p == m.self {
+			continue
+		}
+		for _, l := range m.links[m.self][p] {
+			select {
+			case l.ch <- memFrame{h, msg}:
+			default:
+			}
+		}
+	}
+	_ = m.Close()
+}
+
+func (m *memMesh) Close() error {
+	m.closeOnce[m.self].Do(func() { close(m.done[m.self]) })
+	return nil
+}
+
+type memStream struct {
+	m       *memMesh
+	peer    int
+	out, in *memLink
+}
+
+func (s *memStream) Send(ctx context.Context, hdr wire.Header, payload []byte) error {
+	hdr.Seal(payload, s.m.crc)
+	f := memFrame{hdr, append([]byte(nil), payload...)}
+	select {
+	case s.out.ch <- f:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("send to %s: %w", s.m.Peer(s.peer), ctx.Err())
+	case <-s.m.done[s.m.self]:
+		return fmt.Errorf("send to %s: %w", s.m.Peer(s.peer), ErrClosed)
+	case <-s.m.done[s.peer]:
+		return &PeerError{Peer: s.m.Peer(s.peer), Err: ErrPeerClosed}
+	}
+}
+
+func (s *memStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error) error {
+	var f memFrame
+	select {
+	case f = <-s.in.ch:
+	case <-ctx.Done():
+		return fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ctx.Err())
+	case <-s.m.done[s.m.self]:
+		return fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ErrClosed)
+	case <-s.m.done[s.peer]:
+		// Frames the peer sent before it closed are still delivered.
+		select {
+		case f = <-s.in.ch:
+		default:
+			return &PeerError{Peer: s.m.Peer(s.peer), Err: ErrPeerClosed}
+		}
+	}
+	if err := f.hdr.Verify(f.payload); err != nil {
+		return &PeerError{Peer: s.m.Peer(s.peer), Err: err}
+	}
+	if f.hdr.Kind == wire.KindAbort {
+		return &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("failed: %s", f.payload)}
+	}
+	return fn(f.hdr, f.payload)
+}

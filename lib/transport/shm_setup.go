@@ -1,0 +1,184 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+)
+
+// establishSHM creates this member's ring file, publishes it, maps every
+// peer's file after checking it, and waits until every member has mapped
+// every file before unlinking its own.
+func (s *setup) establishSHM(ctx context.Context) (_ Mesh, err error) {
+	n, self := len(s.cfg.Members), s.cfg.Self
+	dataCap := (uint64(s.cfg.RingBytes)+4095)&^4095 + 4096
+	lay := shmLayout{size: n, streams: s.cfg.Streams, dataCap: dataCap, ctlCap: min(dataCap, ctlRingCap)}
+	m := &shmMesh{self: self, size: n, streams: s.cfg.Streams, crc: s.cfg.CRC,
+		pids: make([]int, n), pidfds: make([]int, n), dead: make([]atomic.Bool, n)}
+	for i := range m.pidfds {
+		m.pidfds[i] = -1
+	}
+	defer func() {
+		if err != nil {
+			m.mu.Lock()
+			m.closed = true
+			m.unmapLocked()
+			m.mu.Unlock()
+			if m.ownPath != "" {
+				_ = os.Remove(m.ownPath)
+			}
+		}
+	}()
+
+	// Our file: our outbound rings.
+	path := filepath.Join(shmDir, fmt.Sprintf("gpubridge-%x-m%d", s.job[:8], self))
+	own, err := createRingFile(path, lay.fileSize())
+	if err != nil {
+		return nil, err
+	}
+	m.ownPath = path
+	m.maps = append(m.maps, own)
+	hdr := shmHeader{proto: int(s.proto), member: self, pid: os.Getpid(), size: n, streams: s.cfg.Streams,
+		dataCap: lay.dataCap, ctlCap: lay.ctlCap, job: s.job}
+	hdr.put(own[:shmHdrSize], s.secret)
+
+	pidns, _ := os.Readlink("/proc/self/ns/pid")
+	ep := s.baseEndpoint()
+	ep.SHM, ep.PIDNS = path, pidns
+	if err := s.publish(ctx, ep); err != nil {
+		return nil, err
+	}
+	eps, err := s.gather(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for i, e := range eps {
+		if e.Hostname != eps[0].Hostname {
+			return nil, &sharedError{fmt.Errorf("the shm transport needs every member on one host: %s is on %s, %s on %s; use tcp",
+				s.member(0), eps[0].Hostname, s.member(i), e.Hostname)}
+		}
+		if e.PIDNS != eps[0].PIDNS {
+			return nil, &sharedError{fmt.Errorf("the shm transport needs every member in one pid namespace: %s is in %s, %s in %s; use tcp",
+				s.member(0), eps[0].PIDNS, s.member(i), e.PIDNS)}
+		}
+	}
+
+	m.peers = make([]string, n)
+	for i, e := range eps {
+		m.peers[i] = fmt.Sprintf("member %d (rank %d on %s, pid %d)", i, e.Rank, e.Hostname, e.PID)
+		m.pids[i] = e.PID
+	}
+	m.links = make([][]*shmStream, n)
+	for p := range n {
+		if p == self {
+			continue
+		}
+		theirs, tl, err := s.mapPeer(eps[p], p, lay)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", m.peers[p], err)
+		}
+		m.maps = append(m.maps, theirs)
+		if fd, err := unix.PidfdOpen(eps[p].PID, 0); err == nil {
+			m.pidfds[p] = fd
+		}
+		m.links[p] = make([]*shmStream, s.cfg.Streams+1)
+		for st := range m.links[p] {
+			in := tl.ring(theirs, peerIndex(p, self), st)
+			in.consPid.Store(uint32(os.Getpid()))
+			m.links[p][st] = &shmStream{m: m, peer: p, idx: st, out: lay.ring(own, peerIndex(self, p), st), in: in}
+		}
+	}
+	if err := s.barrier(ctx); err != nil {
+		return nil, err
+	}
+	// Every member has mapped every file: nothing needs the names now.
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		s.log.Warn("could not unlink the ring file", "path", path, "err", err)
+	}
+	m.ownPath = ""
+	crc := "no crc"
+	if s.cfg.CRC {
+		crc = "crc32c"
+	}
+	m.desc = fmt.Sprintf("shm, %d streams per peer, %s, %d MiB rings on %s", s.cfg.Streams, crc,
+		(lay.dataCap-4096)>>20, eps[self].Hostname)
+	return m, nil
+}
+
+// createRingFile creates (replacing a stale one of an earlier attempt of
+// this job) and maps a zeroed file of size bytes with mode 0600.
+func createRingFile(path string, size uint64) ([]byte, error) {
+	flags := unix.O_RDWR | unix.O_CREAT | unix.O_EXCL | unix.O_CLOEXEC | unix.O_NOFOLLOW
+	fd, err := unix.Open(path, flags, 0o600)
+	if errors.Is(err, unix.EEXIST) {
+		_ = os.Remove(path)
+		fd, err = unix.Open(path, flags, 0o600)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("create ring file %s: %w", path, err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Fchmod(fd, 0o600); err != nil {
+		_ = os.Remove(path)
+		return nil, fmt.Errorf("ring file %s: %w", path, err)
+	}
+	if err := unix.Fallocate(fd, 0, 0, int64(size)); err != nil {
+		_ = os.Remove(path)
+		return nil, fmt.Errorf("allocate %d MiB for the ring file %s: %w (is %s full?)", size>>20, path, err, shmDir)
+	}
+	b, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		_ = os.Remove(path)
+		return nil, fmt.Errorf("map ring file %s: %w", path, err)
+	}
+	return b, nil
+}
+
+// mapPeer opens, checks and maps member p's ring file.
+func (s *setup) mapPeer(ep endpoint, p int, lay shmLayout) ([]byte, shmLayout, error) {
+	if filepath.Dir(ep.SHM) != filepath.Clean(shmDir) {
+		return nil, shmLayout{}, fmt.Errorf("ring file %q is not in %s", ep.SHM, shmDir)
+	}
+	fd, err := unix.Open(ep.SHM, unix.O_RDWR|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, shmLayout{}, fmt.Errorf("open ring file: %w", err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, shmLayout{}, fmt.Errorf("ring file %s: %w", ep.SHM, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Mode&0o077 != 0 || int(st.Uid) != os.Geteuid() {
+		return nil, shmLayout{}, fmt.Errorf("ring file %s: mode %o owner uid %d; want a regular file with mode 0600 owned by uid %d",
+			ep.SHM, st.Mode, st.Uid, os.Geteuid())
+	}
+	var hb [shmHdrSize]byte
+	if _, err := unix.Pread(fd, hb[:], 0); err != nil {
+		return nil, shmLayout{}, fmt.Errorf("ring file %s: %w", ep.SHM, err)
+	}
+	h, err := parseSHMHeader(hb[:], s.secret)
+	if err != nil {
+		return nil, shmLayout{}, fmt.Errorf("ring file %s: %w", ep.SHM, err)
+	}
+	if h.member != p || h.pid != ep.PID || h.job != s.job || h.size != lay.size || h.streams != lay.streams || h.proto != int(s.proto) {
+		return nil, shmLayout{}, fmt.Errorf("ring file %s is member %d's (pid %d, %d members, %d streams, v%d), want member %d's (pid %d)",
+			ep.SHM, h.member, h.pid, h.size, h.streams, h.proto, p, ep.PID)
+	}
+	if h.dataCap%4096 != 0 || h.ctlCap%4096 != 0 || h.dataCap < 2*4096 || h.ctlCap < 2*4096 || h.dataCap > 2*maxRingBytes || h.ctlCap > h.dataCap {
+		return nil, shmLayout{}, fmt.Errorf("ring file %s: bad ring sizes %d and %d", ep.SHM, h.dataCap, h.ctlCap)
+	}
+	theirs := shmLayout{size: lay.size, streams: lay.streams, dataCap: h.dataCap, ctlCap: h.ctlCap}
+	if uint64(st.Size) != theirs.fileSize() {
+		return nil, shmLayout{}, fmt.Errorf("ring file %s has %d bytes, its header implies %d", ep.SHM, st.Size, theirs.fileSize())
+	}
+	b, err := unix.Mmap(fd, 0, int(st.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, shmLayout{}, fmt.Errorf("map ring file %s: %w", ep.SHM, err)
+	}
+	return b, theirs, nil
+}

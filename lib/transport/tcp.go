@@ -1,0 +1,363 @@
+package transport
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/wire"
+	"golang.org/x/sys/unix"
+)
+
+// Socket settings of bridge connections.
+const (
+	// sockBuf is SO_SNDBUF and SO_RCVBUF of every bridge connection (set
+	// with the FORCE variants as root, so rmem_max does not cap them).
+	sockBuf = 4 << 20
+	// readBuf is the receive buffer in front of each connection: frame
+	// headers and small frames are read in one system call; large
+	// payloads bypass it.
+	readBuf = 64 << 10
+	// closeGrace bounds the KindClose frames Close sends.
+	closeGrace = 100 * time.Millisecond
+	// abortGrace bounds Abort's KindAbort frames.
+	abortGrace = time.Second
+	// crcPiece is how much of a payload Recv reads before checksumming it.
+	crcPiece = 512 << 10
+	// maxAbortText bounds the error text an abort frame carries.
+	maxAbortText = 4 << 10
+)
+
+type tcpMesh struct {
+	self, size, streams int
+	crc                 bool
+	desc                string
+	peers               []string
+	links               [][]*tcpStream // [peer][stream], stream == streams is control
+	log                 *slog.Logger
+
+	closed    atomic.Bool
+	aborting  atomic.Bool
+	closeOnce sync.Once
+}
+
+type tcpStream struct {
+	m         *tcpMesh
+	peer, idx int
+	conn      *net.TCPConn
+
+	// send side, serialized by smu (Abort and Close take it too)
+	smu     sync.Mutex
+	wg      guard
+	whdr    [wire.HeaderSize]byte
+	vec     [2][]byte
+	bufs    net.Buffers
+	sbroken error
+	corrupt atomic.Bool // test hook: flip a payload byte of the next frame on the wire
+
+	// receive side, used by one receiver at a time
+	rg      guard
+	br      *bufio.Reader
+	buf     []byte
+	rbroken error
+}
+
+// newTCPMesh takes ownership of conns[peer][stream] (nil for self).
+func newTCPMesh(self, streams int, crc bool, desc string, peers []string, conns [][]*net.TCPConn, log *slog.Logger) *tcpMesh {
+	m := &tcpMesh{self: self, size: len(conns), streams: streams, crc: crc, desc: desc, peers: peers, log: log}
+	m.links = make([][]*tcpStream, len(conns))
+	for p, cs := range conns {
+		if p == self {
+			continue
+		}
+		m.links[p] = make([]*tcpStream, len(cs))
+		for i, c := range cs {
+			s := &tcpStream{m: m, peer: p, idx: i, conn: c, br: bufio.NewReaderSize(c, readBuf)}
+			s.wg.set = c.SetWriteDeadline
+			s.rg.set = c.SetReadDeadline
+			m.links[p][i] = s
+		}
+	}
+	return m
+}
+
+func (m *tcpMesh) Self() int        { return m.self }
+func (m *tcpMesh) Size() int        { return m.size }
+func (m *tcpMesh) Streams() int     { return m.streams }
+func (m *tcpMesh) Describe() string { return m.desc }
+func (m *tcpMesh) Peer(member int) string {
+	if member < 0 || member >= len(m.peers) {
+		return fmt.Sprintf("member %d", member)
+	}
+	return m.peers[member]
+}
+
+func (m *tcpMesh) Stream(peer, i int) Stream {
+	if i < 0 || i >= m.streams {
+		panic(fmt.Sprintf("transport: stream %d of %d", i, m.streams))
+	}
+	return m.link(peer, i)
+}
+
+func (m *tcpMesh) Control(peer int) Stream { return m.link(peer, m.streams) }
+
+func (m *tcpMesh) link(peer, i int) *tcpStream {
+	if peer == m.self || peer < 0 || peer >= m.size {
+		panic(fmt.Sprintf("transport: member %d has no stream to member %d", m.self, peer))
+	}
+	return m.links[peer][i]
+}
+
+func (m *tcpMesh) each(f func(s *tcpStream)) {
+	for _, ls := range m.links {
+		for _, s := range ls {
+			f(s)
+		}
+	}
+}
+
+// Abort sends a KindAbort frame with err's text on every stream whose
+// sender is free within abortGrace (in-flight sends get that long to
+// finish), then closes the mesh.
+func (m *tcpMesh) Abort(err error) {
+	if m.closed.Load() {
+		return
+	}
+	m.aborting.Store(true)
+	msg := []byte(err.Error())
+	if len(msg) > maxAbortText {
+		msg = msg[:maxAbortText]
+	}
+	until := time.Now().Add(abortGrace)
+	m.each(func(s *tcpStream) { s.wg.setLimit(until) })
+	var wg sync.WaitGroup
+	m.each(func(s *tcpStream) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if !lockUntil(&s.smu, until) {
+				return
+			}
+			defer s.smu.Unlock()
+			if s.sbroken == nil {
+				_ = s.writeFrame(wire.Header{Kind: wire.KindAbort}, msg)
+			}
+		}()
+	})
+	wg.Wait()
+	m.log.Debug("bridge aborted", "err", err)
+	_ = m.Close()
+}
+
+// lockUntil takes mu, giving up at t.
+func lockUntil(mu *sync.Mutex, t time.Time) bool {
+	for !mu.TryLock() {
+		if time.Now().After(t) {
+			return false
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return true
+}
+
+// Close sends KindClose on every idle stream (bounded by closeGrace), then
+// closes every connection. Blocked calls return ErrClosed.
+func (m *tcpMesh) Close() error {
+	m.closeOnce.Do(func() {
+		m.closed.Store(true)
+		until := time.Now().Add(closeGrace)
+		m.each(func(s *tcpStream) {
+			if s.smu.TryLock() {
+				if s.sbroken == nil {
+					s.wg.setLimit(until)
+					_ = s.writeFrame(wire.Header{Kind: wire.KindClose}, nil)
+				}
+				s.smu.Unlock()
+			}
+		})
+		m.each(func(s *tcpStream) {
+			_ = s.conn.Close()
+			s.wg.release()
+			s.rg.release()
+		})
+	})
+	return nil
+}
+
+// writeFrame writes one frame with a single writev. Callers hold smu.
+func (s *tcpStream) writeFrame(hdr wire.Header, payload []byte) error {
+	hdr.Seal(payload, s.m.crc)
+	if s.corrupt.Load() && len(payload) > 0 {
+		s.corrupt.Store(false)
+		payload = append([]byte(nil), payload...)
+		payload[len(payload)/2] ^= 0x40
+	}
+	hdr.Put(s.whdr[:])
+	s.vec[0], s.vec[1] = s.whdr[:], payload
+	s.bufs = s.vec[:]
+	n, err := s.bufs.WriteTo(s.conn)
+	s.vec[1] = nil
+	if err != nil && n > 0 {
+		// A partial frame is on the wire: the stream is out of step.
+		s.sbroken = err
+	}
+	return err
+}
+
+func (s *tcpStream) Send(ctx context.Context, hdr wire.Header, payload []byte) error {
+	if len(payload) > wire.MaxPayload {
+		return fmt.Errorf("send to %s: payload of %d bytes is over the %d-byte frame limit", s.m.Peer(s.peer), len(payload), wire.MaxPayload)
+	}
+	s.smu.Lock()
+	defer s.smu.Unlock()
+	if s.sbroken != nil {
+		return s.sbroken
+	}
+	if s.m.closed.Load() || s.m.aborting.Load() {
+		return fmt.Errorf("send to %s: %w", s.m.Peer(s.peer), ErrClosed)
+	}
+	if err := s.wg.arm(ctx); err != nil {
+		return fmt.Errorf("send to %s on stream %d: %w", s.m.Peer(s.peer), s.idx, err)
+	}
+	if err := s.writeFrame(hdr, payload); err != nil {
+		e := s.m.ioErr(ctx, "send to", s, err)
+		if s.sbroken != nil {
+			// Part of the frame is on the wire.
+			s.sbroken = e
+			var pe *PeerError
+			if !errors.As(e, &pe) {
+				s.sbroken = fmt.Errorf("send to %s on stream %d: stream out of step after a frame was interrupted: %w", s.m.Peer(s.peer), s.idx, err)
+			}
+		}
+		return e
+	}
+	return nil
+}
+
+func (s *tcpStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error) error {
+	if s.rbroken != nil {
+		return s.rbroken
+	}
+	if s.m.closed.Load() {
+		return fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ErrClosed)
+	}
+	if err := s.rg.arm(ctx); err != nil {
+		return fmt.Errorf("receive from %s on stream %d: %w", s.m.Peer(s.peer), s.idx, err)
+	}
+	// Peek consumes nothing until the whole header is there: a Recv that
+	// times out or is cancelled while waiting for a frame leaves the stream
+	// in step.
+	b, err := s.br.Peek(wire.HeaderSize)
+	if err != nil {
+		e := s.m.ioErr(ctx, "receive from", s, err)
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			s.rbroken = e
+		}
+		return e
+	}
+	h, err := wire.Parse(b)
+	if err != nil {
+		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %w", s.idx, err)}
+		return s.rbroken
+	}
+	_, _ = s.br.Discard(wire.HeaderSize)
+	if int(h.Len) > cap(s.buf) {
+		s.buf = make([]byte, min(max(int(h.Len), 2*cap(s.buf)), wire.MaxPayload))
+	}
+	p := s.buf[:h.Len]
+	// Read in pieces and checksum each while it is still in cache.
+	check := h.Flags&wire.FlagCRC != 0
+	var sum uint32
+	for off := 0; off < len(p); {
+		end := min(off+crcPiece, len(p))
+		if _, err := io.ReadFull(s.br, p[off:end]); err != nil {
+			e := s.m.ioErr(ctx, "receive from", s, err)
+			s.rbroken = e
+			var pe *PeerError
+			if !errors.As(e, &pe) {
+				s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a frame was interrupted: %w", s.m.Peer(s.peer), s.idx, err)
+			}
+			return e
+		}
+		if check {
+			sum = crc32.Update(sum, castagnoli, p[off:end])
+		}
+		off = end
+	}
+	if check && sum != h.CRC {
+		return &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %w (seq %d step %d chunk %d: got %#08x, want %#08x)",
+			s.idx, wire.ErrCorrupt, h.Seq, h.Step, h.Chunk, sum, h.CRC)}
+	}
+	switch h.Kind {
+	case wire.KindAbort:
+		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("failed: %s", printable(string(p)))}
+		return s.rbroken
+	case wire.KindClose:
+		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: ErrPeerClosed}
+		return s.rbroken
+	}
+	return fn(h, p)
+}
+
+// ioErr turns an I/O error on s into the error the caller sees.
+func (m *tcpMesh) ioErr(ctx context.Context, op string, s *tcpStream, err error) error {
+	peer := m.Peer(s.peer)
+	if m.closed.Load() || m.aborting.Load() {
+		return fmt.Errorf("%s %s: %w", op, peer, ErrClosed)
+	}
+	if cerr := ctx.Err(); cerr != nil {
+		return fmt.Errorf("%s %s on stream %d: %w", op, peer, s.idx, cerr)
+	}
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl.Add(-time.Millisecond)) {
+			return fmt.Errorf("%s %s on stream %d: %w", op, peer, s.idx, context.DeadlineExceeded)
+		}
+		return fmt.Errorf("%s %s on stream %d: %w", op, peer, s.idx, err)
+	}
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNABORTED) || errors.Is(err, net.ErrClosed) {
+		return &PeerError{Peer: peer, Err: fmt.Errorf("%w (stream %d: %v)", ErrConnClosed, s.idx, err)}
+	}
+	return &PeerError{Peer: peer, Err: fmt.Errorf("%s stream %d: %w", op, s.idx, err)}
+}
+
+// keepAlive probes idle connections, so that a peer host that vanished
+// (no FIN, no RST) is noticed in about 11 s even by a member only waiting
+// to receive. (TCP_USER_TIMEOUT would bound unacknowledged sends too, but
+// on older kernels it also kills connections to a live peer that merely
+// stops reading for that long; a stalled peer is left to the caller's
+// deadlines.)
+var keepAlive = net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 3}
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// sockBufSize is SO_SNDBUF and SO_RCVBUF of bridge sockets; 0 leaves the
+// kernel's autotuning alone (benchmarks compare both).
+var sockBufSize = sockBuf
+
+// sockControl sets the socket buffers before connect/listen, so that the
+// window scale is negotiated for them. Listening sockets pass them on to
+// accepted ones.
+func sockControl(_, _ string, c syscall.RawConn) error {
+	n := sockBufSize
+	if n <= 0 {
+		return nil
+	}
+	return c.Control(func(fd uintptr) {
+		for _, o := range [][2]int{{unix.SO_SNDBUFFORCE, unix.SO_SNDBUF}, {unix.SO_RCVBUFFORCE, unix.SO_RCVBUF}} {
+			if unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[0], n) != nil {
+				_ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[1], n)
+			}
+		}
+	})
+}

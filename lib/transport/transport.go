@@ -1,0 +1,70 @@
+// Package transport carries bridge frames between the members of a bridge
+// (the island leaders): TCP with several connections per pair of members,
+// same-host shared memory, and an in-memory transport for tests. The
+// interface is narrow — framed, ordered, reliable streams between pairs —
+// so that RDMA verbs can stand behind it too.
+//
+// Establish joins a bridge through the job's c10d store: member 0 makes a
+// per-job secret (compare-and-set, so there is one per job), every member
+// publishes an HMAC-signed endpoint record and checks that all members
+// agree on transport, streams, CRC and protocol version, then the members
+// connect: over TCP, Streams+1 connections per pair, each opened with a
+// mutually authenticated handshake (handshake.go); over shared memory, one
+// ring per directed stream in preallocated /dev/shm files (shm.go). A
+// failing member records its error in the store, so every member fails
+// with a message naming the cause within the setup timeout.
+package transport
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/gpubridge/gpubridge/lib/wire"
+)
+
+// Stream is one ordered, reliable, framed link to one peer. A stream is used
+// by one sender goroutine and one receiver goroutine at a time.
+type Stream interface {
+	// Send writes one frame. It sets hdr's Len (and CRC when the mesh checks
+	// integrity) from payload, and returns once payload may be reused. It
+	// honours ctx's deadline and cancellation.
+	Send(ctx context.Context, hdr wire.Header, payload []byte) error
+	// Recv reads the next frame and calls fn with its header and payload.
+	// The payload is valid only during fn (it may be a view of a receive
+	// buffer or of shared memory). A CRC mismatch is an error wrapping
+	// wire.ErrCorrupt, and fn is not called. A KindAbort frame from the peer
+	// is returned as a *PeerError carrying the peer's message.
+	Recv(ctx context.Context, fn func(hdr wire.Header, payload []byte) error) error
+}
+
+// Mesh is one member's links to every other member of a bridge.
+type Mesh interface {
+	// Self is this member's index, Size the number of members.
+	Self() int
+	Size() int
+	// Streams is the number of data streams per pair of members.
+	Streams() int
+	// Stream returns data stream i (0 <= i < Streams()) to peer.
+	Stream(peer, i int) Stream
+	// Control returns the stream to peer reserved for point-to-point
+	// messages and barriers, apart from the data streams.
+	Control(peer int) Stream
+	// Peer describes a member for error messages: "member 1 (rank 2 on host-b)".
+	Peer(member int) string
+	// Describe names the transport and its settings: "tcp, 4 streams per peer, crc32c".
+	Describe() string
+	// Abort tells every peer that this member failed with err (best effort,
+	// bounded in time) and closes the mesh.
+	Abort(err error)
+	// Close closes every stream; blocked Send and Recv calls return errors.
+	Close() error
+}
+
+// PeerError is a failure of, or reported by, a peer member.
+type PeerError struct {
+	Peer string // as Mesh.Peer describes it
+	Err  error
+}
+
+func (e *PeerError) Error() string { return fmt.Sprintf("%s: %v", e.Peer, e.Err) }
+func (e *PeerError) Unwrap() error { return e.Err }

@@ -1,0 +1,537 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/discover"
+	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/store"
+)
+
+var bin string
+
+// TestMain uses GPUBRIDGE_BIN/gbbridge when make test built it, else builds
+// gbbridge into a temporary folder.
+func TestMain(m *testing.M) {
+	if os.Getenv("GBBRIDGE_BARE_MEMBER") != "" {
+		os.Exit(bareMember())
+	}
+	if os.Getenv("GBBRIDGE_ECHO") != "" {
+		os.Exit(echoPeer())
+	}
+	if os.Getenv("GBBRIDGE_FEED_CLIENT") != "" {
+		os.Exit(feedClient())
+	}
+	os.Exit(func() int {
+		if dir := os.Getenv("GPUBRIDGE_BIN"); dir != "" {
+			if _, err := os.Stat(filepath.Join(dir, "gbbridge")); err == nil {
+				bin = filepath.Join(dir, "gbbridge")
+				return runChecked(m)
+			}
+		}
+		dir, err := os.MkdirTemp("", "gbbridge-bin")
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 2
+		}
+		defer os.RemoveAll(dir)
+		bin = filepath.Join(dir, "gbbridge")
+		cmd := exec.Command("go", "build", "-o", bin, ".")
+		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		if err := cmd.Run(); err != nil {
+			fmt.Fprintln(os.Stderr, "build gbbridge:", err)
+			return 2
+		}
+		return runChecked(m)
+	}())
+}
+
+// runChecked runs the tests and then fails if goroutines of this process
+// (stores, clients, helpers) are left over.
+func runChecked(m *testing.M) int {
+	code := m.Run()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			return 1
+		}
+	}
+	return code
+}
+
+func startStore(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv := store.NewServer(store.ServerOptions{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = srv.Serve(ln)
+	}()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+		<-done
+	})
+	return ln.Addr().String()
+}
+
+// topology is what gbdiscover prints for rank self of a 4-rank CPU job with
+// two islands (ranks 0,1 nvidia; 2,3 amd): the leaders 0 and 2 are the
+// bridge members.
+func topology(ns string, self int, bridgeTransport string) []byte {
+	ranks := []discover.RankInfo{
+		{Rank: 0, Hostname: "host-a", Island: "nvidia", Role: discover.RoleLeader},
+		{Rank: 1, Hostname: "host-a", Island: "nvidia", Role: discover.RoleMember},
+		{Rank: 2, Hostname: "host-b", Island: "amd", Role: discover.RoleLeader},
+		{Rank: 3, Hostname: "host-b", Island: "amd", Role: discover.RoleMember},
+	}
+	t := discover.Topology{
+		Shared: discover.Shared{
+			Schema: discover.TopologySchema, Namespace: ns, WorldSize: 4, RunKind: discover.KindCPU,
+			Mode: discover.ModeCPU, Simulated: true, Version: "test",
+			Islands: []discover.Island{
+				{Label: "nvidia", Vendor: "nvidia", Backend: "gloo", Ranks: []int{0, 1}, Leader: 0, Hosts: []string{"host-a"}},
+				{Label: "amd", Vendor: "amd", Backend: "gloo", Ranks: []int{2, 3}, Leader: 2, Hosts: []string{"host-b"}},
+			},
+			Bridge: discover.Bridge{Members: []int{0, 2}, Hosts: []string{"host-a", "host-b"}, Requested: "auto", Transport: bridgeTransport, Reason: "test"},
+			Ranks:  ranks,
+		},
+		Digest: "test",
+		Self:   ranks[self],
+	}
+	b, err := json.MarshalIndent(t, "", "  ")
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
+
+// serveProc is one running gbbridge serve.
+type serveProc struct {
+	cmd    *exec.Cmd
+	ready  feed.ReadyLine
+	stderr *syncBuffer
+	done   chan struct{}
+	err    error
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// wait returns the exit code, failing the test after 15 s.
+func (p *serveProc) wait(t testing.TB) int {
+	t.Helper()
+	select {
+	case <-p.done:
+	case <-time.After(15 * time.Second):
+		t.Fatalf("gbbridge serve did not exit; stderr:\n%s", p.stderr.String())
+	}
+	return p.cmd.ProcessState.ExitCode()
+}
+
+// cluster is a store and a topology per member of a 2-member bridge.
+type cluster struct {
+	dir   string
+	store string
+	ns    string
+}
+
+func newCluster(t testing.TB) *cluster {
+	dir, err := os.MkdirTemp("", "gbbr")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	require.NoError(t, os.Chmod(dir, 0o700))
+	return &cluster{dir: dir, store: startStore(t), ns: "job-" + strings.ReplaceAll(t.Name(), "/", "-")}
+}
+
+func (c *cluster) topoFile(t testing.TB, rank int, transport string) string {
+	path := filepath.Join(c.dir, fmt.Sprintf("topo%d.json", rank))
+	require.NoError(t, os.WriteFile(path, topology(c.ns, rank, transport), 0o600))
+	return path
+}
+
+// args returns serve's arguments for rank.
+func (c *cluster) args(t testing.TB, rank int, extra ...string) []string {
+	return append([]string{"serve", "--topology", c.topoFile(t, rank, "tcp"), "--store", c.store,
+		"--feed", filepath.Join(c.dir, fmt.Sprintf("feed%d.sock", rank)), "--listen-host", "127.0.0.1",
+		"--setup-timeout", "20s", "--timeout", "10s", "--streams", "2"}, extra...)
+}
+
+// start runs gbbridge with args; with ready it waits for the ready line.
+func start(t testing.TB, args []string, ready bool) *serveProc {
+	t.Helper()
+	return startEnv(t, args, append(os.Environ(), "GPUBRIDGE_LOG_LEVEL=debug"), ready)
+}
+
+func startEnv(t testing.TB, args, env []string, ready bool) *serveProc {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	cmd.Env = env
+	p := &serveProc{cmd: cmd, stderr: &syncBuffer{}, done: make(chan struct{})}
+	cmd.Stderr = p.stderr
+	out, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	lines := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			select {
+			case lines <- sc.Text():
+			default:
+				t.Errorf("more than one line on stdout: %s", sc.Text())
+			}
+		}
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-p.done
+	})
+	if !ready {
+		return p
+	}
+	select {
+	case l := <-lines:
+		require.NoError(t, json.Unmarshal([]byte(l), &p.ready), "ready line %q", l)
+	case <-p.done:
+		t.Fatalf("gbbridge serve exited before it was ready (%v); stderr:\n%s", p.err, p.stderr.String())
+	case <-time.After(30 * time.Second):
+		t.Fatalf("gbbridge serve not ready; stderr:\n%s", p.stderr.String())
+	}
+	return p
+}
+
+// startPair starts both members at once (each waits for the other in setup).
+func startPair(t testing.TB, c *cluster, extra ...string) []*serveProc {
+	t.Helper()
+	ps := make([]*serveProc, 2)
+	var wg sync.WaitGroup
+	for i, rank := range []int{0, 2} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ps[i] = start(t, c.args(t, rank, extra...), true)
+		}()
+	}
+	wg.Wait()
+	if t.Failed() {
+		t.FailNow()
+	}
+	return ps
+}
+
+func dial(t testing.TB, p *serveProc) *feed.Client {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := feed.Dial(ctx, p.ready.Feed)
+	require.NoError(t, err)
+	t.Cleanup(c.Abort)
+	return c
+}
+
+func TestServeAllReduce(t *testing.T) {
+	c := newCluster(t)
+	ps := startPair(t, c)
+	for i, p := range ps {
+		assert.Equal(t, feed.ServeSchema, p.ready.Schema)
+		assert.Equal(t, i, p.ready.Member)
+		assert.Equal(t, 2, p.ready.Members)
+		assert.Equal(t, 2*i, p.ready.Rank)
+		assert.Equal(t, p.cmd.Process.Pid, p.ready.PID)
+		assert.Contains(t, p.ready.Transport, "tcp")
+		assert.Equal(t, feed.Version, p.ready.Version)
+	}
+	clients := []*feed.Client{dial(t, ps[0]), dial(t, ps[1])}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const n = 3<<20 + 4 // not a multiple of the chunk
+	regs := make([]*feed.Region, 2)
+	inputs := make([][]byte, 2)
+	r := rand.New(rand.NewPCG(3, 4))
+	for i, cl := range clients {
+		reg, err := cl.Map(ctx, n)
+		require.NoError(t, err)
+		regs[i] = reg
+		for k := 0; k < n; k += 4 {
+			binary.LittleEndian.PutUint32(reg.Mem[k:], math.Float32bits(float32(r.NormFloat64())))
+		}
+		inputs[i] = slices.Clone(reg.Mem)
+	}
+	want := collective.ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 2)
+	var wg sync.WaitGroup
+	errs := make([]error, 2)
+	for i, cl := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Streamed: the input is released in 1 MiB steps.
+			k, err := cl.Start(feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagStreamed, Buf: regs[i].All(), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			for end := 0; end < n; {
+				end = min(end+1<<20, n)
+				if err := k.Ready(end); err != nil {
+					errs[i] = err
+					return
+				}
+			}
+			d, err := k.Wait(ctx)
+			if err == nil && d.Seq != 1 {
+				err = fmt.Errorf("seq %d", d.Seq)
+			}
+			errs[i] = err
+		}()
+	}
+	wg.Wait()
+	for i := range clients {
+		require.NoError(t, errs[i], "member %d; stderr:\n%s", i, ps[i].stderr.String())
+		require.True(t, bytes.Equal(want, regs[i].Mem), "member %d: result differs from the reference", i)
+	}
+	// The feed closes: both exit 0.
+	for i, cl := range clients {
+		require.NoError(t, cl.Close(ctx))
+		assert.Equal(t, 0, ps[i].wait(t), "stderr:\n%s", ps[i].stderr.String())
+	}
+}
+
+// TestServeParentDies kills the shell that spawned serve: serve gets
+// SIGTERM (PR_SET_PDEATHSIG), aborts the bridge so that the other member's
+// collective fails at once naming it, and exits.
+func TestServeParentDies(t *testing.T) {
+	c := newCluster(t)
+	// Member 1 runs directly; member 0 under a shell that is then killed.
+	var member1 *serveProc
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		member1 = start(t, c.args(t, 2), true)
+	}()
+	args := c.args(t, 0)
+	quoted := make([]string, len(args))
+	for i, a := range args {
+		quoted[i] = "'" + a + "'"
+	}
+	sh := exec.Command("sh", "-c", "'"+bin+"' "+strings.Join(quoted, " ")+" & echo pid $!; wait")
+	sh.Env = os.Environ()
+	out, err := sh.StdoutPipe()
+	require.NoError(t, err)
+	var shErr syncBuffer
+	sh.Stderr = &shErr
+	require.NoError(t, sh.Start())
+	shDone := make(chan struct{})
+	sc := bufio.NewScanner(out)
+	var pid int
+	var ready feed.ReadyLine
+	for sc.Scan() {
+		l := sc.Text()
+		if strings.HasPrefix(l, "pid ") {
+			pid, _ = strconv.Atoi(strings.TrimPrefix(l, "pid "))
+			continue
+		}
+		require.NoError(t, json.Unmarshal([]byte(l), &ready), "line %q", l)
+		break
+	}
+	go func() {
+		_, _ = bufio.NewReader(out).WriteTo(devNull{})
+		_ = sh.Wait()
+		close(shDone)
+	}()
+	wg.Wait()
+	require.NotZero(t, pid, "stderr: %s", shErr.String())
+	require.Equal(t, pid, ready.PID)
+	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) })
+
+	// Member 1's client starts an all_reduce member 0 never joins.
+	cl1 := dial(t, member1)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	reg, err := cl1.Map(ctx, 64)
+	require.NoError(t, err)
+	call, err := cl1.Start(feed.Request{Kind: feed.MsgAllReduce, Buf: reg.Span(0, 64), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+	require.NoError(t, err)
+	time.Sleep(100 * time.Millisecond)
+
+	killed := time.Now()
+	require.NoError(t, sh.Process.Kill())
+	<-shDone
+	require.Eventually(t, func() bool { return gone(pid) }, 10*time.Second, 10*time.Millisecond, "gbbridge serve outlived its parent")
+	t.Logf("serve exited %s after its parent was killed", time.Since(killed).Round(time.Millisecond))
+
+	_, err = call.Wait(ctx)
+	var re *feed.RequestError
+	require.ErrorAs(t, err, &re)
+	assert.Equal(t, feed.StatusBridgeError, re.Status)
+	assert.Contains(t, re.Msg, "member 0")
+	assert.Less(t, time.Since(killed), 5*time.Second, "the peer learned late: %v", err)
+	t.Logf("member 1 got: %s", re.Msg)
+	require.NoError(t, cl1.Close(ctx))
+	assert.Equal(t, 1, member1.wait(t), "a bridge failure during the session is exit 1")
+	assert.Contains(t, member1.stderr.String(), "the bridge failed during the session")
+}
+
+type devNull struct{}
+
+func (devNull) Write(p []byte) (int, error) { return len(p), nil }
+
+// gone reports whether pid has exited (or is a zombie nobody reaped yet).
+func gone(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	return i < 0 || i+2 >= len(s) || s[i+2] == 'Z' || s[i+2] == 'X'
+}
+
+// TestServeSIGTERM: a signal stops serve in the middle of a session; it
+// aborts the bridge (the other member's collective fails naming it) and
+// exits 1.
+func TestServeSIGTERM(t *testing.T) {
+	c := newCluster(t)
+	ps := startPair(t, c)
+	cls := []*feed.Client{dial(t, ps[0]), dial(t, ps[1])}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	call, err := cls[1].Start(feed.Request{Kind: feed.MsgBarrier, Peer: -1}, nil)
+	require.NoError(t, err)
+	time.Sleep(100 * time.Millisecond)
+	require.NoError(t, ps[0].cmd.Process.Signal(syscall.SIGTERM))
+	assert.Equal(t, 1, ps[0].wait(t))
+	assert.Contains(t, ps[0].stderr.String(), "stopped by a signal")
+	_, err = call.Wait(ctx)
+	var re *feed.RequestError
+	require.ErrorAs(t, err, &re)
+	assert.Contains(t, re.Msg, "member 0")
+	// The client of the stopped member sees the feed close.
+	_, err = cls[0].Do(ctx, feed.Request{Kind: feed.MsgBarrier, Peer: -1})
+	assert.Error(t, err)
+	require.NoError(t, cls[1].Close(ctx))
+	assert.Equal(t, 1, ps[1].wait(t))
+}
+
+// TestServeFeedLost: the client goes away with a request in flight; serve
+// aborts the bridge and exits 1.
+func TestServeFeedLost(t *testing.T) {
+	c := newCluster(t)
+	ps := startPair(t, c)
+	cls := []*feed.Client{dial(t, ps[0]), dial(t, ps[1])}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, err := cls[0].Start(feed.Request{Kind: feed.MsgBarrier, Peer: -1}, nil)
+	require.NoError(t, err)
+	time.Sleep(50 * time.Millisecond)
+	cls[0].Abort()
+	assert.Equal(t, 1, ps[0].wait(t))
+	assert.Contains(t, ps[0].stderr.String(), "feed lost")
+	err = cls[1].Barrier(ctx)
+	var re *feed.RequestError
+	require.ErrorAs(t, err, &re)
+	assert.Contains(t, re.Msg, "member 0")
+	cls[1].Abort()
+	// EOF with nothing in flight closes the feed cleanly, but the bridge
+	// failed during the session: exit 1.
+	assert.Equal(t, 1, ps[1].wait(t))
+}
+
+func TestServeRefuses(t *testing.T) {
+	c := newCluster(t)
+	run := func(t *testing.T, args ...string) (int, string) {
+		p := start(t, args, false)
+		code := p.wait(t)
+		return code, p.stderr.String()
+	}
+	feedPath := filepath.Join(c.dir, "x.sock")
+	t.Run("not a leader", func(t *testing.T) {
+		code, stderr := run(t, "serve", "--topology", c.topoFile(t, 1, "tcp"), "--store", c.store, "--feed", feedPath)
+		assert.Equal(t, 2, code)
+		assert.Contains(t, stderr, "rank 1 is not a bridge member (the island leaders are ranks [0 2])")
+	})
+	t.Run("no bridge", func(t *testing.T) {
+		code, stderr := run(t, "serve", "--topology", c.topoFile(t, 0, "none"), "--store", c.store, "--feed", feedPath)
+		assert.Equal(t, 2, code)
+		assert.Contains(t, stderr, "the job has no bridge")
+	})
+	t.Run("namespace mismatch", func(t *testing.T) {
+		code, stderr := run(t, "serve", "--topology", c.topoFile(t, 0, "tcp"), "--store", c.store, "--feed", feedPath, "--namespace", "other")
+		assert.Equal(t, 2, code)
+		assert.Contains(t, stderr, "differs from the topology's")
+	})
+	t.Run("no store", func(t *testing.T) {
+		p := startEnv(t, []string{"serve", "--topology", c.topoFile(t, 0, "tcp"), "--feed", feedPath}, []string{"PATH=" + os.Getenv("PATH")}, false)
+		assert.Equal(t, 2, p.wait(t))
+		assert.Contains(t, p.stderr.String(), "--store is required")
+	})
+	t.Run("feed path exists", func(t *testing.T) {
+		require.NoError(t, os.WriteFile(feedPath, nil, 0o600))
+		defer os.Remove(feedPath)
+		code, stderr := run(t, "serve", "--topology", c.topoFile(t, 0, "tcp"), "--store", c.store, "--feed", feedPath)
+		assert.Equal(t, 2, code)
+		assert.Contains(t, stderr, "already exists")
+	})
+	t.Run("peer never comes", func(t *testing.T) {
+		start := time.Now()
+		code, stderr := run(t, "serve", "--topology", c.topoFile(t, 0, "tcp"), "--store", c.store, "--feed", feedPath,
+			"--listen-host", "127.0.0.1", "--setup-timeout", "2s")
+		assert.Equal(t, 2, code)
+		assert.Contains(t, stderr, "bridge setup")
+		assert.Less(t, time.Since(start), 10*time.Second)
+	})
+}
+
+// TestServeNoFeedConnection: nobody connects within the setup timeout.
+func TestServeNoFeedConnection(t *testing.T) {
+	c := newCluster(t)
+	ps := startPair(t, c, "--setup-timeout", "3s")
+	for _, p := range ps {
+		assert.Equal(t, 2, p.wait(t))
+		assert.Contains(t, p.stderr.String(), "no client connected")
+	}
+}
