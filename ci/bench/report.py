@@ -8,6 +8,12 @@ import sys
 from collections import defaultdict
 
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+# Names of configurations in runs made before the default became 8 streams.
+ALIASES = {"shm-allreduce": "shm-allreduce-s4", "shm-exchange": "shm-exchange-s4",
+           "shm-allreduce-crc": "shm-allreduce-s4-crc", "tcp-allreduce-4m": "tcp-allreduce-4m-s4",
+           "shm-allreduce-4m": "shm-allreduce-4m-s4"}
+for r in rows:
+    r["config"] = ALIASES.get(r["config"], r["config"])
 title = sys.argv[2] if len(sys.argv) > 2 else "run"
 bw: dict[str, dict[int, float]] = defaultdict(dict)
 wrong: dict[str, int] = defaultdict(int)
@@ -43,30 +49,31 @@ print(f"### {title}\n")
 print("algbw in GB/s (bytes of the buffer / time per call; nccl-tests' definition). "
       "Every gbbridge row was checked element by element after timing; wrong elements in total: "
       + ", ".join(f"{c} {w}" for c, w in sorted(wrong.items()) if w) + (" none." if not any(wrong.values()) else ".") + "\n")
-print("#### 2 members: gbbridge vs Gloo and the ceilings\n")
-table([("Gloo", "gloo-2"), ("TCP exchange (ceiling, 4 streams)", "tcp-exchange-s4"), ("gbbridge TCP 4 streams", "tcp-allreduce-s4"),
-       ("shm exchange", "shm-exchange"), ("gbbridge shm", "shm-allreduce"), ("memcpy, 1 core", "memcpy")],
-      [("TCP / Gloo", "tcp-allreduce-s4", "gloo-2"), ("TCP / ceiling", "tcp-allreduce-s4", "tcp-exchange-s4"),
-       ("shm / Gloo", "shm-allreduce", "gloo-2"), ("shm / memcpy", "shm-allreduce", "memcpy")])
+print("#### 2 members, the default 8 streams: gbbridge vs Gloo and the ceilings\n")
+table([("Gloo", "gloo-2"), ("TCP exchange (ceiling)", "tcp-exchange-s8"), ("gbbridge TCP", "tcp-allreduce-s8"),
+       ("shm exchange", "shm-exchange-s8"), ("gbbridge shm", "shm-allreduce-s8"), ("memcpy, 1 core", "memcpy")],
+      [("TCP / Gloo", "tcp-allreduce-s8", "gloo-2"), ("TCP / ceiling", "tcp-allreduce-s8", "tcp-exchange-s8"),
+       ("shm / Gloo", "shm-allreduce-s8", "gloo-2")])
 print("#### TCP streams (2 members)\n")
 table([(f"exchange {s}", f"tcp-exchange-s{s}") for s in (1, 2, 4, 8, 16)] +
       [(f"all_reduce {s}", f"tcp-allreduce-s{s}") for s in (1, 2, 4, 8, 16)])
-print("#### CRC32C per frame on and off (2 members)\n")
-table([("TCP 4 streams, no CRC", "tcp-allreduce-s4"), ("TCP 4 streams, CRC", "tcp-allreduce-s4-crc"),
-       ("exchange, no CRC", "tcp-exchange-s4"), ("exchange, CRC", "tcp-exchange-s4-crc"),
-       ("shm, no CRC", "shm-allreduce"), ("shm, CRC", "shm-allreduce-crc")],
-      [("TCP with CRC / without", "tcp-allreduce-s4-crc", "tcp-allreduce-s4"), ("shm with CRC / without", "shm-allreduce-crc", "shm-allreduce")])
 print("#### shm streams (2 members)\n")
-table([("exchange 4", "shm-exchange"), ("exchange 8", "shm-exchange-s8"), ("exchange 16", "shm-exchange-s16"),
-       ("all_reduce 4", "shm-allreduce"), ("all_reduce 8", "shm-allreduce-s8"), ("all_reduce 16", "shm-allreduce-s16")],
-      [("best shm / Gloo", "shm-allreduce-s16", "gloo-2")])
+table([(f"exchange {s}", f"shm-exchange-s{s}") for s in (4, 8, 16)] +
+      [(f"all_reduce {s}", f"shm-allreduce-s{s}") for s in (4, 8, 16)])
+print("#### CRC32C per frame on and off (2 members, 4 streams)\n")
+table([("TCP, no CRC", "tcp-allreduce-s4"), ("TCP, CRC", "tcp-allreduce-s4-crc"),
+       ("exchange, no CRC", "tcp-exchange-s4"), ("exchange, CRC", "tcp-exchange-s4-crc"),
+       ("shm, no CRC", "shm-allreduce-s4"), ("shm, CRC", "shm-allreduce-s4-crc")],
+      [("TCP with CRC / without", "tcp-allreduce-s4-crc", "tcp-allreduce-s4"),
+       ("shm with CRC / without", "shm-allreduce-s4-crc", "shm-allreduce-s4")])
 print("#### 4 members (ring)\n")
-table([("Gloo, 4 ranks", "gloo-4"), ("gbbridge TCP 4 streams", "tcp-allreduce-4m"), ("gbbridge TCP 8 streams", "tcp-allreduce-4m-s8"),
-       ("gbbridge shm 4 streams", "shm-allreduce-4m"), ("gbbridge shm 8 streams", "shm-allreduce-4m-s8")],
-      [("TCP / Gloo", "tcp-allreduce-4m", "gloo-4"), ("shm / Gloo", "shm-allreduce-4m", "gloo-4")])
-for c in sorted(bw):
-    if c.startswith("iperf3"):
-        print(f"- {desc[c]}: {bw[c][0]:.2f} GB/s per direction")
+table([("Gloo, 4 ranks", "gloo-4"), ("gbbridge TCP 4 streams", "tcp-allreduce-4m-s4"), ("gbbridge TCP 8 streams", "tcp-allreduce-4m-s8"),
+       ("gbbridge shm 4 streams", "shm-allreduce-4m-s4"), ("gbbridge shm 8 streams", "shm-allreduce-4m-s8")],
+      [("TCP 8 / Gloo", "tcp-allreduce-4m-s8", "gloo-4"), ("shm 8 / Gloo", "shm-allreduce-4m-s8", "gloo-4")])
+for r in rows:
+    if r["collective"] == "iperf3":
+        print(f"- {r['transport']}: {r['forward_gbps']:.2f} GB/s one way, {r['reverse_gbps']:.2f} GB/s the other"
+              " (iperf3 3.12 runs both directions of --bidir in one thread)")
 print()
 print("Transports as the members described them: " + "; ".join(
-    f"`{c}`: {desc[c]}" for c in sorted(desc) if c.startswith(("tcp-allreduce-s4", "shm-allreduce", "tcp-allreduce-4m"))) + ".")
+    f"`{c}`: {desc[c]}" for c in sorted(desc) if c.startswith(("tcp-allreduce-s8", "shm-allreduce-s8"))) + ".")

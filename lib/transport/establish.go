@@ -32,7 +32,7 @@ type Config struct {
 	Members []MemberInfo
 	// Transport is "tcp" or "shm" (what discovery chose).
 	Transport string
-	// Streams is the number of data streams per pair of members (default 4).
+	// Streams is the number of data streams per pair of members (default 8).
 	Streams int
 	// CRC turns on a CRC32C of every frame's payload.
 	CRC bool
@@ -64,7 +64,7 @@ type MemberInfo struct {
 
 // Defaults and limits of Config.
 const (
-	DefaultStreams   = 4
+	DefaultStreams   = 8
 	DefaultTimeout   = 60 * time.Second
 	DefaultRingBytes = 8 << 20
 	MaxStreams       = 64

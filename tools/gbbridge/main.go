@@ -27,7 +27,7 @@ type serveCmd struct {
 	Store         string        `help:"The job's c10d store as HOST:PORT. Default: MASTER_ADDR:MASTER_PORT." env:"GPUBRIDGE_STORE" placeholder:"HOST:PORT"`
 	Namespace     string        `help:"Key namespace of the job and attempt; must be the topology's (the default)." env:"GPUBRIDGE_NAMESPACE"`
 	Feed          string        `help:"Path of the Unix socket to listen on for the feed: a fresh path in a directory only this user can enter." required:"" placeholder:"PATH"`
-	Streams       int           `help:"TCP connections (shm rings) per pair of members." default:"4"`
+	Streams       int           `help:"TCP connections (shm rings) per pair of members; every member must use the same (8: see docs/BENCHMARKS.md)." default:"8"`
 	Chunk         byteSize      `help:"Pipelining unit of the collectives (K, M, G suffixes: powers of 1024); every member must use the same." default:"4M" placeholder:"BYTES"`
 	CRC           bool          `help:"CRC32C on every frame between members (off by default, like selftest and bench: see docs/ARCHITECTURE.md); every member must use the same." negatable:""`
 	Workers       int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
@@ -117,7 +117,7 @@ gbbridge bench times one collective over sizes (default 8 B … 1 GiB) and print
 
 bench: with --json one line per size {"schema": "gpubridge.bench/v1", "collective", "members", "transport", "size" (bytes), "count", "type", "redop", "root", "time_us", "algbw_gbps", "busbw_gbps", "wrong"}; without, nccl-tests' columns after "#" header lines. Member 0 prints; time is the slowest member's mean over --iters calls.
 
-serve: one JSON line once the bridge is set up and the feed socket listens: {"schema": "gpubridge.bridge-serve/v1", "feed": PATH, "member": INDEX, "members": N, "rank": GLOBAL_RANK, "pid": PID, "transport": "tcp, 4 streams per peer, no crc", "feed_version": 1}. Nothing else goes to stdout; logs go to stderr (GPUBRIDGE_LOG_LEVEL). Fields may be added within v1.`,
+serve: one JSON line once the bridge is set up and the feed socket listens: {"schema": "gpubridge.bridge-serve/v1", "feed": PATH, "member": INDEX, "members": N, "rank": GLOBAL_RANK, "pid": PID, "transport": "tcp, 8 streams per peer, no crc", "feed_version": 1}. Nothing else goes to stdout; logs go to stderr (GPUBRIDGE_LOG_LEVEL). Fields may be added within v1.`,
 	ExitCodes: []cli.ExitCode{
 		{Code: cli.ExitOK, Meaning: "selftest: every check passed; bench: every size ran and was exact; serve: the feed closed cleanly (BYE, or EOF with no request in flight) and the bridge never failed"},
 		{Code: cli.ExitFail, Meaning: "selftest: a check failed (stderr and the JSON say which); bench: a collective failed or a result was wrong; serve: the bridge failed during the session, the feed was lost with requests in flight, the client broke the feed protocol, or a signal (or the parent's death) stopped it; the cause is on stderr"},
