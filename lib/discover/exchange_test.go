@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
+	"github.com/gpubridge/gpubridge/lib/store/storetest"
 	"sync"
 	"testing"
 	"time"
@@ -17,22 +17,6 @@ import (
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-func startStore(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	srv := store.NewServer(store.ServerOptions{})
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ln) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		assert.NoError(t, srv.Shutdown(ctx))
-		assert.NoError(t, <-done)
-	})
-	return ln.Addr().String()
-}
 
 type result struct {
 	topo *Topology
@@ -78,7 +62,7 @@ func intsToStrings(v []int) []string {
 }
 
 func TestExchangeAgrees(t *testing.T) {
-	addr := startStore(t)
+	addr := storetest.Start(t)
 	recs := mk([]string{"nvidia", "nvidia", "amd", "amd", "amd"}, nil)
 	res := runRanks(t, addr, "ok", recs, 10*time.Second)
 	for i, r := range res {
@@ -90,7 +74,7 @@ func TestExchangeAgrees(t *testing.T) {
 }
 
 func TestExchangeSameFailureEverywhere(t *testing.T) {
-	addr := startStore(t)
+	addr := storetest.Start(t)
 	recs := mk([]string{"nvidia", "nvidia", "amd", "amd"}, nil)
 	recs[3].Problems = []string{"no GPU behind LOCAL_RANK 3"}
 	res := runRanks(t, addr, "bad", recs, 10*time.Second)
@@ -107,7 +91,7 @@ func TestExchangeSameFailureEverywhere(t *testing.T) {
 }
 
 func TestExchangeMissingRank(t *testing.T) {
-	addr := startStore(t)
+	addr := storetest.Start(t)
 	recs := mk([]string{"nvidia", "nvidia", "amd", "amd"}, nil)
 	timeout := 2 * time.Second
 	res := runRanks(t, addr, "gone", recs, timeout, 2)
@@ -122,7 +106,7 @@ func TestExchangeMissingRank(t *testing.T) {
 // A rank that arrives after the others gave up adopts their verdict rather
 // than succeeding alone.
 func TestExchangeLateRankAdoptsVerdict(t *testing.T) {
-	addr := startStore(t)
+	addr := storetest.Start(t)
 	recs := mk([]string{"nvidia", "amd"}, nil)
 	first := runRanks(t, addr, "late", recs, time.Second, 1)
 	var f0 *Failure
@@ -135,7 +119,7 @@ func TestExchangeLateRankAdoptsVerdict(t *testing.T) {
 }
 
 func TestExchangeStoreGone(t *testing.T) {
-	addr := startStore(t)
+	addr := storetest.Start(t)
 	c, err := store.Dial(context.Background(), addr)
 	require.NoError(t, err)
 	require.NoError(t, c.Close())

@@ -3,7 +3,7 @@ package feed
 import (
 	"context"
 	"fmt"
-	"net"
+	"github.com/gpubridge/gpubridge/lib/store/storetest"
 	"os"
 	"runtime"
 	"slices"
@@ -19,31 +19,11 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// startStore serves an in-process c10d store on loopback.
-func startStore(t testing.TB) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	srv := store.NewServer(store.ServerOptions{})
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = srv.Serve(ln)
-	}()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(ctx)
-		<-done
-	})
-	return ln.Addr().String()
-}
-
 // tcpComms sets up a real TCP bridge of n members on loopback, in this
 // process, through an in-process store.
 func tcpComms(t testing.TB, n, streams int) []*collective.Comm {
 	t.Helper()
-	addr := startStore(t)
+	addr := storetest.Start(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	infos := make([]transport.MemberInfo, n)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/gpubridge/gpubridge/lib/store/storetest"
 	"log/slog"
 	"net"
 	"strconv"
@@ -135,7 +136,7 @@ func TestCorruptFrame(t *testing.T) {
 
 func TestStrangerRefused(t *testing.T) {
 	b := newBridge(t, "tcp", 2, 1, false)
-	logs := &syncBuffer{}
+	logs := &storetest.SyncBuffer{}
 	b.cfgs[0].Log = slog.New(slog.NewTextHandler(logs, nil))
 	var meshes []Mesh
 	var errs []error
@@ -325,7 +326,7 @@ func TestSecretIsKept(t *testing.T) {
 }
 
 func TestListenAddr(t *testing.T) {
-	c := dialStore(t, startStore(t), "ns")
+	c := dialStore(t, storetest.Start(t), "ns")
 	ip, ifname, err := listenAddr(context.Background(), &Config{Store: c})
 	require.NoError(t, err)
 	assert.Equal(t, "127.0.0.1", ip.String())
@@ -342,7 +343,7 @@ func TestListenAddr(t *testing.T) {
 }
 
 func TestBadConfig(t *testing.T) {
-	c := dialStore(t, startStore(t), "ns")
+	c := dialStore(t, storetest.Start(t), "ns")
 	ms := members(t, "tcp", 2)
 	for _, cfg := range []Config{
 		{Store: c, Members: ms[:1], Transport: "tcp"},

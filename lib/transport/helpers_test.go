@@ -6,9 +6,9 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"github.com/gpubridge/gpubridge/lib/store/storetest"
 	"log/slog"
 	"math/rand/v2"
-	"net"
 	"os"
 	"os/exec"
 	"strings"
@@ -29,42 +29,6 @@ func TestMain(m *testing.M) {
 		os.Exit(childMain(spec))
 	}
 	goleak.VerifyTestMain(m)
-}
-
-// syncBuffer is a goroutine-safe log sink.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-// startStore runs an in-process c10d store on a loopback port until the
-// test ends and returns its address.
-func startStore(t testing.TB) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	srv := store.NewServer(store.ServerOptions{})
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ln) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		require.NoError(t, srv.Shutdown(ctx))
-		require.NoError(t, <-done)
-	})
-	return ln.Addr().String()
 }
 
 // dialStore returns a client of the store at addr, prefixed to ns.
@@ -105,7 +69,7 @@ type bridge struct {
 
 // newBridge makes configs for n members; mod adjusts member i's.
 func newBridge(t testing.TB, transport string, n, streams int, crc bool) *bridge {
-	addr := startStore(t)
+	addr := storetest.Start(t)
 	b := &bridge{addr: addr, ns: "job-" + strings.ReplaceAll(t.Name(), "/", "-"), cfgs: make([]Config, n)}
 	ms := members(t, transport, n)
 	for i := range b.cfgs {

@@ -236,16 +236,12 @@ func parseSHMHeader(b []byte, secret []byte) (shmHeader, error) {
 }
 
 type shmMesh struct {
-	self, size, streams int
-	crc                 bool
-	desc                string
-	peers               []string
-	links               [][]*shmStream
-	pids                []int
-	pidfds              []int
-	dead                []atomic.Bool
-	ownPath             string
-	maps                [][]byte
+	meshBase[*shmStream]
+	pids    []int
+	pidfds  []int
+	dead    []atomic.Bool
+	ownPath string
+	maps    [][]byte
 
 	closing  atomic.Bool
 	aborting atomic.Bool
@@ -271,41 +267,6 @@ type shmStream struct {
 	asmHdr  wire.Header
 	asmGot  int
 	asmOn   bool
-}
-
-func (m *shmMesh) Self() int        { return m.self }
-func (m *shmMesh) Size() int        { return m.size }
-func (m *shmMesh) Streams() int     { return m.streams }
-func (m *shmMesh) Describe() string { return m.desc }
-func (m *shmMesh) Peer(member int) string {
-	if member < 0 || member >= len(m.peers) {
-		return fmt.Sprintf("member %d", member)
-	}
-	return m.peers[member]
-}
-
-func (m *shmMesh) Stream(peer, i int) Stream {
-	if i < 0 || i >= m.streams {
-		panic(fmt.Sprintf("transport: stream %d of %d", i, m.streams))
-	}
-	return m.link(peer, i)
-}
-
-func (m *shmMesh) Control(peer int) Stream { return m.link(peer, m.streams) }
-
-func (m *shmMesh) link(peer, i int) *shmStream {
-	if peer == m.self || peer < 0 || peer >= m.size {
-		panic(fmt.Sprintf("transport: member %d has no stream to member %d", m.self, peer))
-	}
-	return m.links[peer][i]
-}
-
-func (m *shmMesh) each(f func(s *shmStream)) {
-	for _, ls := range m.links {
-		for _, s := range ls {
-			f(s)
-		}
-	}
 }
 
 // enter registers an operation that uses the mappings; false when closed.

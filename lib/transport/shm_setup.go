@@ -18,7 +18,7 @@ func (s *setup) establishSHM(ctx context.Context) (_ Mesh, err error) {
 	n, self := len(s.cfg.Members), s.cfg.Self
 	dataCap := (uint64(s.cfg.RingBytes)+4095)&^4095 + 4096
 	lay := shmLayout{size: n, streams: s.cfg.Streams, dataCap: dataCap, ctlCap: min(dataCap, ctlRingCap)}
-	m := &shmMesh{self: self, size: n, streams: s.cfg.Streams, crc: s.cfg.CRC,
+	m := &shmMesh{meshBase: meshBase[*shmStream]{self: self, size: n, streams: s.cfg.Streams, crc: s.cfg.CRC},
 		pids: make([]int, n), pidfds: make([]int, n), dead: make([]atomic.Bool, n)}
 	for i := range m.pidfds {
 		m.pidfds[i] = -1

@@ -39,12 +39,8 @@ const (
 )
 
 type tcpMesh struct {
-	self, size, streams int
-	crc                 bool
-	desc                string
-	peers               []string
-	links               [][]*tcpStream // [peer][stream], stream == streams is control
-	log                 *slog.Logger
+	meshBase[*tcpStream]
+	log *slog.Logger
 
 	closed    atomic.Bool
 	aborting  atomic.Bool
@@ -74,7 +70,7 @@ type tcpStream struct {
 
 // newTCPMesh takes ownership of conns[peer][stream] (nil for self).
 func newTCPMesh(self, streams int, crc bool, desc string, peers []string, conns [][]*net.TCPConn, log *slog.Logger) *tcpMesh {
-	m := &tcpMesh{self: self, size: len(conns), streams: streams, crc: crc, desc: desc, peers: peers, log: log}
+	m := &tcpMesh{meshBase: meshBase[*tcpStream]{self: self, size: len(conns), streams: streams, crc: crc, desc: desc, peers: peers}, log: log}
 	m.links = make([][]*tcpStream, len(conns))
 	for p, cs := range conns {
 		if p == self {
@@ -89,41 +85,6 @@ func newTCPMesh(self, streams int, crc bool, desc string, peers []string, conns 
 		}
 	}
 	return m
-}
-
-func (m *tcpMesh) Self() int        { return m.self }
-func (m *tcpMesh) Size() int        { return m.size }
-func (m *tcpMesh) Streams() int     { return m.streams }
-func (m *tcpMesh) Describe() string { return m.desc }
-func (m *tcpMesh) Peer(member int) string {
-	if member < 0 || member >= len(m.peers) {
-		return fmt.Sprintf("member %d", member)
-	}
-	return m.peers[member]
-}
-
-func (m *tcpMesh) Stream(peer, i int) Stream {
-	if i < 0 || i >= m.streams {
-		panic(fmt.Sprintf("transport: stream %d of %d", i, m.streams))
-	}
-	return m.link(peer, i)
-}
-
-func (m *tcpMesh) Control(peer int) Stream { return m.link(peer, m.streams) }
-
-func (m *tcpMesh) link(peer, i int) *tcpStream {
-	if peer == m.self || peer < 0 || peer >= m.size {
-		panic(fmt.Sprintf("transport: member %d has no stream to member %d", m.self, peer))
-	}
-	return m.links[peer][i]
-}
-
-func (m *tcpMesh) each(f func(s *tcpStream)) {
-	for _, ls := range m.links {
-		for _, s := range ls {
-			f(s)
-		}
-	}
 }
 
 // Abort sends a KindAbort frame with err's text on every stream whose

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"github.com/gpubridge/gpubridge/lib/store/storetest"
 	"io"
 	"net"
 	"os"
@@ -174,7 +175,7 @@ type helperPair struct {
 }
 
 func startBare(t testing.TB) *helperPair {
-	addr := startStore(t)
+	addr := storetest.Start(t)
 	return startHelpers(t, func(i int) []string {
 		return []string{"GBBRIDGE_BARE_MEMBER=" + strconv.Itoa(i), "GBBRIDGE_BARE_STORE=" + addr}
 	})

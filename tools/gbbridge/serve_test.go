@@ -7,9 +7,9 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"github.com/gpubridge/gpubridge/lib/store/storetest"
 	"math"
 	"math/rand/v2"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -29,7 +29,6 @@ import (
 	"github.com/gpubridge/gpubridge/lib/discover"
 	"github.com/gpubridge/gpubridge/lib/feed"
 	"github.com/gpubridge/gpubridge/lib/reduce"
-	"github.com/gpubridge/gpubridge/lib/store"
 )
 
 var bin string
@@ -83,25 +82,6 @@ func runChecked(m *testing.M) int {
 	return code
 }
 
-func startStore(t testing.TB) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	srv := store.NewServer(store.ServerOptions{})
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = srv.Serve(ln)
-	}()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(ctx)
-		<-done
-	})
-	return ln.Addr().String()
-}
-
 // topology is what gbdiscover prints for rank self of a 4-rank CPU job with
 // two islands (ranks 0,1 nvidia; 2,3 amd): the leaders 0 and 2 are the
 // bridge members.
@@ -137,26 +117,9 @@ func topology(ns string, self int, bridgeTransport string) []byte {
 type serveProc struct {
 	cmd    *exec.Cmd
 	ready  feed.ReadyLine
-	stderr *syncBuffer
+	stderr *storetest.SyncBuffer
 	done   chan struct{}
 	err    error
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // wait returns the exit code, failing the test after 15 s.
@@ -182,7 +145,7 @@ func newCluster(t testing.TB) *cluster {
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	require.NoError(t, os.Chmod(dir, 0o700))
-	return &cluster{dir: dir, store: startStore(t), ns: "job-" + strings.ReplaceAll(t.Name(), "/", "-")}
+	return &cluster{dir: dir, store: storetest.Start(t), ns: "job-" + strings.ReplaceAll(t.Name(), "/", "-")}
 }
 
 func (c *cluster) topoFile(t testing.TB, rank int, transport string) string {
@@ -208,7 +171,7 @@ func startEnv(t testing.TB, args, env []string, ready bool) *serveProc {
 	t.Helper()
 	cmd := exec.Command(bin, args...)
 	cmd.Env = env
-	p := &serveProc{cmd: cmd, stderr: &syncBuffer{}, done: make(chan struct{})}
+	p := &serveProc{cmd: cmd, stderr: &storetest.SyncBuffer{}, done: make(chan struct{})}
 	cmd.Stderr = p.stderr
 	out, err := cmd.StdoutPipe()
 	require.NoError(t, err)
@@ -362,7 +325,7 @@ func TestServeParentDies(t *testing.T) {
 	sh.Env = os.Environ()
 	out, err := sh.StdoutPipe()
 	require.NoError(t, err)
-	var shErr syncBuffer
+	var shErr storetest.SyncBuffer
 	sh.Stderr = &shErr
 	require.NoError(t, sh.Start())
 	shDone := make(chan struct{})
