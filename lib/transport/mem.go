@@ -20,7 +20,10 @@ type memFrame struct {
 	payload []byte
 }
 
-type memLink struct{ ch chan memFrame }
+type memLink struct {
+	ch   chan memFrame
+	held chan struct{} // one token per frame held by the receiver (RecvHold)
+}
 
 type memMesh struct {
 	self, size, streams int
@@ -43,7 +46,7 @@ func NewMem(size, streams int, crc bool) []Mesh {
 			}
 			links[a][b] = make([]*memLink, streams+1)
 			for s := range links[a][b] {
-				links[a][b][s] = &memLink{ch: make(chan memFrame, memQueue)}
+				links[a][b][s] = &memLink{ch: make(chan memFrame, memQueue), held: make(chan struct{}, MaxHeld)}
 			}
 		}
 	}
@@ -138,26 +141,52 @@ func (s *memStream) Send(ctx context.Context, hdr wire.Header, payload []byte) e
 }
 
 func (s *memStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error) error {
+	f, err := s.recv(ctx)
+	if err != nil {
+		return err
+	}
+	return fn(f.hdr, f.payload)
+}
+
+// RecvHold implements Holder; the payload is the private copy Send made.
+func (s *memStream) RecvHold(ctx context.Context) (wire.Header, []byte, func(), error) {
+	select {
+	case s.in.held <- struct{}{}:
+	case <-ctx.Done():
+		return wire.Header{}, nil, nil, fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ctx.Err())
+	case <-s.m.done[s.m.self]:
+		return wire.Header{}, nil, nil, fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ErrClosed)
+	}
+	f, err := s.recv(ctx)
+	if err != nil {
+		<-s.in.held
+		return wire.Header{}, nil, nil, err
+	}
+	var once sync.Once
+	return f.hdr, f.payload, func() { once.Do(func() { <-s.in.held }) }, nil
+}
+
+func (s *memStream) recv(ctx context.Context) (memFrame, error) {
 	var f memFrame
 	select {
 	case f = <-s.in.ch:
 	case <-ctx.Done():
-		return fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ctx.Err())
+		return f, fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ctx.Err())
 	case <-s.m.done[s.m.self]:
-		return fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ErrClosed)
+		return f, fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ErrClosed)
 	case <-s.m.done[s.peer]:
 		// Frames the peer sent before it closed are still delivered.
 		select {
 		case f = <-s.in.ch:
 		default:
-			return &PeerError{Peer: s.m.Peer(s.peer), Err: ErrPeerClosed}
+			return f, &PeerError{Peer: s.m.Peer(s.peer), Err: ErrPeerClosed}
 		}
 	}
 	if err := f.hdr.Verify(f.payload); err != nil {
-		return &PeerError{Peer: s.m.Peer(s.peer), Err: err}
+		return f, &PeerError{Peer: s.m.Peer(s.peer), Err: err}
 	}
 	if f.hdr.Kind == wire.KindAbort {
-		return &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("failed: %s", f.payload)}
+		return f, &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("failed: %s", f.payload)}
 	}
-	return fn(f.hdr, f.payload)
+	return f, nil
 }

@@ -251,6 +251,7 @@ type shmMesh struct {
 	closed    bool
 	unmapped  bool
 	closeOnce sync.Once
+	done      chan struct{} // closed by Close
 }
 
 type shmStream struct {
@@ -262,11 +263,35 @@ type shmStream struct {
 	sbroken error
 	corrupt atomic.Bool // test hook: flip a payload byte of the next frame
 
+	// receive side, used by one receiver at a time
 	rbroken error
-	asm     []byte
+	asm     []byte // Recv's reassembly buffer
+	asmBuf  []byte // the buffer the split frame in progress goes into
 	asmHdr  wire.Header
 	asmGot  int
 	asmOn   bool
+	rd      uint64      // bytes read off the inbound ring (>= its tail)
+	rdOn    bool        // rd was set from the ring's tail
+	held    chan []byte // free RecvHold reassembly buffers (MaxHeld)
+
+	// hmu guards rd's updates and pins: the ring space of frames held in
+	// place, in ring order. Space is released up to the first pinned frame.
+	hmu  sync.Mutex
+	pins []*shmPin
+}
+
+// shmPin is a frame held in place in the inbound ring.
+type shmPin struct {
+	start    uint64 // ring position of its record
+	released bool
+}
+
+func newSHMStream(m *shmMesh, peer, idx int, out, in *ring) *shmStream {
+	s := &shmStream{m: m, peer: peer, idx: idx, out: out, in: in, held: make(chan []byte, MaxHeld)}
+	for range MaxHeld {
+		s.held <- nil
+	}
+	return s
 }
 
 // enter registers an operation that uses the mappings; false when closed.
@@ -311,6 +336,9 @@ func (m *shmMesh) unmapLocked() {
 func (m *shmMesh) Close() error {
 	m.closeOnce.Do(func() {
 		m.closing.Store(true)
+		if m.done != nil {
+			close(m.done)
+		}
 		m.each(func(s *shmStream) {
 			s.out.prodState.Store(1)
 			s.in.consState.Store(1)
@@ -542,69 +570,204 @@ func (s *shmStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error
 	if s.rbroken != nil {
 		return s.rbroken
 	}
+	h, p, rl, err := s.next(ctx, &s.asm)
+	if err != nil {
+		return err
+	}
+	err = s.deliver(h, p, fn)
+	if rl > 0 {
+		s.consume(rl, false)
+	}
+	return err
+}
+
+// RecvHold implements Holder. A frame of one record is held in place: its
+// ring space (and the space of everything after it) is released once it
+// and every frame held before it are released, and the mappings stay
+// until then. A frame reassembled from segments is held in one of MaxHeld
+// buffers of the stream.
+func (s *shmStream) RecvHold(ctx context.Context) (wire.Header, []byte, func(), error) {
+	m := s.m
+	if !m.enter() {
+		return wire.Header{}, nil, nil, fmt.Errorf("receive from %s: %w", m.Peer(s.peer), ErrClosed)
+	}
+	if s.rbroken != nil {
+		m.exit()
+		return wire.Header{}, nil, nil, s.rbroken
+	}
+	var b []byte
+	select {
+	case b = <-s.held:
+	default:
+		select {
+		case b = <-s.held:
+		case <-ctx.Done():
+			m.exit()
+			return wire.Header{}, nil, nil, fmt.Errorf("receive from %s on stream %d: %w", m.Peer(s.peer), s.idx, ctx.Err())
+		case <-m.done:
+			m.exit()
+			return wire.Header{}, nil, nil, fmt.Errorf("receive from %s: %w", m.Peer(s.peer), ErrClosed)
+		}
+	}
+	h, p, rl, err := s.next(ctx, &b)
+	if err == nil {
+		err = s.deliver(h, p, func(wire.Header, []byte) error { return nil })
+	}
+	if err != nil {
+		if rl > 0 {
+			s.consume(rl, false)
+		}
+		s.held <- b
+		m.exit()
+		return wire.Header{}, nil, nil, err
+	}
+	var once atomic.Bool
+	if rl == 0 {
+		m.exit()
+		return h, p, func() {
+			if once.CompareAndSwap(false, true) {
+				s.held <- b
+			}
+		}, nil
+	}
+	pin := s.consume(rl, true)
+	return h, p, func() {
+		if once.CompareAndSwap(false, true) {
+			s.unpin(pin)
+			s.held <- b
+			m.exit()
+		}
+	}, nil
+}
+
+// consume marks the next n bytes of the inbound ring read and releases
+// what no held frame pins; with pin, the record read is held in place.
+func (s *shmStream) consume(n uint64, pin bool) *shmPin {
+	s.hmu.Lock()
+	defer s.hmu.Unlock()
+	var p *shmPin
+	if pin {
+		p = &shmPin{start: s.rd}
+		s.pins = append(s.pins, p)
+	}
+	s.rd += n
+	s.advanceLocked()
+	return p
+}
+
+func (s *shmStream) unpin(p *shmPin) {
+	s.hmu.Lock()
+	defer s.hmu.Unlock()
+	p.released = true
+	for len(s.pins) > 0 && s.pins[0].released {
+		s.pins[0] = nil
+		s.pins = s.pins[1:]
+	}
+	s.advanceLocked()
+}
+
+// advanceLocked releases the inbound ring up to the first pinned frame, or
+// up to rd. Callers hold hmu.
+func (s *shmStream) advanceLocked() {
+	to := s.rd
+	if len(s.pins) > 0 {
+		to = s.pins[0].start
+	}
+	if tail := s.in.tail.Load(); to > tail {
+		s.in.release(to - tail)
+	}
+}
+
+// next reads the next frame off the inbound ring. A frame of one record is
+// returned in place, with rl its record's length, not yet consumed; a split
+// frame is reassembled into *dst (grown as needed), with rl 0. Callers are
+// inside enter and check rbroken.
+func (s *shmStream) next(ctx context.Context, dst *[]byte) (h wire.Header, p []byte, rl uint64, err error) {
 	r := s.in
+	if !s.rdOn {
+		s.hmu.Lock()
+		s.rd, s.rdOn = r.tail.Load(), true
+		s.hmu.Unlock()
+	}
+	if s.asmOn {
+		// A split frame was interrupted (deadline) in another buffer.
+		s.asmInto(dst)
+	}
 	for {
-		tail := r.tail.Load()
-		if err := s.wait(ctx, "receive from", func() bool { return r.head.Load() != tail },
+		rd := s.rd
+		if err := s.wait(ctx, "receive from", func() bool { return r.head.Load() != rd },
 			r.prodSeq, r.consWaiting, r.prodState, false); err != nil {
 			var pe *PeerError
 			if errors.As(err, &pe) {
 				s.rbroken = err
 			}
-			return err
+			return h, nil, 0, err
 		}
 		head := r.head.Load()
-		pos := tail % r.cap
+		pos := rd % r.cap
 		le := binary.LittleEndian
 		recLen := le.Uint32(r.data[pos:])
 		if recLen == wrapMark {
-			r.release(r.cap - pos)
+			s.consume(r.cap-pos, false)
 			continue
 		}
 		flags, segLen := le.Uint32(r.data[pos+4:]), uint64(le.Uint32(r.data[pos+8:]))
 		rl := uint64(recLen)
-		if rl%64 != 0 || rl < recHdr || rl > r.cap-pos || rl > head-tail || segLen > rl-recHdr || flags&^(recFirst|recLast) != 0 {
-			return s.broken(fmt.Errorf("stream %d: corrupt ring record (length %d, segment %d, flags %#x)", s.idx, recLen, segLen, flags))
+		if rl%64 != 0 || rl < recHdr || rl > r.cap-pos || rl > head-rd || segLen > rl-recHdr || flags&^(recFirst|recLast) != 0 {
+			return h, nil, 0, s.broken(fmt.Errorf("stream %d: corrupt ring record (length %d, segment %d, flags %#x)", s.idx, recLen, segLen, flags))
 		}
 		rec := r.data[pos : pos+rl]
 		seg := rec[recHdr : recHdr+segLen]
 		if flags&recFirst != 0 {
 			if s.asmOn {
-				return s.broken(fmt.Errorf("stream %d: a new frame began inside a split frame", s.idx))
+				return h, nil, 0, s.broken(fmt.Errorf("stream %d: a new frame began inside a split frame", s.idx))
 			}
 			h, err := wire.Parse(rec[32:64])
 			if err != nil {
-				return s.broken(fmt.Errorf("stream %d: %w", s.idx, err))
+				return h, nil, 0, s.broken(fmt.Errorf("stream %d: %w", s.idx, err))
 			}
 			if flags&recLast != 0 {
 				if uint64(h.Len) != segLen {
-					return s.broken(fmt.Errorf("stream %d: frame of %d bytes in a record of %d", s.idx, h.Len, segLen))
+					return h, nil, 0, s.broken(fmt.Errorf("stream %d: frame of %d bytes in a record of %d", s.idx, h.Len, segLen))
 				}
-				err := s.deliver(h, seg, fn)
-				r.release(rl)
-				return err
+				return h, seg, rl, nil
 			}
 			s.asmHdr, s.asmGot, s.asmOn = h, 0, true
-			if cap(s.asm) < int(h.Len) {
-				s.asm = make([]byte, h.Len)
-			}
+			s.asmBuf = nil
+			s.asmInto(dst)
 		} else if !s.asmOn {
-			return s.broken(fmt.Errorf("stream %d: a continuation record outside a split frame", s.idx))
+			return h, nil, 0, s.broken(fmt.Errorf("stream %d: a continuation record outside a split frame", s.idx))
 		}
 		if uint64(s.asmGot)+segLen > uint64(s.asmHdr.Len) {
-			return s.broken(fmt.Errorf("stream %d: split frame longer than its header says", s.idx))
+			return h, nil, 0, s.broken(fmt.Errorf("stream %d: split frame longer than its header says", s.idx))
 		}
-		copy(s.asm[s.asmGot:], seg)
+		copy(s.asmBuf[s.asmGot:], seg)
 		s.asmGot += int(segLen)
-		r.release(rl)
+		s.consume(rl, false)
 		if flags&recLast != 0 {
 			s.asmOn = false
 			if s.asmGot != int(s.asmHdr.Len) {
-				return s.broken(fmt.Errorf("stream %d: split frame of %d bytes, header says %d", s.idx, s.asmGot, s.asmHdr.Len))
+				return h, nil, 0, s.broken(fmt.Errorf("stream %d: split frame of %d bytes, header says %d", s.idx, s.asmGot, s.asmHdr.Len))
 			}
-			return s.deliver(s.asmHdr, s.asm[:s.asmGot], fn)
+			p := s.asmBuf[:s.asmGot]
+			s.asmBuf = nil
+			return s.asmHdr, p, 0, nil
 		}
 	}
+}
+
+// asmInto makes *dst (grown as needed) the buffer of the split frame in
+// progress, carrying over what was assembled elsewhere.
+func (s *shmStream) asmInto(dst *[]byte) {
+	n := int(s.asmHdr.Len)
+	if cap(*dst) < n {
+		*dst = make([]byte, n)
+	}
+	b := (*dst)[:n]
+	if s.asmGot > 0 && unsafe.SliceData(b) != unsafe.SliceData(s.asmBuf) {
+		copy(b, s.asmBuf[:s.asmGot])
+	}
+	s.asmBuf = b
 }
 
 func (s *shmStream) broken(err error) error {

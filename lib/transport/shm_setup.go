@@ -19,7 +19,7 @@ func (s *setup) establishSHM(ctx context.Context) (_ Mesh, err error) {
 	dataCap := (uint64(s.cfg.RingBytes)+4095)&^4095 + 4096
 	lay := shmLayout{size: n, streams: s.cfg.Streams, dataCap: dataCap, ctlCap: min(dataCap, ctlRingCap)}
 	m := &shmMesh{meshBase: meshBase[*shmStream]{self: self, size: n, streams: s.cfg.Streams, crc: s.cfg.CRC},
-		pids: make([]int, n), pidfds: make([]int, n), dead: make([]atomic.Bool, n)}
+		pids: make([]int, n), pidfds: make([]int, n), dead: make([]atomic.Bool, n), done: make(chan struct{})}
 	for i := range m.pidfds {
 		m.pidfds[i] = -1
 	}
@@ -90,7 +90,7 @@ func (s *setup) establishSHM(ctx context.Context) (_ Mesh, err error) {
 		for st := range m.links[p] {
 			in := tl.ring(theirs, peerIndex(p, self), st)
 			in.consPid.Store(uint32(os.Getpid()))
-			m.links[p][st] = &shmStream{m: m, peer: p, idx: st, out: lay.ring(own, peerIndex(self, p), st), in: in}
+			m.links[p][st] = newSHMStream(m, p, st, lay.ring(own, peerIndex(self, p), st), in)
 		}
 	}
 	if err := s.barrier(ctx); err != nil {

@@ -45,6 +45,7 @@ type tcpMesh struct {
 	closed    atomic.Bool
 	aborting  atomic.Bool
 	closeOnce sync.Once
+	done      chan struct{} // closed by Close
 }
 
 type tcpStream struct {
@@ -66,11 +67,14 @@ type tcpStream struct {
 	br      *bufio.Reader
 	buf     []byte
 	rbroken error
+	// held holds the free RecvHold buffers (MaxHeld of them, grown on
+	// demand); a held frame's buffer returns here on release.
+	held chan []byte
 }
 
 // newTCPMesh takes ownership of conns[peer][stream] (nil for self).
 func newTCPMesh(self, streams int, crc bool, desc string, peers []string, conns [][]*net.TCPConn, log *slog.Logger) *tcpMesh {
-	m := &tcpMesh{meshBase: meshBase[*tcpStream]{self: self, size: len(conns), streams: streams, crc: crc, desc: desc, peers: peers}, log: log}
+	m := &tcpMesh{meshBase: meshBase[*tcpStream]{self: self, size: len(conns), streams: streams, crc: crc, desc: desc, peers: peers}, log: log, done: make(chan struct{})}
 	m.links = make([][]*tcpStream, len(conns))
 	for p, cs := range conns {
 		if p == self {
@@ -78,7 +82,10 @@ func newTCPMesh(self, streams int, crc bool, desc string, peers []string, conns 
 		}
 		m.links[p] = make([]*tcpStream, len(cs))
 		for i, c := range cs {
-			s := &tcpStream{m: m, peer: p, idx: i, conn: c, br: bufio.NewReaderSize(c, readBuf)}
+			s := &tcpStream{m: m, peer: p, idx: i, conn: c, br: bufio.NewReaderSize(c, readBuf), held: make(chan []byte, MaxHeld)}
+			for range MaxHeld {
+				s.held <- nil
+			}
 			s.wg.set = c.SetWriteDeadline
 			s.rg.set = c.SetReadDeadline
 			m.links[p][i] = s
@@ -136,6 +143,7 @@ func lockUntil(mu *sync.Mutex, t time.Time) bool {
 func (m *tcpMesh) Close() error {
 	m.closeOnce.Do(func() {
 		m.closed.Store(true)
+		close(m.done)
 		until := time.Now().Add(closeGrace)
 		m.each(func(s *tcpStream) {
 			if s.smu.TryLock() {
@@ -206,14 +214,51 @@ func (s *tcpStream) Send(ctx context.Context, hdr wire.Header, payload []byte) e
 }
 
 func (s *tcpStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error) error {
+	h, p, err := s.read(ctx, &s.buf)
+	if err != nil {
+		return err
+	}
+	return fn(h, p)
+}
+
+// RecvHold implements Holder: the frame is read into one of MaxHeld
+// buffers of the stream, which returns to the stream on release.
+func (s *tcpStream) RecvHold(ctx context.Context) (wire.Header, []byte, func(), error) {
+	var b []byte
+	select {
+	case b = <-s.held:
+	default:
+		select {
+		case b = <-s.held:
+		case <-ctx.Done():
+			return wire.Header{}, nil, nil, fmt.Errorf("receive from %s on stream %d: %w", s.m.Peer(s.peer), s.idx, ctx.Err())
+		case <-s.m.done:
+			return wire.Header{}, nil, nil, fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ErrClosed)
+		}
+	}
+	h, p, err := s.read(ctx, &b)
+	if err != nil {
+		s.held <- b
+		return wire.Header{}, nil, nil, err
+	}
+	var once atomic.Bool
+	return h, p, func() {
+		if once.CompareAndSwap(false, true) {
+			s.held <- b
+		}
+	}, nil
+}
+
+// read reads the next frame into *buf (grown as needed) and checks it.
+func (s *tcpStream) read(ctx context.Context, buf *[]byte) (wire.Header, []byte, error) {
 	if s.rbroken != nil {
-		return s.rbroken
+		return wire.Header{}, nil, s.rbroken
 	}
 	if s.m.closed.Load() {
-		return fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ErrClosed)
+		return wire.Header{}, nil, fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ErrClosed)
 	}
 	if err := s.rg.arm(ctx); err != nil {
-		return fmt.Errorf("receive from %s on stream %d: %w", s.m.Peer(s.peer), s.idx, err)
+		return wire.Header{}, nil, fmt.Errorf("receive from %s on stream %d: %w", s.m.Peer(s.peer), s.idx, err)
 	}
 	// Peek consumes nothing until the whole header is there: a Recv that
 	// times out or is cancelled while waiting for a frame leaves the stream
@@ -224,18 +269,18 @@ func (s *tcpStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error
 		if !errors.Is(err, os.ErrDeadlineExceeded) {
 			s.rbroken = e
 		}
-		return e
+		return wire.Header{}, nil, e
 	}
 	h, err := wire.Parse(b)
 	if err != nil {
 		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %w", s.idx, err)}
-		return s.rbroken
+		return wire.Header{}, nil, s.rbroken
 	}
 	_, _ = s.br.Discard(wire.HeaderSize)
-	if int(h.Len) > cap(s.buf) {
-		s.buf = make([]byte, min(max(int(h.Len), 2*cap(s.buf)), wire.MaxPayload))
+	if int(h.Len) > cap(*buf) {
+		*buf = make([]byte, min(max(int(h.Len), 2*cap(*buf)), wire.MaxPayload))
 	}
-	p := s.buf[:h.Len]
+	p := (*buf)[:h.Len]
 	// Read in pieces and checksum each while it is still in cache.
 	check := h.Flags&wire.FlagCRC != 0
 	var sum uint32
@@ -248,7 +293,7 @@ func (s *tcpStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error
 			if !errors.As(e, &pe) {
 				s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a frame was interrupted: %w", s.m.Peer(s.peer), s.idx, err)
 			}
-			return e
+			return wire.Header{}, nil, e
 		}
 		if check {
 			sum = crc32.Update(sum, castagnoli, p[off:end])
@@ -256,18 +301,18 @@ func (s *tcpStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error
 		off = end
 	}
 	if check && sum != h.CRC {
-		return &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %w (seq %d step %d chunk %d: got %#08x, want %#08x)",
+		return wire.Header{}, nil, &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %w (seq %d step %d chunk %d: got %#08x, want %#08x)",
 			s.idx, wire.ErrCorrupt, h.Seq, h.Step, h.Chunk, sum, h.CRC)}
 	}
 	switch h.Kind {
 	case wire.KindAbort:
 		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("failed: %s", printable(string(p)))}
-		return s.rbroken
+		return wire.Header{}, nil, s.rbroken
 	case wire.KindClose:
 		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: ErrPeerClosed}
-		return s.rbroken
+		return wire.Header{}, nil, s.rbroken
 	}
-	return fn(h, p)
+	return h, p, nil
 }
 
 // ioErr turns an I/O error on s into the error the caller sees.

@@ -37,6 +37,28 @@ type Stream interface {
 	Recv(ctx context.Context, fn func(hdr wire.Header, payload []byte) error) error
 }
 
+// MaxHeld is how many frames a Holder stream lets its receiver hold at once.
+const MaxHeld = 2
+
+// Holder is implemented by streams whose receiver may keep a payload past
+// the call that received it, so that the next frame can be read while the
+// previous one is still being consumed, without copying it (the TCP, shared
+// memory and in-memory streams implement it). Recv and RecvHold may be
+// mixed on a stream, by its one receiver goroutine.
+type Holder interface {
+	// RecvHold reads the next frame like Recv (CRC verified; a KindAbort
+	// frame is a *PeerError carrying the peer's message; ctx's deadline and
+	// cancellation are honoured) and returns its header and payload. The
+	// payload stays valid until release is called, which must happen
+	// exactly once per frame (further calls do nothing). It may be called
+	// from any goroutine, in any order, and after the mesh was closed; a
+	// frame that is never released may keep the stream's buffers (and a
+	// shared-memory mapping) alive. At most MaxHeld frames of a stream are
+	// held at once: a further RecvHold waits until one is released (or ctx
+	// ends, or the mesh is closed). On error, release is nil.
+	RecvHold(ctx context.Context) (hdr wire.Header, payload []byte, release func(), err error)
+}
+
 // Mesh is one member's links to every other member of a bridge.
 type Mesh interface {
 	// Self is this member's index, Size the number of members.
