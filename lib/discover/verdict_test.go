@@ -1,6 +1,7 @@
 package discover
 
 import (
+	"bytes"
 	"fmt"
 	"testing"
 
@@ -260,6 +261,23 @@ func FuzzDecodeRecord(f *testing.F) {
 		if err == nil {
 			// A decoded record always re-encodes.
 			_, err := r.Encode()
+			require.NoError(t, err)
+		}
+	})
+}
+
+func FuzzReadProbe(f *testing.F) {
+	f.Add([]byte(`{"schema":"gpubridge.probe/v1","hostname":"h","vendor":"nvidia","gpus":[{"vendor":"nvidia","index":0,"uuid":"GPU-1"}]}`))
+	f.Add([]byte(`{"schema":"gpubridge.probe/v0"}`))
+	f.Add([]byte(``))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		rep, err := ReadProbe(bytes.NewReader(data))
+		if err == nil {
+			require.NotNil(t, rep)
+			// A record can always be built from what parses.
+			rec := BuildRecord(RunOptions{Rank: 0, WorldSize: 1, LocalRank: 0, Bridge: BridgeAuto,
+				Getenv: func(string) string { return "" }}, bytes.NewReader(data))
+			_, err := rec.Encode()
 			require.NoError(t, err)
 		}
 	})

@@ -585,7 +585,9 @@ func (s *shmStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error
 // ring space (and the space of everything after it) is released once it
 // and every frame held before it are released, and the mappings stay
 // until then. A frame reassembled from segments is held in one of MaxHeld
-// buffers of the stream.
+// buffers of the stream. Frames held in place share the ring with the
+// frames behind them: a split frame (over half the ring) behind a frame
+// held in place may need that frame released before it can be completed.
 func (s *shmStream) RecvHold(ctx context.Context) (wire.Header, []byte, func(), error) {
 	m := s.m
 	if !m.enter() {
