@@ -216,7 +216,7 @@ func (cl *call) send(st transport.Stream, peer, step, chunk int, payload []byte)
 // peer itself rather than at a member peer waits for.
 func (cl *call) recv(st transport.Stream, peer, step, chunk, n int, primary bool, fn func(p []byte) error) error {
 	err := st.Recv(cl.ctx, func(h wire.Header, p []byte) error {
-		if err := cl.check(peer, h, step, chunk, len(p)); err != nil {
+		if err := cl.check(peer, h, step, chunk, n); err != nil {
 			return &localError{err}
 		}
 		cl.heard[peer].Store(true)
@@ -228,6 +228,27 @@ func (cl *call) recv(st transport.Stream, peer, step, chunk, n int, primary bool
 	if err == nil {
 		return nil
 	}
+	return cl.recvErr(err, peer, primary)
+}
+
+// recvHold is recv for a stream that can hold frames: it returns the
+// payload of the data frame (step, chunk) of n bytes from peer, valid until
+// release is called (once). Errors are recv's.
+func (cl *call) recvHold(st transport.Holder, peer, step, chunk, n int, primary bool) (p []byte, release func(), err error) {
+	h, p, release, err := st.RecvHold(cl.ctx)
+	if err != nil {
+		return nil, nil, cl.recvErr(err, peer, primary)
+	}
+	if err := cl.check(peer, h, step, chunk, n); err != nil {
+		release()
+		return nil, nil, cl.recvErr(&localError{err}, peer, primary)
+	}
+	cl.heard[peer].Store(true)
+	return p, release, nil
+}
+
+// recvErr classifies an error of a receive from peer; primary is recv's.
+func (cl *call) recvErr(err error, peer int, primary bool) error {
 	hint := "nothing received from it in this collective"
 	if cl.heard[peer].Load() {
 		primary = false

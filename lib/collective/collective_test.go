@@ -112,7 +112,7 @@ func TestAllReduceOrder(t *testing.T) {
 // and many small chunks.
 func TestAllReduceLarge(t *testing.T) {
 	if testing.Short() {
-		t.Skip("large buffers")
+		t.Skip("-short: skips the multi-MiB buffers (make test runs them)")
 	}
 	for _, cfg := range []struct{ members, streams, chunk int }{{2, 4, 0}, {2, 3, 64 << 10}, {4, 2, 0}, {3, 4, 64 << 10}} {
 		t.Run(fmt.Sprintf("members=%d/streams=%d/chunk=%d", cfg.members, cfg.streams, cfg.chunk), func(t *testing.T) {

@@ -1,6 +1,10 @@
 package collective
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/gpubridge/gpubridge/lib/transport"
+)
 
 // pipe is the engine under every data collective. At each step t this
 // member sends segment sendSeg(t) to next and receives segment recvSeg(t)
@@ -16,6 +20,11 @@ import "fmt"
 //   - recvFrom <= t <= recvTo: consuming the receive of (t, c) waits for the
 //     send of (t-recvLag, c) (the received bytes overwrite memory that send
 //     reads); the frame itself is read off the stream before that wait.
+//
+// Over a stream that can hold frames (transport.Holder) the receive side
+// is two goroutines: one reads chunks off the stream and holds them, one
+// consumes them (waits for the send, reduces, releases), so that the stream
+// is read while the previous chunk is reduced, without copying it.
 //
 // Both require the chunk lists of the paired segments to agree; run checks.
 type pipe struct {
@@ -83,7 +92,13 @@ func (pp *pipe) run() error {
 			pp.cl.spawn(func() error { return pp.sender(s, recvTok, sendTok) })
 		}
 		if nrecv > 0 {
-			pp.cl.spawn(func() error { return pp.receiver(s, recvTok, sendTok) })
+			if h, ok := pp.cl.c.mesh.Stream(pp.prev, s).(transport.Holder); ok {
+				held := make(chan heldChunk, 1)
+				pp.cl.spawn(func() error { return pp.holdReceiver(s, h, held) })
+				pp.cl.spawn(func() error { return pp.consumer(held, recvTok, sendTok) })
+			} else {
+				pp.cl.spawn(func() error { return pp.receiver(s, recvTok, sendTok) })
+			}
 		}
 	}
 	return pp.cl.wait()
@@ -159,6 +174,80 @@ func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}
 			if pp.next >= 0 && pp.sendLag >= 0 && t+pp.sendLag < pp.steps {
 				recvTok <- struct{}{}
 			}
+		}
+	}
+	return nil
+}
+
+// heldChunk is a chunk read off a stream and held for the consumer.
+type heldChunk struct {
+	t, j, c, off, n int
+	p               []byte
+	release         func()
+}
+
+// holdReceiver reads the chunks of data stream s off the stream and hands
+// them to the consumer, holding each until the consumer releases it; at
+// most transport.MaxHeld are held, so it runs one chunk ahead.
+func (pp *pipe) holdReceiver(s int, st transport.Holder, held chan<- heldChunk) error {
+	defer close(held)
+	cl := pp.cl
+	S := cl.c.streams
+	for t := range pp.steps {
+		j := pp.recvSeg(t)
+		for c := s; c < pp.nchunks(j); c += S {
+			off, n := pp.span(j, c)
+			if pp.prep != nil {
+				if err := pp.prep(t, j, c, off, n); err != nil {
+					return err
+				}
+			}
+			p, release, err := cl.recvHold(st, pp.prev, t, c, n, pp.primary)
+			if err != nil {
+				return err
+			}
+			select {
+			case held <- heldChunk{t: t, j: j, c: c, off: off, n: n, p: p, release: release}:
+			case <-cl.ctx.Done():
+				release()
+				return errSibling
+			}
+		}
+	}
+	return nil
+}
+
+// consumer consumes the chunks holdReceiver hands it, in order: it waits
+// for the send each depends on, passes it to pp.recv and releases it.
+func (pp *pipe) consumer(held <-chan heldChunk, recvTok chan<- struct{}, sendTok <-chan struct{}) (err error) {
+	cl := pp.cl
+	defer func() {
+		// On an error, release what the receiver still hands over: it
+		// stops on the call's context, which the error cancels (here
+		// already, as the receiver may be waiting for a frame).
+		if err != nil {
+			cl.setErr(err)
+		}
+		for h := range held {
+			h.release()
+		}
+	}()
+	for h := range held {
+		if pp.recvWaits(h.t) {
+			select {
+			case <-sendTok:
+			case <-cl.ctx.Done():
+				h.release()
+				return errSibling
+			}
+		}
+		err := pp.recv(h.t, h.j, h.c, h.off, h.n, h.p)
+		h.release()
+		if err != nil {
+			return cl.recvErr(&localError{err}, pp.prev, pp.primary)
+		}
+		if pp.next >= 0 && pp.sendLag >= 0 && h.t+pp.sendLag < pp.steps {
+			recvTok <- struct{}{}
 		}
 	}
 	return nil

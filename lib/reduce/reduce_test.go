@@ -210,7 +210,7 @@ func TestCombineNaNBlocks(t *testing.T) {
 	impls(t, func(t *testing.T) {
 		eachCase(t, func(t *testing.T, op Op, dt DType) {
 			if !dt.IsFloat() {
-				t.Skip("no NaN")
+				t.Skip("integer dtypes have no NaN")
 			}
 			nan := specials[dt][len(specials[dt])-1] // a NaN in every list
 			r := rand.New(rand.NewPCG(9, uint64(dt)))
