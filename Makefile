@@ -38,6 +38,9 @@ lint: deps
 # interop tests and GPUBRIDGE_BIN the tests of built binaries.
 gotest: venv build
 	GPUBRIDGE_PYTHON=$(PY) GPUBRIDGE_BIN=$(BIN) $(GO) test -race -count=1 -timeout 20m ./...
+	@# The race detector allocates and slows everything: the tests that count
+	@# allocations or time the feed run once more without it.
+	$(GO) test -count=1 -timeout 10m -run 'TestNoAllocs|TestLatencyInProcess|TestServeLatency' ./lib/transport ./lib/feed ./tools/gbbridge
 
 man: build
 	@mkdir -p man
