@@ -34,7 +34,40 @@ func newCluster(t testing.TB, n, streams int, o Options) *cluster {
 
 func newClusterLimit(t testing.TB, n, streams int, o Options, maxUnexpected int64) *cluster {
 	t.Helper()
-	return newClusterMesh(t, transport.NewMem(n, streams, true), o, maxUnexpected)
+	meshes := transport.NewMem(n, streams, true)
+	if noHold {
+		for i, m := range meshes {
+			meshes[i] = noHoldMesh{m}
+		}
+	}
+	return newClusterMesh(t, meshes, o, maxUnexpected)
+}
+
+// noHold makes newCluster's streams hide transport.Holder, so that the
+// collectives take the Recv path.
+var noHold bool
+
+type noHoldMesh struct{ transport.Mesh }
+
+// noHoldStream has only the methods of transport.Stream.
+type noHoldStream struct{ transport.Stream }
+
+func (m noHoldMesh) Stream(peer, i int) transport.Stream {
+	return noHoldStream{m.Mesh.Stream(peer, i)}
+}
+
+// The collectives work over streams that cannot hold frames (Recv path).
+func TestRecvFallback(t *testing.T) {
+	noHold = true
+	defer func() { noHold = false }()
+	t.Run("AllReduce", TestAllReduce)
+	t.Run("Broadcast", TestBroadcast)
+	t.Run("AllGather", TestAllGather)
+	t.Run("ReduceScatter", TestReduceScatter)
+	t.Run("Ready", TestReady)
+	t.Run("Mismatch", TestMismatch)
+	t.Run("StalledMember", TestStalledMember)
+	t.Run("PeerClosed", TestPeerClosed)
 }
 
 func newClusterMesh(t testing.TB, meshes []transport.Mesh, o Options, maxUnexpected int64) *cluster {
