@@ -11,7 +11,7 @@ export CGO_ENABLED := 1
 # go-nvml's headers use deprecated declarations; the warnings are noise.
 export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 
-.PHONY: help deps venv build lint gotest man man-check slurm-test test demo clean
+.PHONY: help deps venv build lint golint pylint gotest pytest man man-check slurm-test test demo clean
 
 help:
 	@echo "make demo   run the main job (4 simulated ranks: probe, discover, topology)"
@@ -29,10 +29,16 @@ build: deps
 	@mkdir -p $(BIN)
 	$(GO) build -trimpath -o $(BIN)/ $(addprefix ./tools/,$(TOOLS))
 
-lint: deps
+lint: golint pylint
+
+golint: deps
 	@out=$$(gofmt -l lib tools); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) tool staticcheck ./...
+
+# The Python package gpubridge (torchplugin/): ruff and mypy from the venv.
+pylint: venv
+	cd torchplugin && $(CURDIR)/.venv/bin/ruff check . && $(CURDIR)/.venv/bin/ruff format --check . && $(CURDIR)/.venv/bin/mypy gpubridge
 
 # The Go tests, with the race detector; GPUBRIDGE_PYTHON turns on the torch
 # interop tests and GPUBRIDGE_BIN the tests of built binaries.
@@ -41,6 +47,10 @@ gotest: venv build
 	@# The race detector allocates and slows everything: the tests that count
 	@# allocations or time the feed run once more without it.
 	$(GO) test -count=1 -timeout 10m -run 'TestNoAllocs|TestLatencyInProcess|TestServeLatency' ./lib/transport ./lib/feed ./tools/gbbridge
+
+# The Python tests: the feed client against real gbbridge serve processes.
+pytest: venv build
+	cd torchplugin && GPUBRIDGE_BIN=$(BIN) $(PY) -m pytest -q tests
 
 man: build
 	@mkdir -p man
@@ -59,7 +69,7 @@ slurm-test: build
 	@if [ "$$(id -u)" -ne 0 ]; then echo "slurm-test: skipped: needs root to install and start Slurm"; \
 	else GBPROBE=$(BIN)/gbprobe ci/slurm/prolog-test.sh; fi
 
-test: lint gotest man-check slurm-test
+test: lint gotest pytest man-check slurm-test
 	@echo "make test: all passed"
 
 demo: build

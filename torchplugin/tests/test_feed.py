@@ -1,0 +1,376 @@
+"""The feed client against two real ``gbbridge serve`` processes.
+
+Two simulated ranks on this host (rank 0 says it is NVIDIA, rank 1 AMD) run
+discovery through a ``gbdiscover serve`` store, so each is the leader of its
+island and a member of the bridge; each gets its own ``gbbridge serve`` and a
+FeedClient, driven from two threads as two rank processes would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gpubridge._feed import (
+    BridgeError,
+    BridgeProcess,
+    DType,
+    FeedClient,
+    FeedError,
+    Op,
+    RequestError,
+    Status,
+    start_bridge,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = REPO / "bin"
+TOOLS = [BIN / "gbprobe", BIN / "gbdiscover", BIN / "gbbridge"]
+TIMEOUT = 30.0
+
+pytestmark = pytest.mark.skipif(
+    not all(os.access(t, os.X_OK) for t in TOOLS),
+    reason=f"needs bin/gbprobe, bin/gbdiscover and bin/gbbridge: run `make build` in {REPO}",
+)
+
+
+def children() -> list[int]:
+    """PIDs of this process's living children, from /proc (no psutil)."""
+    me = os.getpid()
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == me and fields[0] != "Z":
+            out.append(int(d))
+    return out
+
+
+def read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    line = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in line:
+        left = deadline - time.monotonic()
+        assert left > 0, "no line in time"
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 4096)
+            assert chunk, f"exited {proc.wait()} without a line"
+            line += chunk
+    return line
+
+
+@dataclass
+class Pair:
+    store: str
+    bridges: list[BridgeProcess]
+    clients: list[FeedClient]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def both(self, fn: Callable[[FeedClient, int], Any]) -> list[Any]:
+        """Runs fn(client, member) for both members at once, as two rank
+        processes would; re-raises the first failure."""
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(fn, c, c.member) for c in self.clients]
+            return [f.result(timeout=TIMEOUT * 2) for f in futs]
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    procs: list[subprocess.Popen[bytes]] = []
+    bridges: list[BridgeProcess] = []
+    clients: list[FeedClient] = []
+    try:
+        store_proc = subprocess.Popen(
+            [BIN / "gbdiscover", "serve", "--listen", "127.0.0.1:0"],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
+        procs.append(store_proc)
+        ready = json.loads(read_line(store_proc, TIMEOUT))
+        assert ready["schema"] == "gpubridge.store-serve/v1"
+        store = ready["listen"]
+
+        ns = f"feedtest-{uuid.uuid4().hex[:12]}"
+        disc = []
+        for rank, vendor in enumerate(["nvidia", "amd"]):
+            env = dict(os.environ, GPUBRIDGE_VENDOR=vendor)
+            probe = subprocess.Popen([BIN / "gbprobe", "--json"], stdout=subprocess.PIPE, env=env)
+            procs.append(probe)
+            topo = tmp_path / f"topology{rank}.json"
+            with topo.open("wb") as out:
+                d = subprocess.Popen(
+                    [BIN / "gbdiscover", "--store", store, "--rank", str(rank), "--world-size", "2",
+                     "--namespace", ns, "--local-rank", str(rank), "--timeout", "30s"],
+                    stdin=probe.stdout, stdout=out, env=env,
+                )  # fmt: skip
+            assert probe.stdout is not None
+            probe.stdout.close()
+            procs.append(d)
+            disc.append((d, topo))
+        topos = []
+        for d, topo in disc:
+            assert d.wait(TIMEOUT) == 0, "gbdiscover failed"
+            t = json.loads(topo.read_text())
+            assert t["bridge"]["members"] == [0, 1], t["bridge"]
+            topos.append(topo)
+
+        env = dict(os.environ, GPUBRIDGE_STORE=store)
+        for rank, topo in enumerate(topos):
+            feed_dir = tmp_path / f"feed{rank}"
+            feed_dir.mkdir(mode=0o700)
+            bridges.append(
+                start_bridge(
+                    topo, feed_dir / "feed.sock", gbbridge=BIN / "gbbridge", env=env,
+                    args=["--chunk", "64K", "--timeout", "20s", "--setup-timeout", "30s"],
+                )
+            )  # fmt: skip
+        for rank, b in enumerate(bridges):
+            r = b.wait_ready(TIMEOUT)
+            assert r["member"] == rank and r["members"] == 2 and r["feed_version"] == 1, r
+
+        def connect(rank: int) -> FeedClient:
+            return FeedClient.connect(bridges[rank].feed, timeout=TIMEOUT, request_timeout=TIMEOUT)
+
+        with ThreadPoolExecutor(2) as ex:
+            clients = list(ex.map(connect, [0, 1]))
+        for rank, c in enumerate(clients):
+            assert c.member == rank and c.members == 2
+            assert c.welcome is not None and c.welcome.version == 1
+
+        yield Pair(store, bridges, clients, procs)
+
+        # A clean close: BYE both ways, gbbridge serve exits 0.
+        for c, b in zip(clients, bridges, strict=True):
+            if c.error is None:
+                c.close()
+                assert b.wait(TIMEOUT) == 0, b.stderr()
+    finally:
+        for c in clients:
+            if c.error is None:
+                c.abort()
+        for b in bridges:
+            b.terminate()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(TIMEOUT)
+            if p.stdout is not None:
+                p.stdout.close()
+    left = children()
+    assert not left, f"processes left: {left}"
+
+
+def bf16_bits(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def reference(op: Op, dt: DType, x0: np.ndarray, x1: np.ndarray) -> np.ndarray:
+    """x0 op x1: member 0's value is the earlier operand; bfloat16 in float32,
+    rounded once."""
+    if dt == DType.BFLOAT16:
+        a = torch.from_numpy(x0.view(np.int16).copy()).view(torch.bfloat16).float()
+        b = torch.from_numpy(x1.view(np.int16).copy()).view(torch.bfloat16).float()
+        r = a + b if op == Op.SUM else torch.maximum(a, b)
+        return bf16_bits(r)
+    with np.errstate(over="ignore"):  # -3e38 + -3e38 is -inf, as IEEE says
+        return np.asarray(x0 + x1 if op == Op.SUM else np.maximum(x0, x1))
+
+
+def inputs(dt: DType, n: int, member: int) -> np.ndarray:
+    rng = np.random.default_rng(1000 + member * 7 + int(dt))
+    if dt == DType.FLOAT32:
+        x = np.asarray(rng.standard_normal(n).astype(np.float32) * np.float32(1000))
+        x[:4] = np.array([0.0, -0.0, 1e-40, -3.0e38], np.float32)  # zeros, a denormal, near overflow
+        return x
+    if dt == DType.BFLOAT16:
+        return bf16_bits(torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 100))
+    x = rng.integers(-(2**62), 2**62, n, dtype=np.int64)
+    x[0] = np.iinfo(np.int64).max  # wraps on sum
+    return x
+
+
+@pytest.mark.parametrize("op", [Op.SUM, Op.MAX], ids=lambda v: v.name.lower())
+@pytest.mark.parametrize("dt", [DType.FLOAT32, DType.BFLOAT16, DType.INT64], ids=lambda v: v.name.lower())
+def test_all_reduce(pair: Pair, dt: DType, op: Op) -> None:
+    n = 10_000 + 3
+    xs = [inputs(dt, n, m) for m in range(2)]
+    want = reference(op, dt, xs[0], xs[1])
+    off = 64  # not at the start of the region
+
+    def run(c: FeedClient, m: int) -> bytes:
+        r = c.map_region(off + xs[m].nbytes + 128)
+        r.array(np.uint8, off, xs[m].nbytes)[:] = xs[m].view(np.uint8)
+        d = c.all_reduce(r, off, xs[m].nbytes, dt.name.lower(), op.name.lower())
+        assert d.status == Status.OK and d.nbytes == xs[m].nbytes and d.seq >= 1
+        got = bytes(r.view(off, xs[m].nbytes))
+        c.release(r)
+        return got
+
+    got = pair.both(run)
+    assert got[0] == got[1], "members disagree"
+    assert got[0] == want.tobytes(), "result differs from the reference"
+
+
+def test_all_reduce_torch_dtype_and_small(pair: Pair) -> None:
+    def run(c: FeedClient, m: int) -> list[float]:
+        r = c.map_region(4096)
+        r.array(np.float32, 0, 1)[0] = 1.5 + m
+        c.all_reduce(r, 0, 4, str(torch.float32), "sum")
+        return [float(r.array(np.float32, 0, 1)[0])]
+
+    assert pair.both(run) == [[4.0], [4.0]]
+
+
+def test_streamed_all_reduce(pair: Pair) -> None:
+    n = 1 << 20  # 4 MiB of float32, 64 KiB chunks
+    xs = [np.random.default_rng(m).standard_normal(n).astype(np.float32) for m in range(2)]
+    want = (xs[0] + xs[1]).tobytes()
+    steps = 8
+
+    def run(c: FeedClient, m: int) -> tuple[bytes, list[tuple[int, int]]]:
+        r = c.map_region(xs[m].nbytes)
+        src = xs[m].view(np.uint8)
+        dst = r.array(np.uint8)
+        ranges: list[tuple[int, int]] = []
+        lock = threading.Lock()
+
+        def progress(off: int, length: int) -> None:
+            with lock:
+                ranges.append((off, length))
+
+        call = c.start_all_reduce(r, 0, r.size, DType.FLOAT32, Op.SUM, on_progress=progress)
+        step = r.size // steps
+        for i in range(steps):  # "D2H copies" completing chunk by chunk
+            dst[i * step : (i + 1) * step] = src[i * step : (i + 1) * step]
+            call.ready((i + 1) * step)
+            time.sleep(0.002)
+        d = call.wait()
+        assert d.status == Status.OK and d.nbytes == r.size
+        return bytes(r.view()), sorted(ranges)
+
+    for got, ranges in pair.both(run):
+        assert got == want
+        assert len(ranges) > 1, "no streaming"
+        pos = 0  # disjoint, covering the buffer exactly once
+        for off, length in ranges:
+            assert off == pos, ranges
+            pos += length
+        assert pos == n * 4
+
+
+def test_broadcast_gather_scatter_barrier_p2p(pair: Pair) -> None:
+    def run(c: FeedClient, m: int) -> None:
+        r = c.map_region(1 << 16)
+        a = r.array(np.int32, 0, 256)
+        # broadcast from member 1
+        a[:] = np.arange(256, dtype=np.int32) * (10 if m == 1 else -1)
+        c.broadcast(r, 0, a.nbytes, root=1)
+        assert (a == np.arange(256, dtype=np.int32) * 10).all()
+        # all_gather: in place at this member's slot
+        g = r.array(np.int32, 4096, 2 * 16)
+        g[m * 16 : (m + 1) * 16] = m + 1
+        c.all_gather(r.span(4096, g.nbytes), r.span(4096 + m * 64, 64), "int32")
+        assert (g == np.repeat(np.array([1, 2], np.int32), 16)).all()
+        # reduce_scatter: member m gets its half of the sum
+        inp = r.array(np.float32, 8192, 32)
+        inp[:] = np.arange(32, dtype=np.float32) + m
+        c.reduce_scatter(r.span(16384, 64), r.span(8192, 128), "float32", "sum")
+        want = (2 * np.arange(32, dtype=np.float32) + 1)[m * 16 : (m + 1) * 16]
+        assert (r.array(np.float32, 16384, 16) == want).all()
+        c.barrier()
+        # send/recv: 0 → 1
+        if m == 0:
+            r.array(np.uint8, 32768, 5)[:] = np.frombuffer(b"hello", np.uint8)
+            c.send(r, 32768, 5, peer=1, tag=7)
+        else:
+            got = c.recv(r, 32768, 100, peer=0, tag=7)
+            assert got == 5 and bytes(r.view(32768, 5)) == b"hello"
+
+    pair.both(run)
+
+
+def test_threads_share_a_client(pair: Pair) -> None:
+    """A RECV waits on one thread while collectives and the SEND it waits
+    for run on another: each thread's DONE reaches it, whoever reads."""
+
+    def run(c: FeedClient, m: int) -> None:
+        r = c.map_region(1 << 16)
+        peer = 1 - m
+        got: list[int] = []
+        t = threading.Thread(target=lambda: got.append(c.recv(r, 8192, 64, peer=peer, tag=1)))
+        t.start()
+        a = r.array(np.float32, 0, 1024)
+        for i in range(20):
+            a[:] = i + m
+            c.all_reduce(r, 0, a.nbytes, "float32", "sum")
+            assert (a == 2 * i + 1).all()
+        r.array(np.uint8, 4096, 3)[:] = m + 1
+        c.send(r, 4096, 3, peer=peer, tag=1)
+        t.join(TIMEOUT)
+        assert got == [3] and bytes(r.view(8192, 3)) == bytes([peer + 1] * 3)
+
+    pair.both(run)
+
+
+def test_bad_request_then_ok(pair: Pair) -> None:
+    def run(c: FeedClient, m: int) -> str:
+        r = c.map_region(4096)
+        with pytest.raises(FeedError) as ei:
+            c.all_reduce(r, 8192, 4, "float32", "sum")  # offset beyond the region
+        e = ei.value
+        assert isinstance(e, RequestError) and not isinstance(e, BridgeError)
+        assert e.status == Status.BAD_REQUEST and e.message
+        r.array(np.float32, 0, 1)[0] = 2.0
+        c.all_reduce(r, 0, 4, "float32", "sum")
+        assert r.array(np.float32, 0, 1)[0] == 4.0
+        return e.message
+
+    msgs = pair.both(run)
+    assert all(msgs)
+
+
+def test_peer_killed(pair: Pair) -> None:
+    c0, c1 = pair.clients
+    r0 = c0.map_region(4096)
+    c1.map_region(4096)
+    pair.bridges[1].proc.send_signal(signal.SIGKILL)
+    pair.bridges[1].proc.wait(TIMEOUT)
+    t0 = time.monotonic()
+    with pytest.raises(BridgeError) as ei:
+        c0.all_reduce(r0, 0, 4096, "float32", "sum", timeout=TIMEOUT)
+    took = time.monotonic() - t0
+    assert took < 10, f"the failure took {took:.1f}s"
+    msg = ei.value.message
+    assert "member 1" in msg, msg
+    # The killed member's client sees its feed gone.
+    with pytest.raises(FeedError):
+        c1.barrier(timeout=5)
+    assert c1.error is not None
+    # Every later collective fails at once with the original cause.
+    with pytest.raises(BridgeError) as ei2:
+        c0.barrier(timeout=5)
+    assert ei2.value.status == Status.BROKEN and "member 1" in ei2.value.message
+    c0.abort()
+    assert pair.bridges[0].wait(TIMEOUT) == 1
