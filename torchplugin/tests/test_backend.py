@@ -1,0 +1,157 @@
+"""The gpubridge torch.distributed backend, in simulation, under torchrun.
+
+Each test launches a real job (``python -m torch.distributed.run
+--standalone``) of tests/backend_worker.py: GPUBRIDGE_VENDOR is set per rank,
+every rank all_reduces and broadcasts tensors of every supported dtype and op
+through the backend and compares them bit for bit with a flat Gloo world
+group of the same job. Afterwards no gbbridge serve may be left.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from gpubridge._backend import find_tool, store_address
+
+HERE = Path(__file__).resolve().parent
+PKG = HERE.parent
+REPO = PKG.parent
+BIN = REPO / "bin"
+TOOLS = [BIN / "gbprobe", BIN / "gbdiscover", BIN / "gbbridge"]
+WORKER = HERE / "backend_worker.py"
+TIMEOUT = 120
+
+needs_tools = pytest.mark.skipif(
+    not all(os.access(t, os.X_OK) for t in TOOLS),
+    reason=f"needs bin/gbprobe, bin/gbdiscover and bin/gbbridge: run `make build` in {REPO}",
+)
+
+
+def bridge_pids() -> set[int]:
+    """Living (non-zombie) gbbridge serve processes on this host."""
+    out = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and cmd and cmd[0].endswith(b"gbbridge") and b"serve" in cmd:
+            out.add(int(d))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def launch(tmp_path: Path, vendors: list[str], mode: str = "") -> tuple[int, list[dict[str, Any]], str]:
+    """Runs the worker under torchrun; returns its exit status, every rank's
+    result and the output."""
+    before = bridge_pids()
+    env = dict(os.environ, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1")
+    for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(vendors)),
+        str(WORKER), ",".join(vendors), str(tmp_path),
+    ]  # fmt: skip
+    if mode:
+        cmd.append(mode)
+    p = subprocess.run(cmd, env=env, capture_output=True, timeout=TIMEOUT, check=False, cwd=tmp_path)
+    output = (p.stdout + p.stderr).decode("utf-8", "replace")
+    results = []
+    for r in range(len(vendors)):
+        f = tmp_path / f"rank{r}.json"
+        assert f.exists(), f"rank {r} wrote no result (exit {p.returncode}):\n{output[-6000:]}"
+        results.append(json.loads(f.read_text()))
+    left = bridge_pids() - before
+    assert not left, f"gbbridge serve left running: {left}"
+    for res in results:
+        if res.get("bridge_pid"):
+            assert not alive(res["bridge_pid"]), f"gbbridge serve {res['bridge_pid']} still runs"
+    return p.returncode, results, output
+
+
+def check_ok(rc: int, results: list[dict[str, Any]], output: str) -> None:
+    for r, res in enumerate(results):
+        assert res.get("ok"), f"rank {r}: {res.get('error')}\n{output[-6000:]}"
+    assert rc == 0, output[-6000:]
+    assert len({json.dumps(res["refused"]) for res in results}) == 1, "refusals differ between ranks"
+    assert all(res["checks"] == results[0]["checks"] > 0 for res in results)
+
+
+@needs_tools
+def test_two_islands_2_2(tmp_path: Path) -> None:
+    rc, results, out = launch(tmp_path, ["nvidia", "nvidia", "amd", "amd"])
+    check_ok(rc, results, out)
+    assert results[0]["islands"] in ([[0, 1], [2, 3]], [[2, 3], [0, 1]])
+    assert all(res["transport"] != "none" for res in results)
+    leaders = [r for r, res in enumerate(results) if res["role"] == "leader"]
+    assert len(leaders) == 2
+    assert all(results[r]["bridge_pid"] for r in leaders)
+    assert all(results[r]["bridge_exit"] == 0 for r in leaders), results  # a clean BYE
+    refused = results[0]["refused"]
+    assert any("PRODUCT" in x for x in refused) and any("allgather" in x for x in refused)
+
+
+@needs_tools
+def test_two_islands_1_1(tmp_path: Path) -> None:
+    rc, results, out = launch(tmp_path, ["nvidia", "amd"])
+    check_ok(rc, results, out)
+    assert all(res["transport"] != "none" and res["role"] == "leader" for res in results)
+    assert all(res["bridge_exit"] == 0 for res in results), results
+
+
+@needs_tools
+def test_single_vendor_no_bridge(tmp_path: Path) -> None:
+    rc, results, out = launch(tmp_path, ["amd"] * 4)
+    check_ok(rc, results, out)
+    assert all(res["transport"] == "none" and res["bridge_pid"] is None for res in results)
+    assert results[0]["islands"] == [[0, 1, 2, 3]]
+
+
+@needs_tools
+def test_mismatched_setting_fails_everywhere(tmp_path: Path) -> None:
+    rc, results, _ = launch(tmp_path, ["nvidia", "nvidia", "amd", "amd"], mode="badbridge")
+    assert rc != 0
+    errors = [res.get("error") for res in results]
+    assert all(errors), results
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("gpubridge: discovery failed:"), errors[0]
+    assert "bridge" in errors[0], errors[0]
+
+
+def test_missing_tool_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="gbnosuchtool was not found"):
+        find_tool("gbnosuchtool")
+
+
+@needs_tools
+def test_tool_found_in_bin_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(BIN))
+    assert find_tool("gbdiscover") == str(BIN / "gbdiscover")
+
+
+def test_store_address_walks_prefix_stores() -> None:
+    tcp = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+    s = dist.PrefixStore("a/", dist.PrefixStore("b/", tcp))
+    assert store_address(s) == ("127.0.0.1", tcp.port)
+    with pytest.raises(RuntimeError, match="not a TCPStore"):
+        store_address(dist.HashStore())
