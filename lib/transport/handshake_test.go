@@ -229,7 +229,7 @@ func FuzzHandshake(f *testing.F) {
 // GPUBRIDGE_WRITE_SEEDS is set.
 func TestWriteFuzzSeeds(t *testing.T) {
 	if os.Getenv("GPUBRIDGE_WRITE_SEEDS") == "" {
-		t.Skip("set GPUBRIDGE_WRITE_SEEDS=1 to rewrite testdata/fuzz/FuzzHandshake")
+		t.Skip("not a check: regenerates testdata/fuzz/FuzzHandshake when GPUBRIDGE_WRITE_SEEDS=1 (go test runs FuzzHandshake over them)")
 	}
 	dir := filepath.Join("testdata", "fuzz", "FuzzHandshake")
 	require.NoError(t, os.MkdirAll(dir, 0o755))
