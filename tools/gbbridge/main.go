@@ -6,14 +6,13 @@ package main
 import (
 	"fmt"
 	"os"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/alecthomas/kong"
 
 	"github.com/gpubridge/gpubridge/lib/cli"
 	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/harness"
 )
 
 type grammar struct {
@@ -71,32 +70,12 @@ func (b *byteSize) Decode(ctx *kong.DecodeContext) error {
 	if err := ctx.Scan.PopValueInto("size", &s); err != nil {
 		return err
 	}
-	v, err := parseSize(s)
+	v, err := harness.ParseSize(s)
 	if err != nil {
 		return err
 	}
 	*b = byteSize(v)
 	return nil
-}
-
-func parseSize(s string) (int64, error) {
-	f := strings.TrimSuffix(strings.ToUpper(strings.TrimSpace(s)), "B")
-	mult := int64(1)
-	if n := len(f); n > 0 {
-		switch f[n-1] {
-		case 'K':
-			mult, f = 1<<10, f[:n-1]
-		case 'M':
-			mult, f = 1<<20, f[:n-1]
-		case 'G':
-			mult, f = 1<<30, f[:n-1]
-		}
-	}
-	v, err := strconv.ParseInt(f, 10, 64)
-	if err != nil || v <= 0 || v > (1<<40)/mult {
-		return 0, fmt.Errorf("size %q: want a positive number of bytes with an optional K, M or G suffix", s)
-	}
-	return v * mult, nil
 }
 
 var tool = cli.Tool{
