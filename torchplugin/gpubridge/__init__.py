@@ -1,16 +1,49 @@
 """gpubridge: one PyTorch job across NVIDIA and AMD GPUs.
 
-``import gpubridge`` registers the ``gpubridge`` torch.distributed backend
-(:mod:`gpubridge._backend`; this first slice runs in simulation on CPU:
-allreduce, broadcast, barrier). The data path to ``gbbridge serve`` is
-:mod:`gpubridge._feed`, a client of the feed protocol (docs/FEED.md in the
-gpubridge repository).
+``import gpubridge`` registers the torch.distributed backend ``gpubridge``
+(:mod:`gpubridge._backend`): vendor islands on their native library (NCCL,
+RCCL under the "nccl" name; Gloo in simulation and CPU-only runs), island
+leaders joined by ``gbbridge serve``. Use it with
+``dist.init_process_group(backend="gpubridge")``, or through the native API
+here (:func:`init`, :func:`all_reduce`, …); one or the other per process.
+:func:`in_flight` says which collective each thread is inside, without
+blocking. The data path to gbbridge is :mod:`gpubridge._feed` (docs/FEED.md).
 """
 
 from gpubridge._backend import BACKEND_NAME, GpubridgeProcessGroup, register
+from gpubridge._hook import ddp_comm_hook
+from gpubridge._inflight import in_flight
+from gpubridge._native import (
+    all_gather_into_tensor,
+    all_reduce,
+    barrier,
+    broadcast,
+    destroy,
+    get_topology,
+    init,
+    is_initialized,
+    probe,
+    reduce_scatter_tensor,
+)
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["BACKEND_NAME", "GpubridgeProcessGroup", "__version__"]
+__all__ = [
+    "BACKEND_NAME",
+    "GpubridgeProcessGroup",
+    "__version__",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "ddp_comm_hook",
+    "destroy",
+    "get_topology",
+    "in_flight",
+    "init",
+    "is_initialized",
+    "probe",
+    "reduce_scatter_tensor",
+]
 
 register()

@@ -1,39 +1,42 @@
-"""The ``gpubridge`` torch.distributed backend (issue 4, first slice).
+"""The ``gpubridge`` torch.distributed backend.
 
-This slice runs in **simulation** only: ``GPUBRIDGE_VENDOR`` set per process,
-CPU tensors, Gloo islands (gbdiscover's topology mode ``cpu``).
-
-Creating a group (``dist.init_process_group(backend="gpubridge")`` or
-``new_group(backend="gpubridge")``), on every rank of it:
+Creating a group (``dist.init_process_group(backend="gpubridge")``,
+``new_group(backend="gpubridge")`` or :func:`gpubridge.init`), on every rank:
 
 1. ``gbprobe --json | gbdiscover run`` against the job's own TCPStore (found
    by walking the PrefixStore chain torch hands the backend), with the
-   group's rank and size, ``LOCAL_RANK`` from the environment and the
-   namespace ``job-<TORCHELASTIC_RUN_ID>/attempt-<TORCHELASTIC_RESTART_COUNT>/
-   group-<group name>`` (``GPUBRIDGE_NAMESPACE``, when set, replaces the
-   first two parts), so that subgroups and restart attempts never share
-   keys. Any failure raises the same RuntimeError on every rank, with
-   gbdiscover's problems, before any group exists.
-2. One Gloo ProcessGroup per island of two or more ranks, created directly on
-   a PrefixStore of the group's store (``gpubridge/island/<label>``), not with
-   ``dist.new_group`` (the gpubridge group may be the default group that is
-   being created).
+   group's rank and size and a namespace per job, restart attempt and group
+   (:func:`gpubridge._tools.namespace`). Any problem anywhere raises the same
+   RuntimeError on every rank, before any group exists. On GPUs the rank's
+   device (``cuda:LOCAL_RANK``) is set only after discovery passed.
+2. One native ProcessGroup per island of two or more ranks (NCCL, which is
+   RCCL on ROCm builds, on GPUs; Gloo on CPU), created directly on a
+   PrefixStore of the group's store (``gpubridge/island/<label>``); every
+   rank creates only its own island's group.
 3. Each island leader, when the bridge is not ``none``, starts ``gbbridge
-   serve`` (GPUBRIDGE_STORE = the store's host:port), connects a
-   :class:`FeedClient` and maps a region that grows with the tensors.
+   serve`` and feeds it through a shared-memory region (page-locked with
+   cudaHostRegister on GPUs).
 
-allreduce, in this order: island reduce onto the leader (Gloo; AVG reduces
-with SUM), the leader copies the tensor into the region, the bridge
-all-reduces in place (AVG with SUM), the leader copies back, divides by the
-group's size for AVG (once, at the very end, after every sum, in the
-tensor's dtype: ``t.div_(size)``), then the island broadcast from the leader.
-broadcast is three hops: inside the root's island from the root, over the
-bridge from the root's island leader, inside the other islands from their
-leaders. barrier is an allreduce of one int32.
+Collectives are queued, in call order, to the group's worker thread, which
+runs them one at a time; the call returns at once with a Work. On GPUs the
+worker runs on its own CUDA stream, which first waits for the work queued on
+the caller's current stream; the Work's future completes when the GPU work is
+done (``is_completed()`` is true only then). A failed collective fails its
+Work (``wait()`` raises with the cause); the group is then broken and later
+collectives are refused. The first cause is published in the group's store
+(``gpubridge/failure``) so that every rank names the same root cause.
 
-Everything runs synchronously; the Work returned is already complete.
-Anything else is refused with a RuntimeError naming the op, before any
-communication.
+all_reduce (bridged): island reduce onto the leader, the leader copies the
+tensor into the region (on GPUs chunk by chunk, each chunk handed to the
+bridge as soon as its copy is done), gbbridge all-reduces in place, the
+result comes back chunk by chunk as the bridge finishes it, island broadcast.
+AVG reduces with SUM everywhere and divides once by the group size at the
+end. all_gather: island all_gather, the leaders all-gather their islands'
+blocks over the bridge (padded to the largest island), island broadcast of
+the result. reduce_scatter: island reduce of the whole input onto the leader,
+bridge all_reduce, island scatter. broadcast: root's island, bridge, the
+other islands. send/recv: inside an island on the native group; between
+island leaders through gbbridge.
 """
 
 from __future__ import annotations
@@ -41,27 +44,35 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import json
+import itertools
+import logging
 import mmap
 import os
+import queue
 import shutil
-import subprocess
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
-from gpubridge._feed import BridgeProcess, DType, FeedClient, FeedError, Op, Region, start_bridge
+from gpubridge import _inflight as fl
+from gpubridge import _tools
+from gpubridge._feed import BridgeProcess, DType, FeedClient, FeedError, Kind, Op, Region, start_bridge
 
-__all__ = ["BACKEND_NAME", "GpubridgeProcessGroup", "find_tool", "register", "store_address"]
+__all__ = ["BACKEND_NAME", "GpubridgeProcessGroup", "find_tool", "live_groups", "register", "store_address"]
+
+find_tool = _tools.find_tool
+store_address = _tools.store_address
 
 BACKEND_NAME = "gpubridge"
+log = logging.getLogger("gpubridge")
 
 _DTYPES: dict[torch.dtype, DType] = {
     torch.float32: DType.FLOAT32,
@@ -80,6 +91,17 @@ _OPS: list[tuple[Any, Op]] = [
     (dist.ReduceOp.MAX, Op.MAX),
     (dist.ReduceOp.MIN, Op.MIN),
 ]
+_NATIVE_OP: dict[Op, Any] = {
+    Op.SUM: dist.ReduceOp.SUM,
+    Op.AVG: dist.ReduceOp.SUM,
+    Op.MAX: dist.ReduceOp.MAX,
+    Op.MIN: dist.ReduceOp.MIN,
+}
+_MIN_REGION = 1 << 20
+# Bytes per chunk of a GPU copy into (or out of) the region: the bridge
+# starts on a chunk as soon as its copy is done.
+_CHUNK = int(os.environ.get("GPUBRIDGE_COPY_CHUNK", str(8 << 20)))
+_FAILURE_KEY = "gpubridge/failure"
 
 
 def _op_of(rop: Any) -> Op | None:
@@ -95,167 +117,150 @@ def _op_name(rop: Any) -> str:
     return str(getattr(rop, "op", rop)).rsplit(".", 1)[-1]
 
 
-_MIN_REGION = 1 << 20
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
-# ---- tools, store, discovery ----
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor."""
+    return t.reshape(-1).view(torch.uint8)
 
 
-def find_tool(name: str) -> str:
-    """Path of a gpubridge tool: GPUBRIDGE_BIN_DIR, then PATH, then the
-    repository's bin/ (a source checkout). RuntimeError names a missing one."""
-    tried = []
-    d = os.environ.get("GPUBRIDGE_BIN_DIR")
-    if d:
-        p = Path(d) / name
-        if os.access(p, os.X_OK):
-            return str(p)
-        tried.append(f"GPUBRIDGE_BIN_DIR={d}")
-    w = shutil.which(name)
-    if w:
-        return w
-    tried.append("PATH")
-    p = Path(__file__).resolve().parents[2] / "bin" / name
-    if os.access(p, os.X_OK):
-        return str(p)
-    tried.append(str(p.parent))
-    raise RuntimeError(
-        f"gpubridge: the tool {name} was not found (looked in {', '.join(tried)}); "
-        "build it with `make build` in the gpubridge repository or set GPUBRIDGE_BIN_DIR"
-    )
+class _Task:
+    __slots__ = ("entry", "event", "fn", "fut", "result")
 
-
-def store_address(store: Any) -> tuple[str, int]:
-    """Host and port of the TCPStore under a chain of PrefixStores."""
-    s = store
-    for _ in range(64):
-        if isinstance(s, TCPStore):
-            return str(s.host), int(s.port)
-        u = getattr(s, "underlying_store", None)
-        if u is None:
-            break
-        s = u
-    raise RuntimeError(
-        f"gpubridge: the group's store is not a TCPStore (found {type(s).__name__}); "
-        "gpubridge needs the job's TCPStore (env:// or tcp:// init, or torchrun)"
-    )
-
-
-def _namespace(group: str) -> str:
-    base = os.environ.get("GPUBRIDGE_NAMESPACE") or (
-        f"job-{os.environ.get('TORCHELASTIC_RUN_ID') or os.environ.get('SLURM_JOB_ID') or 'default'}"
-        f"/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT') or '0'}"
-    )
-    return f"{base}/group-{group}"
-
-
-def _discover(host: str, port: int, rank: int, size: int, namespace: str, topo_path: Path) -> dict[str, Any]:
-    """Runs gbprobe --json | gbdiscover run; returns the topology or raises
-    RuntimeError with gbdiscover's problems (the same on every rank)."""
-    gbprobe, gbdiscover = find_tool("gbprobe"), find_tool("gbdiscover")
-    local = os.environ.get("LOCAL_RANK", "-1")
-    cmd = [
-        gbdiscover, "run", "--store", f"{host}:{port}", "--rank", str(rank),
-        "--world-size", str(size), "--local-rank", local, "--namespace", namespace,
-    ]  # fmt: skip
-    probe = subprocess.Popen([gbprobe, "--json"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
-    try:
-        assert probe.stdout is not None
-        disc = subprocess.run(cmd, stdin=probe.stdout, capture_output=True, check=False)
-    finally:
-        if probe.stdout is not None:
-            probe.stdout.close()
-        probe.wait()
-    out = disc.stdout.decode("utf-8", "replace").strip()
-    try:
-        doc = json.loads(out) if out else None
-    except ValueError:
-        doc = None
-    if disc.returncode == 0 and isinstance(doc, dict) and doc.get("schema") == "gpubridge.topology/v1":
-        topo_path.write_bytes(disc.stdout)
-        return doc
-    if isinstance(doc, dict) and doc.get("problems"):
-        raise RuntimeError("gpubridge: discovery failed: " + "; ".join(str(p) for p in doc["problems"]))
-    err = disc.stderr.decode("utf-8", "replace").strip()
-    raise RuntimeError(f"gpubridge: gbdiscover exited {disc.returncode}: {err or out}")
-
-
-# ---- the process group ----
-
-
-def _completed(result: list[torch.Tensor]) -> Any:
-    fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-    fut.set_result(result)
-    return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+    def __init__(
+        self, entry: fl.Entry, fn: Callable[[fl.Entry], None], fut: Any, result: list[torch.Tensor]
+    ) -> None:
+        self.entry = entry
+        self.fn = fn
+        self.fut = fut
+        self.result = result
+        self.event: Any = None
 
 
 class GpubridgeProcessGroup(dist.ProcessGroup):
-    """The gpubridge group: Gloo islands joined by gbbridge (simulation)."""
+    """Native islands joined by gbbridge."""
 
     def __init__(
-        self, store: Any, rank: int, size: int, timeout: datetime.timedelta, group: str = "default"
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        group: str = "default",
+        problems: list[str] | None = None,
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # (rank, size) is a real overload
         self._rank = rank
         self._size = size
         self._timeout = timeout
+        self._group = group
+        self._store = store
         self._closed = False
+        self._error: str | None = None
         self.bridge_exit: int | None = None  # gbbridge serve's exit status once closed
-        self._lock = threading.Lock()
         self._island_pg: Any = None
         self._feed: FeedClient | None = None
         self._bridge: BridgeProcess | None = None
         self._region: Region | None = None
+        self._region_t: torch.Tensor | None = None
+        self._pinned = 0
+        self._device = torch.device("cpu")
+        self._stream: Any = None
+        self._h2d: Any = None
+        self._seq = 0
+        self._submit_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._done_q: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._completer: threading.Thread | None = None
+        self._p2p_threads: set[threading.Thread] = set()
         self._dir = Path(tempfile.mkdtemp(prefix="gpubridge-"))
+        self.created = next(_CREATED)
         try:
-            self._setup(store, group)
+            self._setup(store, group, problems or [])
         except BaseException:
             self._close(abort=True)
             raise
+        self._worker = threading.Thread(target=self._run, name=f"gpubridge-{group}", daemon=True)
+        self._worker.start()
+        if self._device.type == "cuda":
+            self._completer = threading.Thread(
+                target=self._complete, name=f"gpubridge-{group}-done", daemon=True
+            )
+            self._completer.start()
         _LIVE.add(self)
 
-    def _setup(self, store: Any, group: str) -> None:
-        host, port = store_address(store)
-        topo = _discover(host, port, self._rank, self._size, _namespace(group), self._dir / "topology.json")
-        self.topology = topo
-        if topo.get("mode") != "cpu":
-            raise RuntimeError(
-                f"gpubridge: topology mode {topo.get('mode')!r}: only simulation on CPU "
-                "(GPUBRIDGE_VENDOR set on every rank) is implemented so far"
-            )
+    # ---- set-up ----
+
+    def _setup(self, store: Any, group: str, problems: list[str]) -> None:
+        host, port = _tools.store_address(store)
+        secs = max(1.0, self._timeout.total_seconds())
+        topo = _tools.discover(
+            host, port, self._rank, self._size, _tools.namespace(group), self._dir / "topology.json",
+            timeout=min(secs, float(os.environ.get("GPUBRIDGE_DISCOVER_TIMEOUT_S", "300"))),
+            **({"problems": problems} if problems else {}),
+        )  # fmt: skip
+        self.topology: dict[str, Any] = topo
         me = topo["self"]
         islands = topo["islands"]
+        self._mode = str(topo.get("mode"))
         self._island = next(i for i in islands if i["label"] == me["island"])
         self._island_of = {r: i for i in islands for r in i["ranks"]}
         ranks: list[int] = self._island["ranks"]
+        self._island_ranks = ranks
         self._island_rank = ranks.index(self._rank)
         self._leader = int(self._island["leader"])
+        self._leader_local = ranks.index(self._leader)
         self._is_leader = self._rank == self._leader
         bridge = topo["bridge"]
-        self._bridged = bridge.get("transport", "none") != "none" and len(bridge.get("members") or []) > 1
         self._members: list[int] = list(bridge.get("members") or [])
-        # Every rank creates the islands' groups: only its own, on a prefix
-        # of the group's store named after the island.
+        self._bridged = bridge.get("transport", "none") != "none" and len(self._members) > 1
+        self._islands_by_member = [self._island_of[m] for m in self._members]
+        self._max_island = max(len(i["ranks"]) for i in islands)
+        if topo.get("split_test"):
+            log.warning(
+                "gpubridge: rank %d: split test (%s): a single-vendor job labeled as two vendors; "
+                "results are not mixed-vendor results",
+                self._rank, topo.get("split_test"),
+            )  # fmt: skip
+        if self._mode == "gpu":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    f"gpubridge: rank {self._rank}: discovery chose GPU mode but this torch sees no GPU "
+                    "(a CPU-only torch? set GPUBRIDGE_CPU_ONLY=1 on every rank to run on CPU)"
+                )
+            self._device = torch.device("cuda", local)
+            torch.cuda.set_device(self._device)  # only now: discovery passed
+            self._stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+            self._h2d = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         if len(ranks) > 1:
             pstore = PrefixStore(f"gpubridge/island/{self._island['label']}", store)
-            self._island_pg = ProcessGroupGloo(pstore, self._island_rank, len(ranks), self._timeout)
+            if self._island.get("backend") == "nccl":
+                o = _c10d.ProcessGroupNCCL.Options()
+                o._timeout = self._timeout
+                self._island_pg = _c10d.ProcessGroupNCCL(pstore, self._island_rank, len(ranks), o)
+            else:
+                self._island_pg = ProcessGroupGloo(pstore, self._island_rank, len(ranks), self._timeout)
         if self._bridged and self._is_leader:
             env = dict(os.environ, GPUBRIDGE_STORE=f"{host}:{port}")
-            secs = max(1, int(self._timeout.total_seconds()))
+            isecs = int(secs)
             self._bridge = start_bridge(
-                self._dir / "topology.json", self._dir / "feed.sock", gbbridge=find_tool("gbbridge"),
-                env=env, args=["--timeout", f"{secs}s"],
+                self._dir / "topology.json", self._dir / "feed.sock", gbbridge=_tools.find_tool("gbbridge"),
+                env=env, args=["--timeout", f"{isecs}s"],
             )  # fmt: skip
             try:
-                self._bridge.wait_ready(float(min(secs, 120)))
+                self._bridge.wait_ready(float(min(isecs, 120)))
                 self._feed = FeedClient.connect(
                     self._bridge.feed, timeout=60.0, name=f"gpubridge rank {self._rank}",
-                    request_timeout=secs + 60.0,
+                    request_timeout=isecs + 60.0,
                 )  # fmt: skip
             except FeedError as e:
                 raise RuntimeError(f"gpubridge: rank {self._rank}: starting gbbridge serve: {e}") from e
 
-    # -- identity --
+    # ---- identity ----
 
     def getBackendName(self) -> str:  # the name C++ calls
         return BACKEND_NAME
@@ -269,175 +274,688 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
     def size(self) -> int:
         return self._size
 
-    # -- helpers --
+    @property
+    def device(self) -> torch.device:
+        """The device this rank's tensors must be on."""
+        return self._device
 
-    def _check(self, op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    # ---- checks (the same verdict on every rank: they depend only on the
+    # call's arguments, which every rank passes alike) ----
+
+    def _refusal(self, op: str) -> None:
         if self._closed:
             raise RuntimeError(f"gpubridge: {op}: the group was destroyed")
-        if len(tensors) != 1:
+        if self._error is not None:
+            raise RuntimeError(f"gpubridge: {op}: refused, the group is broken: {self._error}")
+
+    def _check(self, op: str, t: torch.Tensor, dtype_ok: bool = True) -> torch.Tensor:
+        if t.device != self._device and not (t.device.type == self._device.type == "cpu"):
             raise RuntimeError(
-                f"gpubridge: {op}: exactly one tensor per call is supported, got {len(tensors)}"
+                f"gpubridge: {op}: the tensor is on {t.device}, this rank's device is {self._device}"
             )
-        t = tensors[0]
-        if t.device.type != "cpu":
-            raise RuntimeError(f"gpubridge: {op}: only CPU tensors in simulation, got a tensor on {t.device}")
-        if t.dtype not in _DTYPES:
+        if dtype_ok and t.dtype not in _DTYPES:
             raise RuntimeError(f"gpubridge: {op}: unsupported dtype {t.dtype}")
         if not t.is_contiguous():
             raise RuntimeError(f"gpubridge: {op}: the tensor must be contiguous")
         return t
 
-    def _region_for(self, nbytes: int) -> Region:
+    def _one(self, op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        self._refusal(op)
+        if len(tensors) != 1:
+            raise RuntimeError(
+                f"gpubridge: {op}: exactly one tensor per call is supported, got {len(tensors)}"
+            )
+        return self._check(op, tensors[0])
+
+    def _reduce_op(self, op: str, rop: Any, dtype: torch.dtype) -> Op:
+        o = _op_of(rop)
+        if o is None:
+            raise RuntimeError(f"gpubridge: {op}: unsupported reduce op {_op_name(rop)} (SUM, AVG, MAX, MIN)")
+        if o == Op.AVG and dtype not in _FLOATS:
+            raise RuntimeError(f"gpubridge: {op}: AVG needs a floating-point tensor, got {dtype}")
+        return o
+
+    # ---- the worker ----
+
+    def _submit(
+        self,
+        op: str,
+        nbytes: int,
+        fn: Callable[[fl.Entry], None],
+        result: list[torch.Tensor],
+        uses: list[torch.Tensor] | None = None,
+    ) -> Any:
+        """Queues fn to the worker; returns the Work the caller gets (its
+        future's value is result). On GPUs the tensors in result and uses are
+        marked as used on the worker's stream, so the caching allocator does
+        not hand their memory out before the collective is done."""
+        gpu = self._device.type == "cuda"
+        fut: Any = torch.futures.Future(devices=[self._device]) if gpu else torch.futures.Future()
+        with self._submit_lock:
+            self._refusal(op)
+            self._seq += 1
+            entry = fl.Entry(self._group, self._seq, op, nbytes, fl.QUEUED, threading.current_thread().name)
+            task = _Task(entry, fn, fut, result)
+            if gpu:
+                cur = torch.cuda.current_stream(self._device)
+                task.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                task.event.record(cur)
+                for t in [*result, *(uses or [])]:
+                    t.record_stream(self._stream)
+            self._queue.put(task)
+        return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            e = task.entry
+            fl.enter(e)
+            try:
+                if self._error is not None:
+                    raise RuntimeError(f"not started: the group is broken: {self._error}")
+                if self._device.type == "cuda":
+                    with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+                        self._stream.wait_event(task.event)
+                        task.fn(e)
+                        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                        done.record(self._stream)
+                        task.event = done
+                    self._done_q.put(task)
+                else:
+                    task.fn(e)
+                    task.fut.set_result(task.result)
+            except BaseException as exc:  # every failure fails the Work, never the thread
+                task.fut.set_exception(self._fail(e, exc))
+            finally:
+                fl.leave()
+
+    def _complete(self) -> None:
+        """Completes GPU Works once their work is done on the device."""
+        while True:
+            task = self._done_q.get()
+            if task is None:
+                return
+            try:
+                task.event.synchronize()
+                with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+                    task.fut.set_result(task.result)
+            except BaseException as exc:
+                task.fut.set_exception(self._fail(task.entry, exc))
+
+    def _fail(self, e: fl.Entry, exc: BaseException) -> RuntimeError:
+        """Breaks the group after a failure: publishes the first cause in the
+        store, aborts the bridge and the island group (so that the peers'
+        calls fail at once instead of at their timeout), and returns the
+        error naming the root cause and what happened here."""
+        here = f"rank {self._rank}: {e.op} (collective #{e.seq}, step {e.step}): {exc}"
+        if self._error is None:
+            self._error = here
+            root = here
+            try:
+                with contextlib.suppress(Exception):
+                    self._store.set_timeout(datetime.timedelta(seconds=10))
+                root = self._store.compare_set(_FAILURE_KEY, "", here).decode("utf-8", "replace") or here
+            except Exception:  # the store may be gone with a dead rank
+                pass
+            self._error = root
+            feed = self._feed
+            if feed is not None:
+                feed.abort()
+            pg, self._island_pg = self._island_pg, None
+            if pg is not None:
+                with contextlib.suppress(Exception):
+                    pg.abort()
+            del pg
+        msg = f"gpubridge: {self._error}"
+        if self._error != here:
+            msg += f" (on rank {self._rank}: {e.op} #{e.seq} failed in step {e.step}: {exc})"
+        err = RuntimeError(msg)
+        err.__cause__ = exc
+        return err
+
+    # ---- the region ----
+
+    def _region_for(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over the first nbytes of the shared region (grown,
+        and page-locked on GPUs, as needed)."""
         assert self._feed is not None
         r = self._region
-        if r is not None and r.size >= nbytes:
-            return r
-        size = max(_MIN_REGION, nbytes, 2 * r.size if r is not None else 0)
-        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-        if r is not None:
-            self._region = None
-            self._feed.release(r)
-        self._region = self._feed.map_region(size)
-        return self._region
+        if r is None or r.size < nbytes:
+            size = max(_MIN_REGION, nbytes, 2 * r.size if r is not None else 0)
+            size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+            self._drop_region()
+            r = self._region = self._feed.map_region(size)
+            t = torch.frombuffer(r.mem, dtype=torch.uint8, count=size)
+            if self._device.type == "cuda":
+                rc = _cudart().cudaHostRegister(t.data_ptr(), size, 0)
+                if int(rc) != 0:
+                    raise RuntimeError(
+                        f"gpubridge: cudaHostRegister of the {size}-byte feed region failed: {rc}"
+                    )
+                self._pinned = t.data_ptr()
+            self._region_t = t
+        assert self._region_t is not None
+        return self._region_t[:nbytes]
 
-    def _bridge_op(self, t: torch.Tensor, fn: str, op: Op = Op.NONE, root: int = -1) -> None:
-        """Copies t into the region, runs fn over the bridge, copies back."""
+    def _drop_region(self) -> None:
+        r, self._region = self._region, None
+        self._region_t = None
+        if self._pinned:
+            if self._stream is not None:
+                self._stream.synchronize()
+                self._h2d.synchronize()
+            _cudart().cudaHostUnregister(self._pinned)
+            self._pinned = 0
+        if r is not None and self._feed is not None and self._feed.error is None:
+            with contextlib.suppress(FeedError):
+                self._feed.release(r)
+
+    # ---- steps on the island ----
+
+    def _native(self, e: fl.Entry, step: str, work: Any) -> None:
+        e.set_step(step)
+        work.wait()
+
+    def _island_reduce(self, e: fl.Entry, t: torch.Tensor, op: Op) -> None:
+        if self._island_pg is None:
+            return
+        o = dist.ReduceOptions()
+        o.reduceOp = _NATIVE_OP[op]
+        o.rootRank = self._leader_local
+        o.rootTensor = 0
+        self._native(e, fl.ISLAND_REDUCE, self._island_pg.reduce([t], o))
+
+    def _island_broadcast(self, e: fl.Entry, t: torch.Tensor, root_local: int | None = None) -> None:
+        if self._island_pg is None:
+            return
+        o = dist.BroadcastOptions()
+        o.rootRank = self._leader_local if root_local is None else root_local
+        o.rootTensor = 0
+        self._native(e, fl.ISLAND_BROADCAST, self._island_pg.broadcast([t], o))
+
+    # ---- steps on the bridge (leaders) ----
+
+    def _bridge_all_reduce(self, e: fl.Entry, t: torch.Tensor, op: Op) -> None:
+        """All-reduces t in place over the bridge, through the region."""
         assert self._feed is not None
-        nbytes = t.numel() * t.element_size()
-        region = self._region_for(nbytes)
-        flat = t.view(-1).view(torch.uint8)
-        buf = torch.frombuffer(region.mem, dtype=torch.uint8, count=nbytes)
+        src = _bytes(t)
+        n = src.numel()
+        host = self._region_for(n)
+        region = self._region
+        assert region is not None
+        dt = _DTYPES[t.dtype]
         try:
-            buf.copy_(flat)
-            if fn == "all_reduce":
-                self._feed.all_reduce(region, 0, nbytes, _DTYPES[t.dtype], op)
-            else:
-                self._feed.broadcast(region, 0, nbytes, root)
-            flat.copy_(buf)
-        except FeedError as e:
-            raise RuntimeError(f"gpubridge: rank {self._rank}: bridge {fn}: {e}") from e
-        finally:
-            del buf
+            if self._device.type != "cuda":
+                e.set_step(fl.COPY)
+                host.copy_(src)
+                e.set_step(fl.BRIDGE)
+                self._feed.all_reduce(region, 0, n, dt, op)
+                e.set_step(fl.COPY_BACK)
+                src.copy_(host)
+                return
+            # GPU: chunked copies on the worker's stream; the bridge starts on
+            # each chunk once its copy is done and hands results back as it
+            # finishes them, copied back on a second stream meanwhile.
+            e.set_step(fl.COPY)
+            ends = []
+            for off in range(0, n, _CHUNK):
+                end = min(n, off + _CHUNK)
+                host[off:end].copy_(src[off:end], non_blocking=True)
+                ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ev.record(self._stream)
+                ends.append((end, ev))
+            self._h2d.wait_stream(self._stream)
 
-    # -- collectives --
+            def back(off: int, k: int) -> None:
+                with torch.cuda.stream(self._h2d):
+                    src[off : off + k].copy_(host[off : off + k], non_blocking=True)
+
+            call = self._feed.start_all_reduce(region, 0, n, dt, op, on_progress=back)
+            e.set_step(fl.BRIDGE)
+            for end, ev in ends:
+                ev.synchronize()
+                call.ready(end)
+            call.wait()
+            e.set_step(fl.COPY_BACK)
+            self._stream.wait_stream(self._h2d)
+        except FeedError as exc:
+            raise RuntimeError(f"bridge all_reduce: {exc}") from exc
+
+    def _to_region(self, e: fl.Entry, host: torch.Tensor, src: torch.Tensor) -> None:
+        e.set_step(fl.COPY)
+        if self._device.type == "cuda":
+            host.copy_(src, non_blocking=True)
+            self._stream.synchronize()
+        else:
+            host.copy_(src)
+
+    def _from_region(self, e: fl.Entry, dst: torch.Tensor, host: torch.Tensor) -> None:
+        e.set_step(fl.COPY_BACK)
+        dst.copy_(host, non_blocking=self._device.type == "cuda")
+
+    # ---- collectives ----
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
-        t = self._check("allreduce", tensors)
-        rop = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        op = _op_of(rop)
-        if op is None:
-            raise RuntimeError(f"gpubridge: allreduce: unsupported reduce op {_op_name(rop)}")
-        if op == Op.AVG and t.dtype not in _FLOATS:
-            raise RuntimeError(f"gpubridge: allreduce: AVG needs a floating-point tensor, got {t.dtype}")
-        if t.numel() == 0:
-            return _completed([t])
-        with self._lock:
-            self._allreduce(t, op)
-        return _completed([t])
+        t = self._one("allreduce", tensors)
+        op = self._reduce_op("allreduce", opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t.dtype)
+        return self._submit(
+            "allreduce", t.numel() * t.element_size(), lambda e: self._allreduce(e, t, op), [t]
+        )
 
-    def _allreduce(self, t: torch.Tensor, op: Op) -> None:
-        island_op: Any = {
-            Op.SUM: dist.ReduceOp.SUM,
-            Op.AVG: dist.ReduceOp.SUM,
-            Op.MAX: dist.ReduceOp.MAX,
-        }.get(op, dist.ReduceOp.MIN)
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        self._refusal("allreduce_coalesced")
+        if not tensors:
+            return self._submit("allreduce_coalesced", 0, lambda e: None, [])
+        for t in tensors:
+            self._check("allreduce_coalesced", t)
+        if len({t.dtype for t in tensors}) != 1:
+            raise RuntimeError("gpubridge: allreduce_coalesced: every tensor must have the same dtype")
+        op = self._reduce_op(
+            "allreduce_coalesced", opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensors[0].dtype
+        )
+
+        def run(e: fl.Entry) -> None:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            self._allreduce(e, flat, op)
+            off = 0
+            for t in tensors:
+                t.copy_(flat[off : off + t.numel()].view_as(t))
+                off += t.numel()
+
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return self._submit("allreduce_coalesced", nbytes, run, list(tensors))
+
+    def _allreduce(self, e: fl.Entry, t: torch.Tensor, op: Op) -> None:
+        if t.numel() == 0:
+            return
         pg = self._island_pg
         if not self._bridged:
             if pg is not None:
                 o = dist.AllreduceOptions()
-                o.reduceOp = island_op
-                pg.allreduce([t], o).wait()
+                o.reduceOp = _NATIVE_OP[op]
+                self._native(e, fl.NATIVE, pg.allreduce([t], o))
             if op == Op.AVG:
                 t.div_(self._size)
             return
-        leader_rank = self._island["ranks"].index(self._leader)
-        if pg is not None:
-            ro = dist.ReduceOptions()
-            ro.reduceOp = island_op
-            ro.rootRank = leader_rank
-            ro.rootTensor = 0
-            pg.reduce([t], ro).wait()
+        self._island_reduce(e, t, op)
         if self._is_leader:
-            self._bridge_op(t, "all_reduce", Op.SUM if op == Op.AVG else op)
+            self._bridge_all_reduce(e, t, Op.SUM if op == Op.AVG else op)
             if op == Op.AVG:
                 t.div_(self._size)
-        if pg is not None:
-            bo = dist.BroadcastOptions()
-            bo.rootRank = leader_rank
-            bo.rootTensor = 0
-            pg.broadcast([t], bo).wait()
+        self._island_broadcast(e, t)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
-        t = self._check("broadcast", tensors)
+        t = self._one("broadcast", tensors)
         root = int(opts.rootRank) if opts is not None else 0
         if not 0 <= root < self._size:
             raise RuntimeError(f"gpubridge: broadcast: root {root} is not a rank of the group")
-        if t.numel() == 0:
-            return _completed([t])
-        with self._lock:
-            root_island = self._island_of[root]
-            pg = self._island_pg
-            mine = root_island["label"] == self._island["label"]
-            if mine and pg is not None:  # hop 1: from the root inside its island
-                bo = dist.BroadcastOptions()
-                bo.rootRank = self._island["ranks"].index(root)
-                bo.rootTensor = 0
-                pg.broadcast([t], bo).wait()
-            if self._bridged:
-                if self._is_leader:  # hop 2: from the root island's leader over the bridge
-                    self._bridge_op(t, "broadcast", root=self._members.index(int(root_island["leader"])))
-                if not mine and pg is not None:  # hop 3: from the leader inside the other islands
-                    bo = dist.BroadcastOptions()
-                    bo.rootRank = self._island["ranks"].index(self._leader)
-                    bo.rootTensor = 0
-                    pg.broadcast([t], bo).wait()
-        return _completed([t])
-
-    def barrier(self, opts: Any = None) -> Any:
-        t = torch.zeros(1, dtype=torch.int32)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("gpubridge: barrier: the group was destroyed")
-            self._allreduce(t, Op.SUM)
-        return _completed([t])
-
-    def _refuse(self, op: str) -> Any:
-        raise RuntimeError(
-            f"gpubridge: {op} is not supported yet (this slice has allreduce, broadcast, barrier)"
+        return self._submit(
+            "broadcast", t.numel() * t.element_size(), lambda e: self._broadcast(e, t, root), [t]
         )
 
-    def allgather(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("allgather")
+    def _broadcast(self, e: fl.Entry, t: torch.Tensor, root: int) -> None:
+        if t.numel() == 0:
+            return
+        root_island = self._island_of[root]
+        mine = root_island["label"] == self._island["label"]
+        if mine:  # hop 1: from the root inside its island
+            self._island_broadcast(e, t, self._island_ranks.index(root))
+        if not self._bridged:
+            return
+        if self._is_leader:  # hop 2: from the root island's leader over the bridge
+            assert self._feed is not None
+            src = _bytes(t)
+            host = self._region_for(src.numel())
+            assert self._region is not None
+            if mine:
+                self._to_region(e, host, src)
+            e.set_step(fl.BRIDGE)
+            try:
+                self._feed.broadcast(
+                    self._region, 0, src.numel(), self._members.index(int(root_island["leader"]))
+                )
+            except FeedError as exc:
+                raise RuntimeError(f"bridge broadcast: {exc}") from exc
+            if not mine:
+                self._from_region(e, src, host)
+        if not mine:  # hop 3: from the leader inside the other islands
+            self._island_broadcast(e, t)
 
-    def _allgather_base(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("all_gather_into_tensor")
+    def barrier(self, opts: Any = None) -> Any:
+        self._refusal("barrier")
+        t = torch.zeros(1, dtype=torch.int32, device=self._device)
+        return self._submit("barrier", 4, lambda e: self._allreduce(e, t, Op.SUM), [t])
 
-    def allgather_coalesced(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("allgather_coalesced")
+    # all_gather
 
-    def allgather_into_tensor_coalesced(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("allgather_into_tensor_coalesced")
+    def allgather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        inp = self._one("allgather", input_tensors)
+        if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
+            raise RuntimeError(f"gpubridge: allgather: the output must be one list of {self._size} tensors")
+        outs = output_tensors[0]
+        for o in outs:
+            self._check("allgather", o)
+            if o.numel() != inp.numel() or o.dtype != inp.dtype:
+                raise RuntimeError(
+                    "gpubridge: allgather: every output tensor must match the input's size and dtype"
+                )
 
-    def allreduce_coalesced(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("allreduce_coalesced")
+        def run(e: fl.Entry) -> None:
+            flat = torch.empty(self._size * inp.numel(), dtype=inp.dtype, device=inp.device)
+            self._allgather(e, flat, inp)
+            for r, o in enumerate(outs):
+                o.copy_(flat[r * inp.numel() : (r + 1) * inp.numel()].view_as(o))
+
+        return self._submit(
+            "allgather", inp.numel() * inp.element_size() * self._size, run, list(outs), [inp]
+        )
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        self._refusal("all_gather_into_tensor")
+        self._check("all_gather_into_tensor", output)
+        self._check("all_gather_into_tensor", input)
+        if output.numel() != self._size * input.numel() or output.dtype != input.dtype:
+            raise RuntimeError(
+                f"gpubridge: all_gather_into_tensor: the output must hold {self._size} x the input "
+                f"({self._size * input.numel()} elements of {input.dtype}), "
+                f"got {output.numel()} of {output.dtype}"
+            )
+        return self._submit(
+            "all_gather_into_tensor", output.numel() * output.element_size(),
+            lambda e: self._allgather(e, output.reshape(-1), input.reshape(-1)), [output], [input],
+        )  # fmt: skip
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        self._refusal("allgather_into_tensor_coalesced")
+        if len(outputs) != len(inputs):
+            raise RuntimeError(
+                "gpubridge: allgather_into_tensor_coalesced: as many outputs as inputs are needed"
+            )
+        for o, i in zip(outputs, inputs, strict=True):
+            self._check("allgather_into_tensor_coalesced", o)
+            self._check("allgather_into_tensor_coalesced", i)
+            if o.numel() != self._size * i.numel() or o.dtype != i.dtype:
+                raise RuntimeError(
+                    "gpubridge: allgather_into_tensor_coalesced: an output must hold size x its input"
+                )
+
+        def run(e: fl.Entry) -> None:
+            for o, i in zip(outputs, inputs, strict=True):
+                self._allgather(e, o.reshape(-1), i.reshape(-1))
+
+        nbytes = sum(o.numel() * o.element_size() for o in outputs)
+        return self._submit("allgather_into_tensor_coalesced", nbytes, run, list(outputs), list(inputs))
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        self._refusal("allgather_coalesced")
+        if len(output_lists) != self._size or any(len(ol) != len(inputs) for ol in output_lists):
+            raise RuntimeError(
+                f"gpubridge: allgather_coalesced: the output must be {self._size} lists "
+                f"of {len(inputs)} tensors"
+            )
+        for i in inputs:
+            self._check("allgather_coalesced", i)
+
+        def run(e: fl.Entry) -> None:
+            for k, i in enumerate(inputs):
+                flat = torch.empty(self._size * i.numel(), dtype=i.dtype, device=i.device)
+                self._allgather(e, flat, i.reshape(-1))
+                for r in range(self._size):
+                    output_lists[r][k].copy_(
+                        flat[r * i.numel() : (r + 1) * i.numel()].view_as(output_lists[r][k])
+                    )
+
+        nbytes = sum(i.numel() * i.element_size() for i in inputs) * self._size
+        return self._submit(
+            "allgather_coalesced", nbytes, run, [t for ol in output_lists for t in ol], list(inputs)
+        )
+
+    def _allgather(self, e: fl.Entry, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """out (size x n, flat) = every rank's inp (n, flat) in rank order."""
+        n = inp.numel()
+        if n == 0:
+            return
+        pg = self._island_pg
+        ranks = self._island_ranks
+        if not self._bridged:
+            if pg is None:
+                out.copy_(inp)
+            else:
+                e.set_step(fl.NATIVE)
+                pg._allgather_base(out, inp).wait()
+            return
+        # Island all_gather into this island's block (island order = rank order).
+        block = torch.empty(len(ranks) * n, dtype=inp.dtype, device=inp.device)
+        if pg is None:
+            block.copy_(inp)
+        else:
+            e.set_step(fl.ISLAND_GATHER)
+            pg._allgather_base(block, inp).wait()
+        if self._is_leader:
+            assert self._feed is not None
+            es = inp.element_size()
+            slot = self._max_island * n * es  # every island's block padded to the largest
+            m = len(self._members)
+            me = self._members.index(self._rank)
+            host = self._region_for(m * slot)
+            assert self._region is not None
+            self._to_region(e, host[me * slot : me * slot + block.numel() * es], _bytes(block))
+            e.set_step(fl.BRIDGE)
+            try:
+                self._feed.all_gather(self._region.span(0, m * slot), self._region.span(me * slot, slot))
+            except FeedError as exc:
+                raise RuntimeError(f"bridge all_gather: {exc}") from exc
+            e.set_step(fl.COPY_BACK)
+            dst = _bytes(out)
+            nb = n * es
+            gpu = self._device.type == "cuda"
+            for k, isl in enumerate(self._islands_by_member):
+                for j, r in enumerate(isl["ranks"]):
+                    dst[r * nb : (r + 1) * nb].copy_(
+                        host[k * slot + j * nb : k * slot + (j + 1) * nb], non_blocking=gpu
+                    )
+        self._island_broadcast(e, out)
+
+    # reduce_scatter
+
+    def reduce_scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        out = self._one("reduce_scatter", output_tensors)
+        if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
+            raise RuntimeError(
+                f"gpubridge: reduce_scatter: the input must be one list of {self._size} tensors"
+            )
+        ins = input_tensors[0]
+        for i in ins:
+            self._check("reduce_scatter", i)
+            if i.numel() != out.numel() or i.dtype != out.dtype:
+                raise RuntimeError(
+                    "gpubridge: reduce_scatter: every input must match the output's size and dtype"
+                )
+        op = self._reduce_op(
+            "reduce_scatter", opts.reduceOp if opts is not None else dist.ReduceOp.SUM, out.dtype
+        )
+
+        def run(e: fl.Entry) -> None:
+            self._reduce_scatter(e, out.reshape(-1), torch.cat([i.reshape(-1) for i in ins]), op)
+
+        return self._submit(
+            "reduce_scatter", out.numel() * out.element_size() * self._size, run, [out], list(ins)
+        )
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        self._refusal("reduce_scatter_tensor")
+        self._check("reduce_scatter_tensor", output)
+        self._check("reduce_scatter_tensor", input)
+        if input.numel() != self._size * output.numel() or output.dtype != input.dtype:
+            raise RuntimeError(
+                f"gpubridge: reduce_scatter_tensor: the input must hold {self._size} x the output "
+                f"({self._size * output.numel()} elements of {output.dtype}), "
+                f"got {input.numel()} of {input.dtype}"
+            )
+        op = self._reduce_op(
+            "reduce_scatter_tensor", opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output.dtype
+        )
+
+        def run(e: fl.Entry) -> None:
+            self._reduce_scatter(e, output.reshape(-1), input.reshape(-1).clone(), op)
+
+        return self._submit(
+            "reduce_scatter_tensor", input.numel() * input.element_size(), run, [output], [input]
+        )
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        self._refusal("reduce_scatter_tensor_coalesced")
+        if len(outputs) != len(inputs):
+            raise RuntimeError(
+                "gpubridge: reduce_scatter_tensor_coalesced: as many outputs as inputs are needed"
+            )
+        ops = []
+        for o, i in zip(outputs, inputs, strict=True):
+            self._check("reduce_scatter_tensor_coalesced", o)
+            self._check("reduce_scatter_tensor_coalesced", i)
+            if i.numel() != self._size * o.numel() or o.dtype != i.dtype:
+                raise RuntimeError(
+                    "gpubridge: reduce_scatter_tensor_coalesced: an input must hold size x its output"
+                )
+            ops.append(
+                self._reduce_op(
+                    "reduce_scatter_tensor_coalesced",
+                    opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
+                    o.dtype,
+                )
+            )
+
+        def run(e: fl.Entry) -> None:
+            for o, i, op in zip(outputs, inputs, ops, strict=True):
+                self._reduce_scatter(e, o.reshape(-1), i.reshape(-1).clone(), op)
+
+        nbytes = sum(i.numel() * i.element_size() for i in inputs)
+        return self._submit("reduce_scatter_tensor_coalesced", nbytes, run, list(outputs), list(inputs))
+
+    def _reduce_scatter(self, e: fl.Entry, out: torch.Tensor, full: torch.Tensor, op: Op) -> None:
+        """out = this rank's segment of the reduction of every rank's full
+        (size x n; full is scratch)."""
+        n = out.numel()
+        if n == 0:
+            return
+        pg = self._island_pg
+        if not self._bridged:
+            if pg is None:
+                out.copy_(full)
+            else:
+                o = dist.ReduceScatterOptions()
+                o.reduceOp = _NATIVE_OP[op]
+                self._native(e, fl.NATIVE, pg._reduce_scatter_base(out, full, o))
+        else:
+            self._island_reduce(e, full, op)
+            if self._is_leader:
+                self._bridge_all_reduce(e, full, Op.SUM if op == Op.AVG else op)
+            if pg is None:
+                out.copy_(full[self._rank * n : (self._rank + 1) * n])
+            else:
+                so = dist.ScatterOptions()
+                so.rootRank = self._leader_local
+                chunks = [[full[r * n : (r + 1) * n] for r in self._island_ranks]] if self._is_leader else []
+                self._native(e, fl.ISLAND_SCATTER, pg.scatter([out], chunks, so))
+        if op == Op.AVG:
+            out.div_(self._size)
+
+    # point to point
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        t = self._one("send", tensors)
+        return self._p2p("send", t, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        t = self._one("recv", tensors)
+        return self._p2p("recv", t, src, tag)
+
+    def _p2p(self, op: str, t: torch.Tensor, peer: int, tag: int) -> Any:
+        if not 0 <= peer < self._size or peer == self._rank:
+            raise RuntimeError(f"gpubridge: {op}: peer {peer} is not another rank of the group")
+        peer_island = self._island_of[peer]
+        if peer_island["label"] == self._island["label"]:
+            pg = self._island_pg
+            assert pg is not None
+            local = self._island_ranks.index(peer)
+            return pg.send([t], local, tag) if op == "send" else pg.recv([t], local, tag)
+        if not (self._is_leader and int(peer_island["leader"]) == peer):
+            raise RuntimeError(
+                f"gpubridge: {op} between rank {self._rank} (island {self._island['label']}) and rank {peer} "
+                f"(island {peer_island['label']}): point-to-point across islands runs between island leaders "
+                f"only (ranks {', '.join(str(m) for m in self._members)})"
+            )
+        if self._device.type == "cuda":
+            raise RuntimeError(
+                f"gpubridge: {op} across islands is not supported on GPUs yet (CPU tensors only)"
+            )
+        return self._bridge_p2p(op, t, self._members.index(peer), tag)
+
+    def _bridge_p2p(self, op: str, t: torch.Tensor, peer: int, tag: int) -> Any:
+        """A send or recv between leaders over the bridge, on a region of its
+        own, completed by a thread of its own (SEND and RECV run concurrently
+        in gbbridge, so an isend/irecv pair never waits on the other)."""
+        feed = self._feed
+        assert feed is not None
+        self._refusal(op)
+        fut: Any = torch.futures.Future()
+        src = _bytes(t)
+        nb = src.numel()
+        region = feed.map_region(max(nb, 1))
+        box = {"host": torch.frombuffer(region.mem, dtype=torch.uint8, count=max(nb, 1))[:nb]}
+        if op == "send":
+            box["host"].copy_(src)
+        call = feed.start(Kind.SEND if op == "send" else Kind.RECV, region.span(0, nb), peer=peer, tag=tag)
+        entry = fl.Entry(self._group, 0, op, nb, fl.P2P, threading.current_thread().name)
+
+        def run() -> None:
+            fl.enter(entry)
+            try:
+                d = call.wait()
+                if op == "recv":
+                    if d.nbytes != nb:
+                        raise RuntimeError(f"recv: got {d.nbytes} bytes, the tensor holds {nb}")
+                    src.copy_(box["host"])
+                fut.set_result([t])
+            except BaseException as exc:
+                fut.set_exception(self._fail(entry, exc))
+            finally:
+                fl.leave()
+                box.clear()  # the view goes before its mapping
+                with contextlib.suppress(Exception):
+                    feed.release(region)
+                self._p2p_threads.discard(threading.current_thread())
+
+        th = threading.Thread(target=run, name=f"gpubridge-{self._group}-{op}", daemon=True)
+        self._p2p_threads.add(th)
+        th.start()
+        return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+
+    # refused
+
+    def _refuse(self, op: str) -> Any:
+        raise RuntimeError(f"gpubridge: {op} is not supported")
 
     def reduce(self, *args: Any, **kw: Any) -> Any:
         return self._refuse("reduce")
-
-    def reduce_scatter(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("reduce_scatter")
-
-    def _reduce_scatter_base(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("reduce_scatter_tensor")
-
-    def reduce_scatter_tensor_coalesced(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("reduce_scatter_tensor_coalesced")
 
     def alltoall(self, *args: Any, **kw: Any) -> Any:
         return self._refuse("alltoall")
 
     def alltoall_base(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("alltoall_base")
+        return self._refuse("alltoall_base (all_to_all_single)")
 
     def gather(self, *args: Any, **kw: Any) -> Any:
         return self._refuse("gather")
@@ -445,16 +963,10 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
     def scatter(self, *args: Any, **kw: Any) -> Any:
         return self._refuse("scatter")
 
-    def send(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("send")
-
-    def recv(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("recv")
-
     def recv_anysource(self, *args: Any, **kw: Any) -> Any:
-        return self._refuse("recv_anysource")
+        return self._refuse("recv from any source")
 
-    # -- closing --
+    # ---- closing ----
 
     def shutdown(self) -> None:
         self._close(abort=False)
@@ -463,16 +975,29 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self._close(abort=True)
 
     def _close(self, abort: bool) -> None:
-        """Says BYE to gbbridge and waits for it (or kills it), drops the
-        island group and the private directory. Idempotent."""
+        """Finishes the queued collectives, says BYE to gbbridge and waits for
+        it (or kills it), drops the island group and the private directory.
+        Idempotent."""
         if self._closed:
             return
+        w = self._worker
+        if w is not None and w is not threading.current_thread():
+            if abort and self._error is None:
+                self._error = f"rank {self._rank}: the group was aborted"
+            self._queue.put(None)
+            w.join(self._timeout.total_seconds() + 60.0)
+        if self._completer is not None:
+            self._done_q.put(None)
+            self._completer.join(self._timeout.total_seconds() + 60.0)
         self._closed = True
+        for th in list(self._p2p_threads):
+            th.join(5.0)
+        with contextlib.suppress(Exception):
+            self._drop_region()
         feed, self._feed = self._feed, None
         bridge, self._bridge = self._bridge, None
-        self._region = None
         if feed is not None:
-            if abort or feed.error is not None:
+            if abort or feed.error is not None or self._error is not None:
                 feed.abort()
             else:
                 with contextlib.suppress(FeedError, OSError):
@@ -485,12 +1010,22 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             finally:
                 bridge.kill()
                 bridge.stderr_file.close()
-        self._island_pg = None
+        pg, self._island_pg = self._island_pg, None
+        if pg is not None and abort:
+            with contextlib.suppress(Exception):
+                pg.abort()
+        del pg
         shutil.rmtree(self._dir, ignore_errors=True)
         _LIVE.discard(self)
 
 
 _LIVE: weakref.WeakSet[GpubridgeProcessGroup] = weakref.WeakSet()
+_CREATED = itertools.count()
+
+
+def live_groups() -> list[GpubridgeProcessGroup]:
+    """The gpubridge groups of this process that are not closed."""
+    return [g for g in list(_LIVE) if not g._closed]
 
 
 @atexit.register
@@ -502,13 +1037,16 @@ def _close_all() -> None:
 
 def _create(opts: Any, backend_options: Any = None) -> GpubridgeProcessGroup:
     """The creator torch calls (extended API: the group's name comes too)."""
+    from gpubridge import _native  # noqa: PLC0415 - _native imports this module
+
+    _native.refuse_if_native("init_process_group(backend='gpubridge')")
     return GpubridgeProcessGroup(
         opts.store, int(opts.group_rank), int(opts.group_size), opts.timeout, str(opts.group_id or "default")
     )
 
 
 def register() -> None:
-    """Registers the backend name "gpubridge" (once)."""
+    """Registers the backend name "gpubridge" (once), for CPU and GPU tensors."""
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])

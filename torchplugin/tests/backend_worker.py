@@ -55,6 +55,147 @@ def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         raise AssertionError(f"rank {rank}: {what}: {a[:8]} != {b[:8]}")
 
 
+def ref_reduce(x: torch.Tensor, op: object, flat: object) -> None:
+    """The flat Gloo group's all_reduce, AVG as a SUM divided once."""
+    gop = dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op
+    dist.all_reduce(x, op=gop, group=flat)
+    if op == dist.ReduceOp.AVG:
+        x.div_(dist.get_world_size())
+
+
+def run_checks(world: int, flat: object) -> int:
+    """Every collective x dtype x op through the backend, bit for bit against
+    the flat Gloo group on the same data."""
+    checks = 0
+    for dtype in DTYPES:
+        ops = [op for op in OPS if dtype.is_floating_point or op != dist.ReduceOp.AVG]
+        for op in ops:
+            for n in (1, 1000, 70000):
+                x = data(dtype, n, seed=1000 * rank + n)
+                ref = x.clone()
+                ref_reduce(ref, op, flat)
+                dist.all_reduce(x, op=op)
+                same(x, ref, f"all_reduce {dtype} {op} n={n}")
+                checks += 1
+            # reduce_scatter_tensor and the list form
+            n = 777
+            inp = data(dtype, n * world, seed=31 * rank + 5)
+            ref = inp.clone()
+            ref_reduce(ref, op, flat)
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(out, inp, op=op)
+            same(out, ref[rank * n : (rank + 1) * n], f"reduce_scatter_tensor {dtype} {op}")
+            out2 = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter(out2, list(inp.chunk(world)), op=op)
+            same(out2, out, f"reduce_scatter {dtype} {op}")
+            checks += 2
+        # coalesced all_reduce (the coalescing manager gathers the calls)
+        xs = [data(dtype, k, seed=rank * 7 + k) for k in (3, 1000, 17)]
+        refs = [x.clone() for x in xs]
+        for r in refs:
+            ref_reduce(r, dist.ReduceOp.SUM, flat)
+        with dist._coalescing_manager(async_ops=True) as cm:
+            for x in xs:
+                dist.all_reduce(x)
+        cm.wait()
+        for x, r in zip(xs, refs, strict=True):
+            same(x, r, f"coalesced all_reduce {dtype}")
+        checks += 1
+        for root in range(world):
+            x = data(dtype, 3000, seed=77 + rank)
+            ref = x.clone()
+            dist.broadcast(ref, src=root, group=flat)
+            dist.broadcast(x, src=root)
+            same(x, ref, f"broadcast {dtype} root={root}")
+            checks += 1
+        for n in (1, 999):
+            inp = data(dtype, n, seed=rank + 3 * n)
+            ref = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(ref, inp, group=flat)
+            out = torch.zeros(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, inp)
+            same(out, ref, f"all_gather_into_tensor {dtype} n={n}")
+            outs = [torch.zeros(n, dtype=dtype) for _ in range(world)]
+            dist.all_gather(outs, inp)
+            same(torch.cat(outs), ref, f"all_gather {dtype} n={n}")
+            checks += 2
+    # async: many collectives in flight, waited in reverse; in_flight() on
+    # another thread meanwhile never blocks.
+    xs = [torch.full((50000,), float(rank + i)) for i in range(6)]
+    works = [dist.all_reduce(x, async_op=True) for x in xs]
+    seen = gpubridge.in_flight()
+    assert isinstance(seen, list)
+    for w in reversed(works):
+        w.wait()
+        assert w.is_completed()
+    for i, x in enumerate(xs):
+        expect = float(sum(r + i for r in range(world)))
+        same(x, torch.full((50000,), expect), f"async all_reduce {i}")
+    fut = dist.all_reduce(torch.ones(3), async_op=True).get_future()
+    same(fut.wait()[0], torch.full((3,), float(world)), "future value")
+    checks += 1
+    # point to point with tags: inside islands, and between island leaders
+    # (not counted: only the ranks of a pair take part)
+    p2p(world)
+    return checks
+
+
+def p2p(world: int) -> int:
+    topo = gpubridge.get_topology()
+    island = {r: i["label"] for i in topo["islands"] for r in i["ranks"]}
+    leaders = [i["leader"] for i in topo["islands"]]
+    pairs = []
+    for i in topo["islands"]:  # the first two ranks of each island
+        if len(i["ranks"]) > 1:
+            pairs.append((i["ranks"][0], i["ranks"][1]))
+    if len(leaders) > 1 and topo["bridge"]["transport"] != "none":
+        pairs.append((leaders[0], leaders[1]))
+    n = 0
+    for a, b in pairs:
+        if rank not in (a, b):
+            continue
+        peer = b if rank == a else a
+        # two tags, sent in one order and received in the other: tags match
+        mine = [torch.full((1000,), float(100 * rank + t)) for t in (1, 2)]
+        got = [torch.zeros(1000) for _ in (1, 2)]
+        reqs = [dist.isend(mine[0], peer, tag=1), dist.isend(mine[1], peer, tag=2)]
+        reqs += [dist.irecv(got[1], peer, tag=2), dist.irecv(got[0], peer, tag=1)]
+        for q in reqs:
+            q.wait()
+        for t in (1, 2):
+            same(got[t - 1], torch.full((1000,), float(100 * peer + t)), f"p2p {peer}->{rank} tag {t}")
+        ops = [dist.P2POp(dist.isend, mine[0], peer, tag=5), dist.P2POp(dist.irecv, got[0], peer, tag=5)]
+        for q in dist.batch_isend_irecv(ops):
+            q.wait()
+        same(got[0], torch.full((1000,), float(100 * peer + 1)), f"batch p2p {peer}->{rank}")
+        assert island[a] == island[b] or (a in leaders and b in leaders)
+        n += 1
+    return n
+
+
+def refusals(world: int, pg: object) -> list[str]:
+    """Refusals: before any communication, the same on every rank."""
+    out = []
+    cases = [
+        ("PRODUCT", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.PRODUCT)),
+        ("non-contiguous", lambda: dist.all_reduce(torch.ones(4, 4).t())),
+        ("dtype", lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool))),
+        ("AVG of ints", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG)),
+        ("all_to_all", lambda: dist.all_to_all_single(torch.ones(world), torch.ones(world))),
+        ("reduce", lambda: dist.reduce(torch.ones(4), dst=0)),
+        ("any-source recv", lambda: dist.recv(torch.ones(4))),
+        ("gather size", lambda: dist.all_gather_into_tensor(torch.ones(world + 1), torch.ones(1))),
+    ]
+    for what, fn in cases:
+        try:
+            fn()
+        except (RuntimeError, ValueError) as e:
+            out.append(f"{what}: {e}".replace(f"rank {rank}", "rank R"))
+        else:
+            raise AssertionError(f"{what} was not refused")
+    return out
+
+
 def main() -> int:
     try:
         dist.init_process_group(backend="gpubridge")
@@ -72,43 +213,8 @@ def main() -> int:
         "bridge_pid": pg._bridge.proc.pid if pg._bridge is not None else None,
     }
     flat = dist.new_group(backend="gloo")
-    checks = 0
-    for dtype in DTYPES:
-        for op in OPS:
-            if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
-                continue
-            for n in (1, 1000, 70000):
-                x = data(dtype, n, seed=1000 * rank + n)
-                ref = x.clone()
-                gop = dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op
-                dist.all_reduce(ref, op=gop, group=flat)
-                if op == dist.ReduceOp.AVG:
-                    ref.div_(world)
-                dist.all_reduce(x, op=op)
-                same(x, ref, f"all_reduce {dtype} {op} n={n}")
-                checks += 1
-        for root in range(world):
-            x = data(dtype, 3000, seed=77 + rank)
-            ref = x.clone()
-            dist.broadcast(ref, src=root, group=flat)
-            dist.broadcast(x, src=root)
-            same(x, ref, f"broadcast {dtype} root={root}")
-            checks += 1
-    dist.barrier()
-    # Refusals: before any communication, the same on every rank.
-    refused = []
-    for what, fn in [
-        ("PRODUCT", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.PRODUCT)),
-        ("non-contiguous", lambda: dist.all_reduce(torch.ones(4, 4).t())),
-        ("dtype", lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool))),
-        ("allgather", lambda: dist.all_gather([torch.ones(2) for _ in range(world)], torch.ones(2))),
-    ]:
-        try:
-            fn()
-        except RuntimeError as e:
-            refused.append(f"{what}: {e}")
-        else:
-            raise AssertionError(f"{what} was not refused")
+    checks = run_checks(world, flat)
+    refused = refusals(world, pg)
     x = torch.full((5,), float(rank + 1))
     dist.all_reduce(x)  # still works after the refusals
     same(x, torch.full((5,), float(world * (world + 1) // 2)), "after refusals")

@@ -107,7 +107,22 @@ def test_two_islands_2_2(tmp_path: Path) -> None:
     assert all(results[r]["bridge_pid"] for r in leaders)
     assert all(results[r]["bridge_exit"] == 0 for r in leaders), results  # a clean BYE
     refused = results[0]["refused"]
-    assert any("PRODUCT" in x for x in refused) and any("allgather" in x for x in refused)
+    for what in ("PRODUCT", "all_to_all", "reduce", "any-source recv", "non-contiguous", "dtype"):
+        assert any(x.startswith(what + ":") and "gpubridge" in x for x in refused), (what, refused)
+
+
+@needs_tools
+def test_two_islands_3_1(tmp_path: Path) -> None:
+    rc, results, out = launch(tmp_path, ["nvidia", "nvidia", "nvidia", "amd"])
+    check_ok(rc, results, out)
+    assert sorted(results[0]["islands"]) == [[0, 1, 2], [3]]
+
+
+@needs_tools
+def test_single_rank(tmp_path: Path) -> None:
+    rc, results, out = launch(tmp_path, ["nvidia"])
+    check_ok(rc, results, out)
+    assert results[0]["transport"] == "none" and results[0]["islands"] == [[0]]
 
 
 @needs_tools

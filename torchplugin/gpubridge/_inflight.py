@@ -1,0 +1,82 @@
+"""Which collective each thread is inside, readable from any thread.
+
+Every collective of a gpubridge group gets a sequence number at submission
+(the group's call count, the same on every rank because every rank submits
+the same collectives in the same order). The thread that runs it (the
+group's worker) updates its entry at each step; :func:`in_flight` copies the
+table without taking a lock the worker could hold, so it never blocks — a
+hang finder can call it from a signal handler or a watchdog thread while a
+collective is stuck.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Entry", "in_flight"]
+
+# Steps of a collective, in the order an all_reduce goes through them.
+QUEUED = "queued"
+ISLAND_REDUCE = "island reduce"
+COPY = "copy"
+BRIDGE = "bridge"
+COPY_BACK = "copy back"
+ISLAND_BROADCAST = "island broadcast"
+ISLAND_GATHER = "island allgather"
+ISLAND_SCATTER = "island scatter"
+NATIVE = "native"  # the whole collective on the native group (one island)
+P2P = "p2p"
+
+
+@dataclass
+class Entry:
+    """One collective in flight on one thread."""
+
+    group: str
+    seq: int
+    op: str
+    nbytes: int
+    step: str
+    submitted_by: str
+    started: float = field(default_factory=time.monotonic)
+    step_started: float = field(default_factory=time.monotonic)
+    thread: str = ""
+
+    def set_step(self, step: str) -> None:
+        self.step = step
+        self.step_started = time.monotonic()
+
+
+# thread ident -> entry. Written only by the thread it names (a dict item
+# assignment is atomic under the GIL); read by anyone with dict.copy().
+_table: dict[int, Entry] = {}
+
+
+def enter(e: Entry) -> None:
+    e.thread = threading.current_thread().name
+    _table[threading.get_ident()] = e
+
+
+def leave() -> None:
+    _table.pop(threading.get_ident(), None)
+
+
+def in_flight() -> list[dict[str, Any]]:
+    """The collectives running right now, one dict per thread inside one:
+    group, seq (equal on every rank), op, nbytes, step (island reduce, copy,
+    bridge, copy back, island broadcast, …), the thread running it and the
+    thread that submitted it, and seconds since it and its step started.
+    Never blocks."""
+    now = time.monotonic()
+    out = []
+    for e in list(_table.copy().values()):
+        d = asdict(e)
+        d["seconds"] = round(now - e.started, 6)
+        d["step_seconds"] = round(now - e.step_started, 6)
+        del d["started"], d["step_started"]
+        out.append(d)
+    out.sort(key=lambda d: (d["group"], d["seq"]))
+    return out

@@ -1,0 +1,474 @@
+"""The Go tools a rank runs, the job's store, and discovery.
+
+Finding the tools (:func:`find_tool`), in this order:
+
+1. ``GPUBRIDGE_BIN_DIR``, the directory holding gbprobe, gbdiscover and
+   gbbridge;
+2. ``PATH``;
+3. the ``bin/`` of the gpubridge source checkout this package sits in
+   (``make build`` puts the tools there);
+4. built on first use: when the package sits in a source checkout and ``go``
+   is on PATH, all the tools are built once with ``go build`` into
+   ``$XDG_CACHE_HOME/gpubridge/bin-<digest of the sources>`` (default
+   ``~/.cache``). Ranks on one host that start together build once: a file
+   lock serialises them, and the tools are built into a temporary directory
+   that is renamed into place.
+
+``GPUBRIDGE_BIN_STRICT=1`` looks in ``GPUBRIDGE_BIN_DIR`` only (steps 2 to 4
+off), for jobs that must run exactly the tools they were given;
+``GPUBRIDGE_NO_BUILD=1`` turns off step 4 alone. A tool that is not found
+raises :class:`ToolNotFoundError`, naming every place looked in and how to
+fix it.
+
+Discovery (:func:`discover`) runs ``gbprobe --json | gbdiscover run``
+against the job's TCPStore and returns the topology, or raises the same
+RuntimeError on every rank. What is wrong with this rank before discovery
+(:func:`rank_problems`: a bad LOCAL_RANK, a missing gbbridge; a missing
+gbprobe) is handed to gbdiscover as ``--problem``, so every rank fails naming
+it. A rank without gbdiscover writes a failure record into the store itself
+(:func:`publish_failure`), so the other ranks fail at once with its cause
+instead of waiting for it until the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from torch._C._distributed_c10d import TCPStore
+
+__all__ = [
+    "TOOLS",
+    "ToolNotFoundError",
+    "discover",
+    "find_tool",
+    "namespace",
+    "publish_failure",
+    "rank_problems",
+    "store_address",
+]
+
+TOOLS = ("gbprobe", "gbdiscover", "gbbridge")
+"""Every tool the plugin runs; a build on first use builds them all."""
+
+GO_MODULE = "github.com/gpubridge/gpubridge"
+BUILD_TIMEOUT = 600.0
+"""Seconds a build on first use may take, waiting for another rank's
+build included."""
+
+# What gbdiscover reads and writes in the store (lib/discover: record.go,
+# exchange.go): the record of rank r is the wire key
+# "/gpubridge/<namespace>/record/<r>"; "reported" counts the records written
+# and "read" the ranks that have the verdict. Python's TCPStore adds the
+# leading "/" itself.
+RECORD_SCHEMA = "gpubridge.record/v1"
+TOPOLOGY_SCHEMA = "gpubridge.topology/v1"
+
+_TRUE_OFF = ("", "0", "false", "no", "off")
+
+
+class ToolNotFoundError(RuntimeError):
+    """A gpubridge tool is missing. ``problem`` is the message without the
+    ``gpubridge:`` prefix, as it goes into a discovery record."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"gpubridge: {problem}")
+        self.problem = problem
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in _TRUE_OFF
+
+
+def _source_root() -> Path:
+    """The directory that holds go.mod when this package sits in a gpubridge
+    source checkout (torchplugin/gpubridge/_tools.py)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _repo_bin() -> Path | None:
+    """The checkout's bin/ (where ``make build`` writes the tools)."""
+    return _source_root() / "bin"
+
+
+def _checkout() -> tuple[Path | None, str]:
+    """The source checkout to build from, or None and why not."""
+    root = _source_root()
+    gomod = root / "go.mod"
+    try:
+        first = gomod.read_text(encoding="utf-8", errors="replace").splitlines()[:1]
+    except OSError:
+        return None, f"the package is not in a gpubridge source checkout (no {gomod})"
+    if first != [f"module {GO_MODULE}"]:
+        return None, f"{gomod} is not the module {GO_MODULE}"
+    return root, ""
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gpubridge"
+
+
+def _source_digest(root: Path) -> str:
+    """A digest of what the tools are built from: go.mod, go.sum and every
+    file under lib/ and tools/ but tests (names, sizes, modification
+    times)."""
+    h = hashlib.sha256()
+    for name in ("go.mod", "go.sum"):
+        st = (root / name).stat()
+        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for top in ("lib", "tools"):
+        for d, dirs, files in os.walk(root / top):
+            dirs[:] = sorted(x for x in dirs if x != "testdata")
+            for f in sorted(files):
+                if f.endswith("_test.go"):
+                    continue
+                p = Path(d) / f
+                st = p.stat()
+                h.update(f"{p.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _complete(d: Path) -> bool:
+    return all(os.access(d / t, os.X_OK) for t in TOOLS)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, deadline: float, what: str) -> Iterator[None]:
+    """Holds an exclusive flock on path, waiting until deadline at most."""
+    f: IO[bytes] = open(path, "ab")  # noqa: SIM115 (held across the yield)
+    try:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ToolNotFoundError(
+                        f"{what}: another process has held the build lock {path} for too long "
+                        f"(over {BUILD_TIMEOUT:.0f} s); remove the stale build or set GPUBRIDGE_BIN_DIR"
+                    ) from None
+                time.sleep(0.1)
+        yield
+    finally:
+        f.close()  # releases the lock
+
+
+_built: dict[Path, Path] = {}
+
+
+def _build(root: Path, go: str) -> Path:
+    """Builds every tool from root into the per-user cache once; returns the
+    directory. Concurrent callers on one host build once."""
+    if root in _built:
+        return _built[root]
+    cache = _cache_dir()
+    final = cache / f"bin-{_source_digest(root)}"
+    if _complete(final):
+        _built[root] = final
+        return final
+    what = "building it with go failed"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ToolNotFoundError(f"{what}: cannot create the cache directory {cache}: {e}") from e
+    deadline = time.monotonic() + BUILD_TIMEOUT
+    with _locked(cache / "build.lock", deadline, what):
+        if not _complete(final):  # nobody built it while we waited
+            tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
+            try:
+                print(
+                    f"gpubridge: building {', '.join(TOOLS)} from {root} into {final} "
+                    "(first use of these sources; once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                env = dict(os.environ, CGO_ENABLED="1")
+                env.setdefault("CGO_CFLAGS", "-O2 -g -Wno-deprecated-declarations")
+                cmd = [go, "build", "-trimpath", "-o", f"{tmp}/", *(f"./tools/{t}" for t in TOOLS)]
+                left = max(1.0, deadline - time.monotonic())
+                try:
+                    p = subprocess.run(
+                        cmd,
+                        cwd=root,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        capture_output=True,
+                        check=False,
+                        timeout=left,
+                    )
+                except subprocess.TimeoutExpired as e:
+                    raise ToolNotFoundError(
+                        f"{what}: `go build` did not finish within {BUILD_TIMEOUT:.0f} s "
+                        f"(in {root}); run `make build` there or set GPUBRIDGE_BIN_DIR"
+                    ) from e
+                if p.returncode != 0 or not _complete(tmp):
+                    out = (p.stderr + p.stdout).decode("utf-8", "replace").strip()
+                    raise ToolNotFoundError(
+                        f"{what}: `{' '.join(cmd)}` in {root} exited {p.returncode}: {out[-2000:]}"
+                    )
+                if final.exists():  # an incomplete leftover
+                    shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    _built[root] = final
+    return final
+
+
+def find_tool(name: str) -> str:
+    """Path of a gpubridge tool (see the module's docstring for where it
+    looks). Raises ToolNotFoundError naming every place looked in."""
+    tried: list[str] = []
+    d = os.environ.get("GPUBRIDGE_BIN_DIR")
+    if d:
+        p = Path(d) / name
+        if os.access(p, os.X_OK):
+            return str(p)
+        tried.append(f"GPUBRIDGE_BIN_DIR={d}")
+    if _flag("GPUBRIDGE_BIN_STRICT"):
+        if not d:
+            tried.append("GPUBRIDGE_BIN_DIR (not set)")
+        raise ToolNotFoundError(
+            f"the tool {name} was not found (looked in {', '.join(tried)} only: "
+            "GPUBRIDGE_BIN_STRICT is set); "
+            f"put {', '.join(TOOLS)} into GPUBRIDGE_BIN_DIR (`make build` in the gpubridge repository "
+            "writes them into its bin/)"
+        )
+    w = shutil.which(name)
+    if w:
+        return w
+    tried.append("PATH")
+    rb = _repo_bin()
+    if rb is not None:
+        p = rb / name
+        if os.access(p, os.X_OK):
+            return str(p)
+        tried.append(str(rb))
+    root, why = _checkout()
+    go = shutil.which("go")
+    if _flag("GPUBRIDGE_NO_BUILD"):
+        why = "GPUBRIDGE_NO_BUILD is set"
+    elif root is not None and go is None:
+        why = "go is not on PATH"
+    elif root is not None and go is not None:
+        try:
+            return str(_build(root, go) / name)
+        except ToolNotFoundError as e:
+            raise ToolNotFoundError(
+                f"the tool {name} was not found (looked in {', '.join(tried)}), and {e.problem}"
+            ) from e
+    raise ToolNotFoundError(
+        f"the tool {name} was not found (looked in {', '.join(tried)}) and was not built on first use "
+        f"({why}); run `make build` in the gpubridge repository, set GPUBRIDGE_BIN_DIR to the "
+        f"directory of {', '.join(TOOLS)}, or install Go (1.21 or later) so that gpubridge builds "
+        "them from its source checkout"
+    )
+
+
+def store_address(store: Any) -> tuple[str, int]:
+    """Host and port of the TCPStore under a chain of PrefixStores."""
+    s = store
+    for _ in range(64):
+        if isinstance(s, TCPStore):
+            return str(s.host), int(s.port)
+        u = getattr(s, "underlying_store", None)
+        if u is None:
+            break
+        s = u
+    raise RuntimeError(
+        f"gpubridge: the group's store is not a TCPStore (found {type(s).__name__}); "
+        "gpubridge needs the job's TCPStore (env:// or tcp:// init, or torchrun)"
+    )
+
+
+def namespace(group: str) -> str:
+    base = os.environ.get("GPUBRIDGE_NAMESPACE") or (
+        f"job-{os.environ.get('TORCHELASTIC_RUN_ID') or os.environ.get('SLURM_JOB_ID') or 'default'}"
+        f"/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT') or '0'}"
+    )
+    return f"{base}/group-{group}"
+
+
+_INT = re.compile(r"-?[0-9]+")
+
+
+def _local_rank() -> tuple[int, list[str]]:
+    """This rank's LOCAL_RANK (or SLURM_LOCALID), -1 when neither is set,
+    and what is wrong with it."""
+    var = "LOCAL_RANK" if "LOCAL_RANK" in os.environ else "SLURM_LOCALID"
+    v = os.environ.get(var)
+    if v is None:
+        return -1, []
+    if not _INT.fullmatch(v.strip()):
+        return -1, [f"{var}={v!r} is not an integer"]
+    n = int(v)
+    if n < 0:
+        return -1, [f"{var}={v!r} is negative"]
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    if lws is not None:
+        if not _INT.fullmatch(lws.strip()) or int(lws) < 1:
+            return n, [f"LOCAL_WORLD_SIZE={lws!r} is not a positive integer"]
+        if n >= int(lws):
+            return n, [f"{var}={v!r} is not below LOCAL_WORLD_SIZE={lws!r}"]
+    return n, []
+
+
+def rank_problems() -> list[str]:
+    """What is wrong with this rank before discovery, one sentence each
+    (without the rank: gbdiscover names it): LOCAL_RANK (or SLURM_LOCALID)
+    not an integer, negative, or not below LOCAL_WORLD_SIZE; gbbridge not
+    found (any rank may lead an island). discover() checks these itself, and
+    gbprobe and gbdiscover."""
+    _, problems = _local_rank()
+    try:
+        find_tool("gbbridge")
+    except ToolNotFoundError as e:
+        problems.append(e.problem)
+    return problems
+
+
+def _hostname() -> str:
+    """The host name gbdiscover would report for this rank."""
+    sim = os.environ.get("GPUBRIDGE_SIM_HOSTNAME")
+    if sim and os.environ.get("GPUBRIDGE_VENDOR"):
+        return sim
+    return socket.gethostname()
+
+
+def _failure_message(problems: list[str]) -> str:
+    return "gpubridge: discovery failed: " + "; ".join(problems)
+
+
+def publish_failure(
+    host: str, port: int, rank: int, size: int, namespace: str, problems: list[str], timeout: float = 60.0
+) -> None:
+    """Writes a record of this rank holding only problems into the store,
+    for a rank that cannot run gbdiscover: the other ranks' gbdiscover then
+    decides at once and fails naming "rank R (host): problem". Counts this
+    rank as having read the verdict; rank 0 (whose process may host the
+    store) then waits, within timeout, until every rank has read it."""
+    deadline = time.monotonic() + timeout
+    secs = datetime.timedelta(seconds=max(1.0, timeout))
+    store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=secs)
+    ns = f"gpubridge/{namespace}/"
+    rec = {
+        "schema": RECORD_SCHEMA,
+        "rank": rank,
+        "world_size": size,
+        "local_rank": _local_rank()[0],
+        "hostname": _hostname(),
+        "problems": problems,
+    }
+    store.set(f"{ns}record/{rank}", json.dumps(rec))
+    store.add(f"{ns}reported", 1)
+    store.add(f"{ns}read", 1)
+    if rank == 0:
+        wait = 0.002
+        while store.add(f"{ns}read", 0) < size and time.monotonic() + wait < deadline:
+            time.sleep(wait)
+            wait = min(wait * 2, 0.05)
+
+
+def discover(
+    host: str,
+    port: int,
+    rank: int,
+    size: int,
+    namespace: str,
+    topo_path: Path,
+    timeout: float = 60.0,
+    problems: list[str] | None = None,
+) -> dict[str, Any]:
+    """Runs gbprobe --json | gbdiscover run with a deadline of timeout
+    seconds; returns the topology (also written to topo_path) or raises
+    RuntimeError with gbdiscover's problems, the same on every rank.
+
+    This rank's own problems go to gbdiscover as --problem: rank_problems(),
+    always checked here, then the caller's extra problems (duplicates
+    dropped). A missing gbprobe is one more problem (gbdiscover then reads no
+    probe report). A missing gbdiscover raises here at once, after
+    publish_failure() told the other ranks."""
+    problems = list(dict.fromkeys([*rank_problems(), *(problems or [])]))
+    local, _ = _local_rank()
+    timeout = max(1.0, timeout)
+    try:
+        gbdiscover = find_tool("gbdiscover")
+    except ToolNotFoundError as e:
+        mine = [*problems, e.problem]
+        named = [f"rank {rank} ({_hostname()}): {p}" for p in mine]
+        try:
+            publish_failure(host, port, rank, size, namespace, mine, timeout)
+        except Exception as pe:  # the store failed too: say so, keep the cause
+            raise RuntimeError(
+                f"{_failure_message(named)} (and telling the other ranks through the store at "
+                f"{host}:{port} failed: {pe})"
+            ) from e
+        raise RuntimeError(_failure_message(named)) from e
+    try:
+        gbprobe: str | None = find_tool("gbprobe")
+    except ToolNotFoundError as e:
+        gbprobe = None
+        problems.append(e.problem)
+    cmd = [
+        gbdiscover, "run", "--store", f"{host}:{port}", "--rank", str(rank),
+        "--world-size", str(size), f"--local-rank={local}", "--namespace", namespace,
+        "--timeout", f"{timeout:.3f}s",
+    ]  # fmt: skip
+    if gbprobe is None:
+        cmd += ["--probe", os.devnull]
+    for p in problems:
+        cmd.append(f"--problem={p}")
+    # LOCAL_RANK is checked above and passed as a flag; gbdiscover would
+    # refuse to start on a bad value in its environment (without reporting).
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "SLURM_LOCALID")}
+    probe = None
+    if gbprobe is not None:
+        probe = subprocess.Popen([gbprobe, "--json"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    try:
+        try:
+            disc = subprocess.run(
+                cmd,
+                stdin=probe.stdout if probe is not None else subprocess.DEVNULL,
+                capture_output=True,
+                check=False,
+                env=env,
+                timeout=timeout + 30.0,
+            )
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"gpubridge: gbdiscover did not finish within {timeout + 30.0:.0f} s") from e
+    finally:
+        if probe is not None:
+            if probe.stdout is not None:
+                probe.stdout.close()
+            try:
+                probe.wait(30.0)
+            except subprocess.TimeoutExpired:
+                probe.kill()
+                probe.wait()
+    out = disc.stdout.decode("utf-8", "replace").strip()
+    try:
+        doc = json.loads(out) if out else None
+    except ValueError:
+        doc = None
+    if disc.returncode == 0 and isinstance(doc, dict) and doc.get("schema") == TOPOLOGY_SCHEMA:
+        topo_path.write_bytes(disc.stdout)
+        return doc
+    if isinstance(doc, dict) and doc.get("problems"):
+        raise RuntimeError(_failure_message([str(p) for p in doc["problems"]]))
+    err = disc.stderr.decode("utf-8", "replace").strip()
+    raise RuntimeError(f"gpubridge: gbdiscover exited {disc.returncode}: {err or out}")
