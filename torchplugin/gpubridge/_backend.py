@@ -1011,9 +1011,9 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 bridge.kill()
                 bridge.stderr_file.close()
         pg, self._island_pg = self._island_pg, None
-        if pg is not None and abort:
+        if pg is not None:
             with contextlib.suppress(Exception):
-                pg.abort()
+                pg.abort() if abort else pg.shutdown()
         del pg
         shutil.rmtree(self._dir, ignore_errors=True)
         _LIVE.discard(self)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The gpubridge backend on real GPUs (issue 4): split tests on one host.
+#   2 ranks: 2 islands x 1 GPU, checked against a world NCCL group;
+#   4 ranks: 2 islands x 2 ranks sharing the 2 GPUs (each island's ranks on
+#            distinct GPUs; launched as two torchrun "nodes" of 2 ranks so
+#            LOCAL_RANK picks the GPU), checked against a world Gloo group on
+#            CPU copies (a world NCCL group cannot have two ranks on one GPU).
+# Every collective x dtype x op bit for bit, stream semantics under a busy
+# stream, DDP. Needs bin/ (built on the dev machine, carried) and torchplugin/.
+# Logs and JSON under $OUT.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin GPUBRIDGE_SPLIT_TEST=half OMP_NUM_THREADS=4
+out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out/check2" "$out/check4"
+log=$out/plugin-check.log
+exec > >(tee -a "$log") 2>&1
+echo "== $(date -u +%FT%TZ) commit ${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())'
+fail=0
+summary() {  # dir
+  python3 - "$1" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/check.*.json")):
+    d = json.load(open(f))
+    if "error" in d:
+        print(f"  rank {d['rank']}: ERROR {d['error'][-1500:]}")
+    else:
+        print(f"  rank {d['rank']}: ok checks={d['checks']} {d['device']} kind={d['run_kind']} split={d['split_test']} "
+              f"islands={d['islands']} bridge={d['bridge']} init={d['init_s']}s checks_s={d['checks_s']}s total={d['total_s']}s "
+              f"async={ {k: v for k, v in d['async'].items() if k != 'in_flight_while_waiting'} } "
+              f"in_flight={[ (e['op'], e['seq'], e['step']) for e in d['async']['in_flight_while_waiting']]} "
+              f"ddp={d['ddp']} bridge_exit={d['bridge_exit']}")
+PY
+}
+if [ "$ngpu" -ge 2 ]; then
+  echo "== split test, 2 ranks (2 islands x 1 GPU) vs world NCCL"
+  start=$(date +%s)
+  timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 0 \
+    ci/gpu/plugin_check.py "$out/check2" nccl || { echo "FAILED (rc $?)"; fail=1; }
+  echo "  wall $(( $(date +%s) - start )) s"; summary "$out/check2"
+  pkill -f 'gbbridge serve' && echo "leftover gbbridge killed" && fail=1
+  echo "== split test, 4 ranks on 2 GPUs (2 islands x 2 ranks) vs world Gloo on CPU copies"
+  start=$(date +%s)
+  port=$((29600 + RANDOM % 200))
+  pids=()
+  for node in 0 1; do
+    timeout 500 python3 -m torch.distributed.run --nnodes 2 --node-rank $node --nproc-per-node 2 --max-restarts 0 \
+      --master-addr 127.0.0.1 --master-port $port ci/gpu/plugin_check.py "$out/check4" gloo > "$out/check4/node$node.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || { echo "FAILED node (rc $?)"; fail=1; }; done
+  echo "  wall $(( $(date +%s) - start )) s"; summary "$out/check4"
+  tail -5 "$out/check4/node0.log"
+  pkill -f 'gbbridge serve' && echo "leftover gbbridge killed" && fail=1
+else
+  echo "== one GPU: 2 ranks would share it inside one island; skipped (needs nvidia-h200-x2)"
+fi
+echo "== plugin-check done, fail=$fail"
+exit $fail
