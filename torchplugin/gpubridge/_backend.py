@@ -50,8 +50,10 @@ import mmap
 import os
 import queue
 import shutil
+import socket
 import tempfile
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -127,7 +129,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Task:
-    __slots__ = ("entry", "event", "fn", "fut", "result")
+    __slots__ = ("done", "entry", "event", "exc", "fn", "fut", "result")
 
     def __init__(
         self, entry: fl.Entry, fn: Callable[[fl.Entry], None], fut: Any, result: list[torch.Tensor]
@@ -136,7 +138,57 @@ class _Task:
         self.fn = fn
         self.fut = fut
         self.result = result
-        self.event: Any = None
+        self.event: Any = None  # GPU: the caller's stream, then the work's end
+        self.exc: BaseException | None = None
+        self.done = threading.Event()  # the host's part is over (GPU work may still run)
+
+
+class _Work(dist.Work):
+    """What a collective returns. wait() raises the collective's error; on
+    GPUs it returns once the work is queued on the group's stream and makes
+    the caller's current stream wait for it (NCCL's semantics); on CPU it
+    returns when the collective is over. is_completed() is true only when
+    the work is done, on the GPU too. get_future() completes then."""
+
+    def __init__(self, task: _Task, device: torch.device, deadline_s: float) -> None:
+        super().__init__()
+        self._task = task
+        self._device = device
+        self._deadline_s = deadline_s
+
+    def wait(self, timeout: Any = None) -> bool:
+        t = self._task
+        secs = self._deadline_s
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            secs = timeout.total_seconds()
+        if not t.done.wait(secs):
+            raise RuntimeError(
+                f"gpubridge: {t.entry.op} (collective #{t.entry.seq}) is not done after {secs:g} s "
+                f"(step {t.entry.step})"
+            )
+        if t.exc is not None:
+            raise t.exc
+        if self._device.type == "cuda" and t.event is not None:
+            torch.cuda.current_stream(self._device).wait_event(t.event)
+        return True
+
+    def is_completed(self) -> bool:
+        t = self._task
+        if not t.done.is_set():
+            return False
+        return t.exc is not None or t.event is None or bool(t.event.query())
+
+    def is_success(self) -> bool:
+        return self._task.done.is_set() and self._task.exc is None and self.is_completed()
+
+    def exception(self) -> Any:
+        return self._task.exc
+
+    def get_future(self) -> Any:
+        return self._task.fut
+
+    def synchronize(self) -> None:
+        self.wait()
 
 
 class GpubridgeProcessGroup(dist.ProcessGroup):
@@ -196,6 +248,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
 
     def _setup(self, store: Any, group: str, problems: list[str]) -> None:
         host, port = _tools.store_address(store)
+        store.set(f"gpubridge/pid/{self._rank}", f"{socket.gethostname()} {os.getpid()}")
         secs = max(1.0, self._timeout.total_seconds())
         topo = _tools.discover(
             host, port, self._rank, self._size, _tools.namespace(group), self._dir / "topology.json",
@@ -245,7 +298,9 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             else:
                 self._island_pg = ProcessGroupGloo(pstore, self._island_rank, len(ranks), self._timeout)
         if self._bridged and self._is_leader:
-            env = dict(os.environ, GPUBRIDGE_STORE=f"{host}:{port}")
+            env = dict(
+                os.environ, GPUBRIDGE_STORE=f"{host}:{port}", GPUBRIDGE_NAMESPACE=str(topo["namespace"])
+            )
             isecs = int(secs)
             self._bridge = start_bridge(
                 self._dir / "topology.json", self._dir / "feed.sock", gbbridge=_tools.find_tool("gbbridge"),
@@ -343,7 +398,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 for t in [*result, *(uses or [])]:
                     t.record_stream(self._stream)
             self._queue.put(task)
-        return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+        return _Work(task, self._device, self._timeout.total_seconds() + 120.0)
 
     def _run(self) -> None:
         while True:
@@ -351,6 +406,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             if task is None:
                 return
             e = task.entry
+            e.set_step(fl.RUNNING)
             fl.enter(e)
             try:
                 if self._error is not None:
@@ -362,12 +418,17 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                         done.record(self._stream)
                         task.event = done
+                    task.done.set()
                     self._done_q.put(task)
                 else:
                     task.fn(e)
+                    task.done.set()
                     task.fut.set_result(task.result)
             except BaseException as exc:  # every failure fails the Work, never the thread
-                task.fut.set_exception(self._fail(e, exc))
+                task.exc = self._fail(e, exc)
+                task.event = None
+                task.done.set()
+                task.fut.set_exception(task.exc)
             finally:
                 fl.leave()
 
@@ -382,15 +443,23 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
                     task.fut.set_result(task.result)
             except BaseException as exc:
-                task.fut.set_exception(self._fail(task.entry, exc))
+                task.exc = self._fail(task.entry, exc)
+                task.fut.set_exception(task.exc)
 
     def _fail(self, e: fl.Entry, exc: BaseException) -> RuntimeError:
         """Breaks the group after a failure: publishes the first cause in the
         store, aborts the bridge and the island group (so that the peers'
         calls fail at once instead of at their timeout), and returns the
         error naming the root cause and what happened here."""
+        # The frames of the failed steps hold the island group and its Work:
+        # let them go, so that dropping the group below closes its
+        # connections and wakes the island peers at once.
+        traceback.clear_frames(exc.__traceback__)
         here = f"rank {self._rank}: {e.op} (collective #{e.seq}, step {e.step}): {exc}"
         if self._error is None:
+            gone = self._gone_ranks()
+            if gone:
+                here += f" [{'; '.join(gone)}]"
             self._error = here
             root = here
             try:
@@ -414,6 +483,32 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         err = RuntimeError(msg)
         err.__cause__ = exc
         return err
+
+    def _gone_ranks(self) -> list[str]:
+        """Ranks of this group on this host whose process has exited or is
+        stopped (from the pids every rank publishes at set-up), to name a
+        dead or stalled peer."""
+        gone: list[str] = []
+        host = socket.gethostname()
+        for r in range(self._size):
+            key = f"gpubridge/pid/{r}"
+            try:
+                if r == self._rank or not self._store.check([key]):
+                    continue
+                h, pid = self._store.get(key).decode().rsplit(" ", 1)
+            except Exception:
+                return gone
+            if h != host:
+                continue
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                state = "gone"
+            if state in ("gone", "Z", "X"):
+                gone.append(f"rank {r} (pid {pid}) no longer running")
+            elif state in ("T", "t"):
+                gone.append(f"rank {r} (pid {pid}) stopped")
+        return gone
 
     # ---- the region ----
 
@@ -919,6 +1014,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             box["host"].copy_(src)
         call = feed.start(Kind.SEND if op == "send" else Kind.RECV, region.span(0, nb), peer=peer, tag=tag)
         entry = fl.Entry(self._group, 0, op, nb, fl.P2P, threading.current_thread().name)
+        task = _Task(entry, lambda e: None, fut, [t])
 
         def run() -> None:
             fl.enter(entry)
@@ -928,9 +1024,12 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                     if d.nbytes != nb:
                         raise RuntimeError(f"recv: got {d.nbytes} bytes, the tensor holds {nb}")
                     src.copy_(box["host"])
+                task.done.set()
                 fut.set_result([t])
             except BaseException as exc:
-                fut.set_exception(self._fail(entry, exc))
+                task.exc = self._fail(entry, exc)
+                task.done.set()
+                fut.set_exception(task.exc)
             finally:
                 fl.leave()
                 box.clear()  # the view goes before its mapping
@@ -941,7 +1040,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         th = threading.Thread(target=run, name=f"gpubridge-{self._group}-{op}", daemon=True)
         self._p2p_threads.add(th)
         th.start()
-        return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+        return _Work(task, self._device, self._timeout.total_seconds() + 120.0)
 
     # refused
 
