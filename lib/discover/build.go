@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 
 	"github.com/gpubridge/gpubridge/lib/cli"
 	"github.com/gpubridge/gpubridge/lib/probe"
@@ -36,14 +37,20 @@ func ReadProbe(in io.Reader) (*probe.Report, error) {
 }
 
 // BuildRecord makes this rank's record from its options and probe report.
-// Nothing here fails: whatever is wrong with this rank becomes a problem in
-// its record, so that every rank reports it.
+// Nothing here fails: whatever is wrong with this rank (the caller's
+// o.Problems first) becomes a problem in its record, so that every rank
+// reports it.
 func BuildRecord(o RunOptions, probeIn io.Reader) *Record {
 	rec := &Record{
 		Schema: RecordSchema, Rank: o.Rank, WorldSize: o.WorldSize, LocalRank: o.LocalRank,
 		ToolVersion: cli.Version, Bridge: o.Bridge, SplitTest: o.SplitTest, Settings: o.Settings,
 	}
 	problem := func(format string, args ...any) { rec.Problems = append(rec.Problems, fmt.Sprintf(format, args...)) }
+	for _, p := range o.Problems {
+		if p = strings.TrimSpace(p); p != "" {
+			problem("%s", p)
+		}
+	}
 	rep, err := ReadProbe(probeIn)
 	if err != nil {
 		rec.Hostname, _ = os.Hostname()

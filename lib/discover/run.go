@@ -32,8 +32,11 @@ type RunOptions struct {
 	SplitTest   string
 	Settings    map[string]string
 	SimHostname string
-	Log         *slog.Logger
-	Getenv      func(string) string // default os.Getenv
+	// Problems are reasons this rank cannot run that the caller found (a
+	// bad LOCAL_RANK, a missing tool); they go into the rank's record.
+	Problems []string
+	Log      *slog.Logger
+	Getenv   func(string) string // default os.Getenv
 }
 
 func (o *RunOptions) getenv(k string) string {

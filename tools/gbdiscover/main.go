@@ -31,6 +31,7 @@ type runCmd struct {
 	Setting   map[string]string `help:"A policy setting that must be equal on every rank (repeatable)." placeholder:"KEY=VALUE" env:"GPUBRIDGE_SETTINGS"`
 	Hostname  string            `help:"Host name a simulated rank reports, so processes on one machine can stand in for several nodes; ignored on GPUs." env:"GPUBRIDGE_SIM_HOSTNAME"`
 	Probe     string            `help:"gbprobe --json output to read; - is stdin." default:"-" type:"path"`
+	Problem   []string          `help:"A problem the caller found on this rank (repeatable); it goes into this rank's record, so every rank's discovery fails naming it. The torch plugin passes a bad LOCAL_RANK and missing tools this way." sep:"none" placeholder:"TEXT"`
 }
 
 func (c *runCmd) Run(env *cli.Env) error {
@@ -38,7 +39,7 @@ func (c *runCmd) Run(env *cli.Env) error {
 		Store: c.Store, Rank: c.Rank, WorldSize: c.WorldSize, LocalRank: c.LocalRank,
 		Namespace: c.Namespace, Timeout: c.Timeout, Bridge: c.Bridge, Vendor: c.Vendor,
 		CPUOnly: c.CPUOnly, SplitTest: c.SplitTest, Settings: c.Setting, SimHostname: c.Hostname,
-		Log: env.Log,
+		Problems: c.Problem, Log: env.Log,
 	}
 	in := env.Stdin
 	if c.Probe != "-" {

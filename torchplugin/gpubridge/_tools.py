@@ -129,8 +129,9 @@ def _source_digest(root: Path) -> str:
     times)."""
     h = hashlib.sha256()
     for name in ("go.mod", "go.sum"):
-        st = (root / name).stat()
-        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        with contextlib.suppress(OSError):
+            st = (root / name).stat()
+            h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     for top in ("lib", "tools"):
         for d, dirs, files in os.walk(root / top):
             dirs[:] = sorted(x for x in dirs if x != "testdata")
@@ -138,7 +139,10 @@ def _source_digest(root: Path) -> str:
                 if f.endswith("_test.go"):
                     continue
                 p = Path(d) / f
-                st = p.stat()
+                try:
+                    st = p.stat()
+                except OSError:  # removed while we walk
+                    continue
                 h.update(f"{p.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
@@ -183,9 +187,15 @@ def _build(root: Path, go: str) -> Path:
         return final
     what = "building it with go failed"
     try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ToolNotFoundError(f"{what}: cannot create the cache directory {cache}: {e}") from e
+        _build_locked(root, go, cache, final, what)
+    except OSError as e:  # the cache directory: not writable, full, ...
+        raise ToolNotFoundError(f"{what}: in the cache directory {cache}: {e}") from e
+    _built[root] = final
+    return final
+
+
+def _build_locked(root: Path, go: str, cache: Path, final: Path, what: str) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + BUILD_TIMEOUT
     with _locked(cache / "build.lock", deadline, what):
         if not _complete(final):  # nobody built it while we waited
@@ -226,8 +236,6 @@ def _build(root: Path, go: str) -> Path:
                 os.rename(tmp, final)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-    _built[root] = final
-    return final
 
 
 def find_tool(name: str) -> str:
@@ -261,7 +269,9 @@ def find_tool(name: str) -> str:
         tried.append(str(rb))
     root, why = _checkout()
     go = shutil.which("go")
-    if _flag("GPUBRIDGE_NO_BUILD"):
+    if name not in TOOLS:
+        why = f"{name} is not one of the tools gpubridge builds: {', '.join(TOOLS)}"
+    elif _flag("GPUBRIDGE_NO_BUILD"):
         why = "GPUBRIDGE_NO_BUILD is set"
     elif root is not None and go is None:
         why = "go is not on PATH"
@@ -403,7 +413,8 @@ def discover(
     dropped). A missing gbprobe is one more problem (gbdiscover then reads no
     probe report). A missing gbdiscover raises here at once, after
     publish_failure() told the other ranks."""
-    problems = list(dict.fromkeys([*rank_problems(), *(problems or [])]))
+    found = (p.strip() for p in [*rank_problems(), *(problems or [])])
+    problems = list(dict.fromkeys(p for p in found if p))
     local, _ = _local_rank()
     timeout = max(1.0, timeout)
     try:

@@ -1,0 +1,56 @@
+package discover
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+const simProbe = `{"schema":"gpubridge.probe/v1","hostname":"h1","vendor":"amd","simulated":true,"real_vendor":"none"}`
+
+// TestBuildRecordCallerProblems: the problems a caller passes (gbdiscover
+// --problem) go first into the rank's record, next to what the record finds
+// itself, and Decide names the rank with each of them on every rank.
+func TestBuildRecordCallerProblems(t *testing.T) {
+	tests := []struct {
+		name     string
+		probe    string
+		problems []string
+		want     []string
+		vendor   string
+	}{
+		{"none", simProbe, nil, nil, VendorAMD},
+		{"one", simProbe, []string{"LOCAL_RANK='x' is not an integer"},
+			[]string{"LOCAL_RANK='x' is not an integer"}, VendorAMD},
+		{"several, blanks dropped", simProbe, []string{"the tool gbbridge was not found", "  ", "b, with a comma"},
+			[]string{"the tool gbbridge was not found", "b, with a comma"}, VendorAMD},
+		{"no probe input", "", []string{"the tool gbprobe was not found"},
+			[]string{"the tool gbprobe was not found", "probe report is empty (did gbprobe --json run?)"}, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			o := RunOptions{Rank: 1, WorldSize: 2, LocalRank: -1, Bridge: BridgeAuto, Problems: tt.problems,
+				Getenv: func(string) string { return "" }}
+			rec := BuildRecord(o, strings.NewReader(tt.probe))
+			assert.Equal(t, tt.want, rec.Problems)
+			assert.Equal(t, tt.vendor, rec.Vendor)
+
+			// A healthy rank 0 next to it: the verdict names rank 1's problems.
+			r0 := BuildRecord(RunOptions{Rank: 0, WorldSize: 2, LocalRank: 0, Bridge: BridgeAuto,
+				Getenv: func(string) string { return "" }}, strings.NewReader(simProbe))
+			require.Empty(t, r0.Problems)
+			_, problems := Decide("ns", []*Record{r0, rec})
+			if len(tt.want) == 0 {
+				assert.Empty(t, problems)
+				return
+			}
+			want := make([]string, len(tt.want))
+			for i, p := range tt.want {
+				want[i] = "rank 1 (" + rec.Hostname + "): " + p
+			}
+			assert.Equal(t, want, problems)
+		})
+	}
+}

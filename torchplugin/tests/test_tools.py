@@ -1,0 +1,434 @@
+"""gpubridge._tools: finding (and building) the tools, this rank's problems,
+and start-up failures that every rank must report the same way.
+
+The build test runs a real ``go build`` into a temporary cache (fast with a
+warm Go build cache). The torchrun tests launch tests/failure_worker.py with
+a fault on rank 1 and check that every rank raises a RuntimeError naming it,
+well before the discovery timeout, and that the job leaves no process
+running.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from gpubridge import _tools
+from gpubridge._tools import ToolNotFoundError, discover, find_tool, rank_problems
+
+HERE = Path(__file__).resolve().parent
+PKG = HERE.parent
+REPO = PKG.parent
+BIN = REPO / "bin"
+TOOLS = [BIN / t for t in _tools.TOOLS]
+WORKER = HERE / "failure_worker.py"
+GO = shutil.which("go")
+
+needs_tools = pytest.mark.skipif(
+    not all(os.access(t, os.X_OK) for t in TOOLS),
+    reason=f"needs bin/gbprobe, bin/gbdiscover and bin/gbbridge: run `make build` in {REPO}",
+)
+needs_go = pytest.mark.skipif(GO is None, reason="needs go on PATH")
+
+ENV_KEYS = (
+    "GPUBRIDGE_BIN_DIR", "GPUBRIDGE_BIN_STRICT", "GPUBRIDGE_NO_BUILD", "GPUBRIDGE_VENDOR",
+    "GPUBRIDGE_NAMESPACE", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_SIM_HOSTNAME", "LOCAL_RANK",
+    "SLURM_LOCALID", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ENV_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(_tools, "_built", {})
+
+
+def executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def tools_without(tmp: Path, missing: str) -> Path:
+    """A directory of links to the built tools, lacking one."""
+    d = tmp / f"no{missing.removeprefix('gb')}"
+    d.mkdir(parents=True, exist_ok=True)
+    for t in TOOLS:
+        if t.name != missing:
+            (d / t.name).symlink_to(t)
+    return d
+
+
+# ---- find_tool ----
+
+
+def test_bin_dir_then_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    a = executable(tmp_path / "a" / "gbprobe").parent
+    b = executable(tmp_path / "b" / "gbprobe").parent
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "gbprobe").write_text("not executable")
+    monkeypatch.setenv("PATH", str(b))
+    cases = [(str(a), a / "gbprobe"), (str(tmp_path / "c"), b / "gbprobe"), ("", b / "gbprobe")]
+    for bin_dir, want in cases:
+        monkeypatch.setenv("GPUBRIDGE_BIN_DIR", bin_dir)
+        assert find_tool("gbprobe") == str(want), bin_dir
+
+
+@pytest.mark.parametrize(
+    ("env", "go", "checkout", "want"),
+    [
+        ({}, False, True, ["go is not on PATH", "install Go"]),
+        ({"GPUBRIDGE_NO_BUILD": "1"}, True, True, ["GPUBRIDGE_NO_BUILD is set"]),
+        ({"GPUBRIDGE_NO_BUILD": "0"}, False, False, ["not in a gpubridge source checkout"]),
+    ],
+    ids=["no-go", "no-build", "not-a-checkout"],
+)
+def test_not_found_names_every_place(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    env: dict[str, str],
+    go: bool,
+    checkout: bool,
+    want: list[str],
+) -> None:
+    empty = [tmp_path / n for n in ("bindir", "path", "repobin")]
+    for d in empty:
+        d.mkdir()
+    if go:
+        executable(empty[1] / "go", "#!/bin/sh\necho must not run >&2; exit 1\n")
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(empty[0]))
+    monkeypatch.setenv("PATH", str(empty[1]))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(_tools, "_repo_bin", lambda: empty[2])
+    if not checkout:
+        monkeypatch.setattr(_tools, "_source_root", lambda: tmp_path)
+    with pytest.raises(ToolNotFoundError) as e:
+        find_tool("gbbridge")
+    msg = str(e.value)
+    assert msg.startswith("gpubridge: the tool gbbridge was not found (looked in "), msg
+    for s in [f"GPUBRIDGE_BIN_DIR={empty[0]}", "PATH", str(empty[2]), "make build", *want]:
+        assert s in msg, (s, msg)
+    assert e.value.problem == msg.removeprefix("gpubridge: ")
+
+
+def test_strict_looks_only_in_bin_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    executable(tmp_path / "path" / "gbprobe")
+    (tmp_path / "bindir").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    monkeypatch.setenv("GPUBRIDGE_BIN_STRICT", "1")
+    with pytest.raises(ToolNotFoundError, match=r"looked in GPUBRIDGE_BIN_DIR \(not set\) only"):
+        find_tool("gbprobe")
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(tmp_path / "bindir"))
+    with pytest.raises(ToolNotFoundError, match="GPUBRIDGE_BIN_STRICT is set"):
+        find_tool("gbprobe")
+    executable(tmp_path / "bindir" / "gbprobe")
+    assert find_tool("gbprobe") == str(tmp_path / "bindir" / "gbprobe")
+
+
+def test_unknown_tool_is_not_built(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    gobin = executable(tmp_path / "gobin" / "go", "#!/bin/sh\necho must not run >&2; exit 1\n").parent
+    monkeypatch.setenv("PATH", str(gobin))
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(ToolNotFoundError, match="gbnosuchtool is not one of the tools gpubridge builds"):
+        find_tool("gbnosuchtool")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_build_failure_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    gobin = executable(tmp_path / "gobin" / "go", "#!/bin/sh\necho 'lib/x.go:1: boom' >&2\nexit 1\n").parent
+    monkeypatch.setenv("PATH", str(gobin))
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(_tools, "_repo_bin", lambda: None)
+    with pytest.raises(ToolNotFoundError) as e:
+        find_tool("gbdiscover")
+    msg = str(e.value)
+    assert "the tool gbdiscover was not found" in msg and "building it with go failed" in msg, msg
+    assert "exited 1: lib/x.go:1: boom" in msg, msg
+    assert [p.name for p in (tmp_path / "cache" / "gpubridge").iterdir()] == ["build.lock"]
+
+    # A cache that cannot be written: named too.
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    with pytest.raises(ToolNotFoundError, match=r"go failed: in the cache directory .*/file/"):
+        find_tool("gbdiscover")
+
+
+def go_env() -> dict[str, str]:
+    """An environment whose PATH has go and the C compiler but none of the
+    tools, keeping the user's Go build cache (a new XDG_CACHE_HOME would
+    move it)."""
+    assert GO is not None
+    gocache = subprocess.run(
+        [GO, "env", "GOCACHE"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    path = os.pathsep.join([str(Path(GO).parent), "/usr/bin", "/bin"])
+    for t in _tools.TOOLS:
+        assert shutil.which(t, path=path) is None, f"{t} is on {path}"
+    return {"PATH": path, "GOCACHE": gocache}
+
+
+BUILD_SCRIPT = """
+import sys
+from gpubridge import _tools
+_tools._repo_bin = lambda: None  # not the checkout's bin/
+print(_tools.find_tool(sys.argv[1]))
+"""
+
+
+@needs_go
+def test_build_on_first_use(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two ranks starting together with no tools anywhere build them once,
+    into the cache; later look-ups find them there without building."""
+    env = dict(os.environ, **go_env(), XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(PKG))
+    env["GPUBRIDGE_BIN_DIR"] = str(tmp_path / "empty")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILD_SCRIPT, tool],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for tool in ("gbdiscover", "gbbridge")
+    ]
+    outs = [p.communicate(timeout=_tools.BUILD_TIMEOUT + 60) for p in procs]
+    err = b"".join(e for _, e in outs).decode()
+    assert all(p.returncode == 0 for p in procs), err
+    paths = [Path(o.decode().strip()) for o, _ in outs]
+    assert paths[0].parent == paths[1].parent
+    built = paths[0].parent
+    assert built.parent == tmp_path / "cache" / "gpubridge" and built.name.startswith("bin-"), built
+    assert err.count("gpubridge: building gbprobe, gbdiscover, gbbridge") == 1, err
+    for t in _tools.TOOLS:
+        v = subprocess.run([built / t, "--version"], capture_output=True, text=True, check=True, timeout=30)
+        assert v.stdout.startswith(f"{t} "), v.stdout
+    assert not [p for p in built.parent.iterdir() if p.name.startswith(".build-")]
+
+    # In this process: found in the cache, nothing built again.
+    for k, v in env.items():
+        if k in ("PATH", "GOCACHE", "XDG_CACHE_HOME", "GPUBRIDGE_BIN_DIR"):
+            monkeypatch.setenv(k, v)
+    monkeypatch.setattr(_tools, "_repo_bin", lambda: None)
+    assert find_tool("gbprobe") == str(built / "gbprobe")
+    # A changed source gives another cache directory.
+    monkeypatch.setattr(_tools, "_built", {})
+    monkeypatch.setattr(_tools, "_source_digest", lambda root: "0" * 16)
+    monkeypatch.setenv("GPUBRIDGE_NO_BUILD", "1")
+    with pytest.raises(ToolNotFoundError, match="GPUBRIDGE_NO_BUILD is set"):
+        find_tool("gbprobe")
+
+
+# ---- rank_problems ----
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, []),
+        ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, []),
+        ({"LOCAL_RANK": "x"}, ["LOCAL_RANK='x' is not an integer"]),
+        ({"LOCAL_RANK": "1.0"}, ["LOCAL_RANK='1.0' is not an integer"]),
+        ({"LOCAL_RANK": ""}, ["LOCAL_RANK='' is not an integer"]),
+        ({"LOCAL_RANK": "-1"}, ["LOCAL_RANK='-1' is negative"]),
+        ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, ["LOCAL_RANK='2' is not below LOCAL_WORLD_SIZE='2'"]),
+        (
+            {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "two"},
+            ["LOCAL_WORLD_SIZE='two' is not a positive integer"],
+        ),
+        ({"SLURM_LOCALID": "y"}, ["SLURM_LOCALID='y' is not an integer"]),
+        ({"LOCAL_RANK": "1", "SLURM_LOCALID": "y"}, []),
+    ],
+)
+def test_rank_problems_local_rank(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], want: list[str]
+) -> None:
+    monkeypatch.setattr(_tools, "find_tool", lambda name: f"/x/{name}")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert rank_problems() == want
+
+
+@needs_tools
+def test_rank_problems_missing_bridge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GPUBRIDGE_BIN_STRICT", "1")
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(BIN))
+    assert rank_problems() == []
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(tools_without(tmp_path, "gbbridge")))
+    monkeypatch.setenv("LOCAL_RANK", "z")
+    got = rank_problems()
+    assert len(got) == 2 and got[0] == "LOCAL_RANK='z' is not an integer", got
+    assert got[1].startswith("the tool gbbridge was not found"), got
+
+
+# ---- discover against a store ----
+
+
+def master() -> Any:
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+
+
+@needs_tools
+def test_discover_single_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """One rank: fine, then each own problem fails it naming the rank (a bad
+    LOCAL_RANK in the environment is reported, not a gbdiscover crash)."""
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(BIN))
+    monkeypatch.setenv("GPUBRIDGE_BIN_STRICT", "1")
+    monkeypatch.setenv("GPUBRIDGE_VENDOR", "nvidia")
+    store = master()
+    host = socket.gethostname()
+    topo = discover("127.0.0.1", store.port, 0, 1, "ok", tmp_path / "t.json", timeout=20)
+    assert topo["islands"][0]["ranks"] == [0] and (tmp_path / "t.json").exists()
+
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(RuntimeError) as e:
+        discover(
+            "127.0.0.1", store.port, 0, 1, "bad", tmp_path / "t.json", timeout=20, problems=["extra one"]
+        )
+    assert str(e.value) == (
+        f"gpubridge: discovery failed: rank 0 ({host}): LOCAL_RANK='x' is not an integer; "
+        f"rank 0 ({host}): extra one"
+    )
+    monkeypatch.delenv("LOCAL_RANK")
+
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(tools_without(tmp_path, "gbprobe")))
+    with pytest.raises(RuntimeError) as e:
+        discover("127.0.0.1", store.port, 0, 1, "noprobe", tmp_path / "t.json", timeout=20)
+    msg = str(e.value)
+    want = f"gpubridge: discovery failed: rank 0 ({host}): the tool gbprobe was not found"
+    assert msg.startswith(want), msg
+    assert "probe report is empty" in msg
+
+
+def cli_rank(port: int, rank: int, size: int, ns: str, vendor: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, GPUBRIDGE_VENDOR=vendor)
+    line = (
+        f"{BIN}/gbprobe --json | {BIN}/gbdiscover --store 127.0.0.1:{port} --rank {rank} "
+        f"--world-size {size} --namespace {ns} --timeout 30s"
+    )
+    return subprocess.Popen(["bash", "-c", line], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@needs_tools
+@pytest.mark.parametrize("missing_rank", [0, 1])
+def test_missing_gbdiscover_tells_the_others(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, missing_rank: int
+) -> None:
+    """A rank without gbdiscover writes its failure into the store: the other
+    rank's gbdiscover fails at once with the same cause (not a timeout), and
+    rank 0 waits for the other to read it."""
+    store = master()
+    ns = f"nodisc{missing_rank}"
+    other = cli_rank(store.port, 1 - missing_rank, 2, ns, "amd")
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(tools_without(tmp_path, "gbdiscover")))
+    monkeypatch.setenv("GPUBRIDGE_BIN_STRICT", "1")
+    monkeypatch.setenv("GPUBRIDGE_VENDOR", "nvidia")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        discover("127.0.0.1", store.port, missing_rank, 2, ns, tmp_path / "t.json", timeout=30)
+    out, err = other.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    assert other.returncode == 1, err.decode()
+    doc = json.loads(out)
+    assert doc["schema"] == "gpubridge.discover-failure/v1"
+    assert len(doc["problems"]) == 1, doc
+    cause = doc["problems"][0]
+    want = f"rank {missing_rank} ({socket.gethostname()}): the tool gbdiscover was not found"
+    assert cause.startswith(want), cause
+    assert str(e.value) == f"gpubridge: discovery failed: {cause}"
+    assert elapsed < 15, f"took {elapsed:.1f} s: the other rank waited for a timeout"
+
+
+# ---- torchrun jobs that fail at start-up ----
+
+
+def left_behind(mark: str) -> list[str]:
+    """Living (non-zombie) processes whose environment carries the job's
+    mark: whatever the job started (gbprobe, gbdiscover, gbbridge, ranks)
+    and left running. Other jobs on this host do not count."""
+    out = []
+    needle = f"GPUBRIDGE_TEST_MARK={mark}".encode()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if state != "Z" and needle in environ:
+            out.append(f"{d}: {cmd}")
+    return out
+
+
+def test_left_behind_sees_marked_processes(tmp_path: Path) -> None:
+    mark = f"{os.getpid()}-{tmp_path.name}"
+    p = subprocess.Popen(["sleep", "60"], env=dict(os.environ, GPUBRIDGE_TEST_MARK=mark))
+    try:
+        assert [x.split(":")[0] for x in left_behind(mark)] == [str(p.pid)]
+    finally:
+        p.kill()
+        p.wait()
+    assert left_behind(mark) == []
+
+
+FAULTS = {
+    "badlocal": "LOCAL_RANK='x' is not an integer",
+    "nobridge": "the tool gbbridge was not found",
+    "noprobe": "the tool gbprobe was not found",
+    "nodiscover": "the tool gbdiscover was not found",
+}
+
+
+@needs_tools
+@pytest.mark.parametrize("path", ["tools", "backend"])
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_startup_failure_under_torchrun(tmp_path: Path, fault: str, path: str) -> None:
+    """Rank 1 of a 2-rank job (NVIDIA + AMD, simulated) has a fault: both
+    ranks raise a RuntimeError naming it, well within the 30 s discovery
+    timeout, and nothing the job started is left running."""
+    if fault != "badlocal":
+        tools_without(tmp_path / "tools", "gb" + fault.removeprefix("no"))
+    (tmp_path / "out").mkdir()
+    mark = f"{os.getpid()}-{tmp_path.name}"
+    env = dict(os.environ, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1")
+    env["GPUBRIDGE_TEST_MARK"] = mark
+    for k in ENV_KEYS[1:]:
+        env.pop(k, None)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(WORKER), "nvidia,amd", str(tmp_path / "out"), fault, path, str(tmp_path / "tools"),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, env=env, capture_output=True, timeout=120, check=False, cwd=tmp_path)
+    output = (p.stdout + p.stderr).decode("utf-8", "replace")
+    assert p.returncode != 0, output[-4000:]
+    results = []
+    for r in range(2):
+        f = tmp_path / "out" / f"rank{r}.json"
+        assert f.exists(), f"rank {r} wrote no result (exit {p.returncode}):\n{output[-6000:]}"
+        results.append(json.loads(f.read_text()))
+    cause = f"rank 1 ({socket.gethostname()}): {FAULTS[fault]}"
+    for r, res in enumerate(results):
+        err = res.get("error") or ""
+        assert not res.get("unexpected"), err
+        assert err.startswith("gpubridge: discovery failed: "), (r, err)
+        assert cause in err, (r, cause, err)
+        assert res["elapsed"] < 20, (r, res["elapsed"], err)
+    assert results[0]["error"] == results[1]["error"], results
+    left = left_behind(mark)
+    assert not left, f"left running: {left}"
