@@ -230,6 +230,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self._p2p_threads: set[threading.Thread] = set()
         self._dir = Path(tempfile.mkdtemp(prefix="gpubridge-"))
         self.created = next(_CREATED)
+        self._group_name = group
         try:
             self._setup(store, group, problems or [])
         except BaseException:
@@ -328,6 +329,17 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
 
     def size(self) -> int:
         return self._size
+
+    # torch uses this object as the group itself (it is a ProcessGroup) and
+    # names it through _set_group_name; the C++ base keeps a name only in a
+    # registered backend, which a Python group has none of, so the name lives
+    # here (DeviceMesh, for one, reads group_name).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = str(name)
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group_name
 
     @property
     def device(self) -> torch.device:

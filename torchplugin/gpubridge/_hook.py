@@ -1,6 +1,8 @@
-"""The DDP communication hook."""
+"""The DDP communication hook.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: DDP checks the hook's
+annotations at registration and needs the real types, not strings.
+"""
 
 from typing import Any
 
@@ -10,7 +12,7 @@ import torch.distributed as dist
 __all__ = ["ddp_comm_hook"]
 
 
-def ddp_comm_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def ddp_comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
     """All-reduces a DDP gradient bucket to its mean through a gpubridge
     group: ``model.register_comm_hook(None, gpubridge.ddp_comm_hook)`` (state:
     the group, None for the default group). Unlike DDP's default hook, which

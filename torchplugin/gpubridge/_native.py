@@ -152,6 +152,8 @@ def get_topology(group: Any = None) -> dict[str, Any]:
     if _pg is not None and group is None:
         return _pg.topology
     groups = _backend.live_groups()
+    if isinstance(group, _backend.GpubridgeProcessGroup):
+        return group.topology
     if group is not None:
         name = getattr(group, "group_name", None)
         for g in groups:

@@ -134,9 +134,43 @@ def run_checks(world: int, flat: object) -> int:
     fut = dist.all_reduce(torch.ones(3), async_op=True).get_future()
     same(fut.wait()[0], torch.full((3,), float(world)), "future value")
     checks += 1
+    if world == 4:
+        checks += subgroups(world)
     # point to point with tags: inside islands, and between island leaders
     # (not counted: only the ranks of a pair take part)
     p2p(world)
+    return checks
+
+
+def subgroups(world: int) -> int:
+    """new_group over the backend: every pair of ranks (single-vendor pairs
+    run native-only, mixed ones bridged), and a 2 x 2 DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    checks = 0
+    for a in range(world):
+        for b in range(a + 1, world):
+            g = dist.new_group([a, b], backend="gpubridge")
+            ref = dist.new_group([a, b], backend="gloo")
+            if rank in (a, b):
+                x = data(torch.float32, 5000, seed=rank * 11 + a + b)
+                y = x.clone()
+                dist.all_reduce(y, group=ref)
+                dist.all_reduce(x, group=g)
+                same(x, y, f"subgroup {a},{b}")
+                topo = gpubridge.get_topology(g)
+                vendors = {i["vendor"] for i in topo["islands"]}
+                assert (topo["bridge"]["transport"] == "none") == (len(vendors) == 1), topo["bridge"]
+            checks += 1
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for dim in ("dp", "tp"):
+        g = mesh.get_group(dim)
+        assert dist.get_backend(g) == "gpubridge", dist.get_backend(g)
+        x = torch.full((7,), float(rank + 1))
+        dist.all_reduce(x, group=g)
+        members = dist.get_process_group_ranks(g)
+        same(x, torch.full((7,), float(sum(r + 1 for r in members))), f"mesh {dim}")
+        checks += 1
     return checks
 
 

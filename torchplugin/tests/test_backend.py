@@ -36,19 +36,25 @@ needs_tools = pytest.mark.skipif(
 )
 
 
-def bridge_pids() -> set[int]:
-    """Living (non-zombie) gbbridge serve processes on this host."""
+def bridge_pids(tag: str | None = None) -> set[int]:
+    """Living (non-zombie) gbbridge serve processes on this host; with tag,
+    only those started with GPUBRIDGE_TEST_TAG=tag in their environment (the
+    tests' own: other jobs on the machine may run gbbridge too)."""
     out = set()
+    want = f"GPUBRIDGE_TEST_TAG={tag}".encode() if tag else None
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             cmd = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
             state = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z" or not cmd or not cmd[0].endswith(b"gbbridge") or b"serve" not in cmd:
+                continue
+            if want is not None and want not in Path(f"/proc/{d}/environ").read_bytes().split(b"\0"):
+                continue
         except OSError:
             continue
-        if state != "Z" and cmd and cmd[0].endswith(b"gbbridge") and b"serve" in cmd:
-            out.add(int(d))
+        out.add(int(d))
     return out
 
 
@@ -63,8 +69,10 @@ def alive(pid: int) -> bool:
 def launch(tmp_path: Path, vendors: list[str], mode: str = "") -> tuple[int, list[dict[str, Any]], str]:
     """Runs the worker under torchrun; returns its exit status, every rank's
     result and the output."""
-    before = bridge_pids()
-    env = dict(os.environ, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1",
+        GPUBRIDGE_TEST_TAG=str(tmp_path),
+    )  # fmt: skip
     for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
     cmd = [
@@ -80,7 +88,7 @@ def launch(tmp_path: Path, vendors: list[str], mode: str = "") -> tuple[int, lis
         f = tmp_path / f"rank{r}.json"
         assert f.exists(), f"rank {r} wrote no result (exit {p.returncode}):\n{output[-6000:]}"
         results.append(json.loads(f.read_text()))
-    left = bridge_pids() - before
+    left = bridge_pids(str(tmp_path))
     assert not left, f"gbbridge serve left running: {left}"
     for res in results:
         if res.get("bridge_pid"):

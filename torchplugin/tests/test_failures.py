@@ -26,24 +26,31 @@ HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 20
 
 
-def run_job(tmp_path: Path, vendors: list[str], victim: int, mode: str) -> tuple[list[dict], float, list[int]]:
+def run_job(
+    tmp_path: Path, vendors: list[str], victim: int, mode: str
+) -> tuple[list[dict], float, list[int]]:
     store = dist.TCPStore(
         "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
     )
     procs = []
     for r, v in enumerate(vendors):
         env = dict(
-            os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(vendors)), LOCAL_WORLD_SIZE=str(len(vendors)),
+            os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(vendors)),
+            LOCAL_WORLD_SIZE=str(len(vendors)),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
             GPUBRIDGE_VENDOR=v, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1",
             GPUBRIDGE_NAMESPACE=f"kill-{tmp_path.name}", KILL_TEST_TIMEOUT=str(TIMEOUT_S),
+            GPUBRIDGE_TEST_TAG=str(tmp_path),
         )  # fmt: skip
         log = (tmp_path / f"rank{r}.log").open("wb")
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(HERE / "kill_worker.py"), str(tmp_path), str(victim), mode],
-                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-            )  # fmt: skip
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=tmp_path,
+            )
         )
     start = time.monotonic()
     try:
@@ -80,7 +87,6 @@ def run_job(tmp_path: Path, vendors: list[str], victim: int, mode: str) -> tuple
     ],
 )
 def test_killed_rank(tmp_path: Path, vendors: list[str], victim: int) -> None:
-    before = bridge_pids()
     results, _, pids = run_job(tmp_path, vendors, victim, "kill")
     t_kill = float((tmp_path / "victim").read_text())
     errors = []
@@ -88,13 +94,17 @@ def test_killed_rank(tmp_path: Path, vendors: list[str], victim: int) -> None:
         if r == victim:
             continue
         assert "error" in res, f"rank {r} did not fail: {res}"
-        assert res["at"] - t_kill < TIMEOUT_S + 10, f"rank {r} failed {res['at'] - t_kill:.1f}s after the kill"
+        assert res["at"] - t_kill < TIMEOUT_S + 10, (
+            f"rank {r} failed {res['at'] - t_kill:.1f}s after the kill"
+        )
         # the root cause, the same on every rank, comes first
         errors.append(res["error"].split(" (on rank ")[0])
     assert len(set(errors)) == 1, errors
     assert errors[0].startswith("gpubridge: rank "), errors[0]
-    assert f"rank {victim} (pid {pids[victim]}) no longer running" in errors[0] or "member" in errors[0], errors[0]
-    assert not (bridge_pids() - before), "gbbridge serve left running"
+    assert f"rank {victim} (pid {pids[victim]}) no longer running" in errors[0] or "member" in errors[0], (
+        errors[0]
+    )
+    assert not bridge_pids(str(tmp_path)), "gbbridge serve left running"
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
@@ -103,17 +113,18 @@ def test_killed_rank(tmp_path: Path, vendors: list[str], victim: int) -> None:
 def test_stalled_rank(tmp_path: Path) -> None:
     """A rank stopped with SIGSTOP: its island peer times out after the
     group's timeout, names it, and every other rank follows at once."""
-    before = bridge_pids()
     results, _, pids = run_job(tmp_path, ["nvidia", "nvidia", "amd", "amd"], 3, "stop")
     t_stop = float((tmp_path / "victim").read_text())
     errors = []
     for r in (0, 1, 2):
         res = results[r]
         assert "error" in res, f"rank {r} did not fail: {res}"
-        assert res["at"] - t_stop < TIMEOUT_S + 15, f"rank {r} failed {res['at'] - t_stop:.1f}s after the stop"
+        assert res["at"] - t_stop < TIMEOUT_S + 15, (
+            f"rank {r} failed {res['at'] - t_stop:.1f}s after the stop"
+        )
         errors.append(res["error"].split(" (on rank ")[0])
     assert len(set(errors)) == 1, errors
     assert f"rank 3 (pid {pids[3]}) stopped" in errors[0], errors[0]
-    assert not (bridge_pids() - before), "gbbridge serve left running"
+    assert not bridge_pids(str(tmp_path)), "gbbridge serve left running"
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
