@@ -93,6 +93,13 @@ func BuildRecord(o RunOptions, probeIn io.Reader) *Record {
 	if rec.Mode == ModeCPU && o.SimHostname != "" {
 		rec.Hostname = o.SimHostname
 	}
+	if rec.Mode == ModeCPU && o.SimIsland != "" {
+		if validIslandName(o.SimIsland) {
+			rec.SimIsland = o.SimIsland
+		} else {
+			problem("GPUBRIDGE_SIM_ISLAND=%q: an island name is 1 to 32 characters of a-z, 0-9 and -", o.SimIsland)
+		}
+	}
 	if rec.Mode != ModeGPU || rec.Vendor == "" {
 		return rec
 	}
@@ -117,4 +124,18 @@ func nvmlWords(s probe.NVMLStatus) string {
 		return s.State + ": " + s.Error
 	}
 	return s.State
+}
+
+// validIslandName accepts the names SimIsland may give (they end up in store
+// keys and process-group prefixes).
+func validIslandName(s string) bool {
+	if len(s) == 0 || len(s) > 32 {
+		return false
+	}
+	for _, c := range s {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '-' {
+			return false
+		}
+	}
+	return true
 }

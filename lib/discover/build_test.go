@@ -54,3 +54,29 @@ func TestBuildRecordCallerProblems(t *testing.T) {
 		})
 	}
 }
+
+// TestBuildRecordSimIsland: a simulated rank takes the island name it asks
+// for; a bad name is the rank's problem; on GPUs the option is ignored.
+func TestBuildRecordSimIsland(t *testing.T) {
+	tests := []struct {
+		name, probe, island, want string
+		problem                   bool
+	}{
+		{"simulated", simProbe, "b", "b", false},
+		{"bad name", simProbe, "B/x", "", true},
+		{"too long", simProbe, strings.Repeat("a", 33), "", true},
+		{"ignored on GPUs", `{"schema":"gpubridge.probe/v1","hostname":"h1","vendor":"nvidia","real_vendor":"nvidia"}`, "b", "", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			rec := BuildRecord(RunOptions{Rank: 0, WorldSize: 1, LocalRank: -1, Bridge: BridgeAuto, SimIsland: tt.island,
+				Getenv: func(string) string { return "" }}, strings.NewReader(tt.probe))
+			assert.Equal(t, tt.want, rec.SimIsland)
+			found := false
+			for _, p := range rec.Problems {
+				found = found || strings.Contains(p, "GPUBRIDGE_SIM_ISLAND")
+			}
+			assert.Equal(t, tt.problem, found, rec.Problems)
+		})
+	}
+}

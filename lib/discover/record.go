@@ -75,6 +75,9 @@ type Record struct {
 	GPU  *GPU   `json:"gpu,omitempty"`
 	// Bridge is the transport this rank asked for.
 	Bridge string `json:"bridge"`
+	// SimIsland is the simulated island name this rank asked for (CPU mode
+	// only): its island is <vendor>-<SimIsland>.
+	SimIsland string `json:"sim_island,omitempty"`
 	// SplitTest is the split-test mode this rank runs under, if any.
 	SplitTest string `json:"split_test,omitempty"`
 	// Settings are policy settings that must be equal on every rank.

@@ -32,6 +32,10 @@ type RunOptions struct {
 	SplitTest   string
 	Settings    map[string]string
 	SimHostname string
+	// SimIsland, in simulation, puts the rank in island <vendor>-<SimIsland>
+	// instead of <vendor>, so one machine can stand in for three or more
+	// islands.
+	SimIsland string
 	// Problems are reasons this rank cannot run that the caller found (a
 	// bad LOCAL_RANK, a missing tool); they go into the rank's record.
 	Problems []string

@@ -181,13 +181,17 @@ func Decide(namespace string, recs []*Record) (*Shared, []string) {
 	return sh, nil
 }
 
-// labelRanks gives every rank its island label: its vendor, or under a split
-// test a label that alternates between two vendors' names.
+// labelRanks gives every rank its island label: its vendor (with a simulated
+// island name, <vendor>-<name>), or under a split test a label that
+// alternates between two vendors' names.
 func labelRanks(recs []*Record, split string) ([]string, []string) {
 	labels := make([]string, len(recs))
 	if split == "" {
 		for i, r := range recs {
 			labels[i] = r.Vendor
+			if r.SimIsland != "" {
+				labels[i] = r.Vendor + "-" + r.SimIsland
+			}
 		}
 		return labels, nil
 	}

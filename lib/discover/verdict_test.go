@@ -83,6 +83,14 @@ func TestDecideTopologies(t *testing.T) {
 			}
 			return r
 		}, KindCPU, map[string][]int{"nvidia": {0, 1}, "amd": {2, 3}}, []int{0, 2}, BridgeSHM},
+		{"cpu simulation, three islands", func() []*Record {
+			r := mk([]string{"nvidia", "nvidia", "amd", "amd", "amd", "amd"}, nil)
+			for _, x := range r {
+				x.Mode, x.Simulated, x.GPU = ModeCPU, true, nil
+			}
+			r[4].SimIsland, r[5].SimIsland = "b", "b"
+			return r
+		}, KindCPU, map[string][]int{"nvidia": {0, 1}, "amd": {2, 3}, "amd-b": {4, 5}}, []int{0, 2, 4}, BridgeSHM},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -30,6 +30,7 @@ type runCmd struct {
 	SplitTest string            `help:"Label a single-vendor job as two vendors: half, alternate or node." env:"GPUBRIDGE_SPLIT_TEST" placeholder:"MODE"`
 	Setting   map[string]string `help:"A policy setting that must be equal on every rank (repeatable)." placeholder:"KEY=VALUE" env:"GPUBRIDGE_SETTINGS"`
 	Hostname  string            `help:"Host name a simulated rank reports, so processes on one machine can stand in for several nodes; ignored on GPUs." env:"GPUBRIDGE_SIM_HOSTNAME"`
+	SimIsland string            `help:"In simulation, put this rank in island <vendor>-NAME instead of <vendor>, so one machine can stand in for three or more islands; ignored on GPUs." env:"GPUBRIDGE_SIM_ISLAND" placeholder:"NAME"`
 	Probe     string            `help:"gbprobe --json output to read; - is stdin." default:"-" type:"path"`
 	Problem   []string          `help:"A problem the caller found on this rank (repeatable); it goes into this rank's record, so every rank's discovery fails naming it. The torch plugin passes a bad LOCAL_RANK and missing tools this way." sep:"none" placeholder:"TEXT"`
 }
@@ -38,7 +39,7 @@ func (c *runCmd) Run(env *cli.Env) error {
 	o := discover.RunOptions{
 		Store: c.Store, Rank: c.Rank, WorldSize: c.WorldSize, LocalRank: c.LocalRank,
 		Namespace: c.Namespace, Timeout: c.Timeout, Bridge: c.Bridge, Vendor: c.Vendor,
-		CPUOnly: c.CPUOnly, SplitTest: c.SplitTest, Settings: c.Setting, SimHostname: c.Hostname,
+		CPUOnly: c.CPUOnly, SplitTest: c.SplitTest, Settings: c.Setting, SimHostname: c.Hostname, SimIsland: c.SimIsland,
 		Problems: c.Problem, Log: env.Log,
 	}
 	in := env.Stdin

@@ -2,6 +2,7 @@
 test_backend.py).
 
 argv: VENDORS OUTDIR [MODE]. VENDORS is a comma-separated vendor per rank
+(VENDOR:NAME puts the rank in the simulated island VENDOR-NAME)
 (GPUBRIDGE_VENDOR is set from RANK before gpubridge initialises). The rank
 writes OUTDIR/rank<R>.json: {"ok": true, "checks": n} or {"error": text}.
 MODE "badbridge": rank 1 asks for another bridge transport.
@@ -22,7 +23,10 @@ rank = int(os.environ["RANK"])
 vendors = sys.argv[1].split(",")
 outdir = Path(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else ""
-os.environ["GPUBRIDGE_VENDOR"] = vendors[rank]
+# VENDOR or VENDOR:ISLAND (a simulated island name, for three islands)
+os.environ["GPUBRIDGE_VENDOR"], _, island = vendors[rank].partition(":")
+if island:
+    os.environ["GPUBRIDGE_SIM_ISLAND"] = island
 if mode == "badbridge" and rank == 1:
     os.environ["GPUBRIDGE_BRIDGE"] = "tcp"
 

@@ -73,7 +73,13 @@ def launch(tmp_path: Path, vendors: list[str], mode: str = "") -> tuple[int, lis
         os.environ, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1",
         GPUBRIDGE_TEST_TAG=str(tmp_path),
     )  # fmt: skip
-    for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE", "TORCHELASTIC_RUN_ID"):
+    for k in (
+        "GPUBRIDGE_VENDOR",
+        "GPUBRIDGE_SIM_ISLAND",
+        "GPUBRIDGE_BRIDGE",
+        "GPUBRIDGE_NAMESPACE",
+        "TORCHELASTIC_RUN_ID",
+    ):
         env.pop(k, None)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(vendors)),
@@ -124,6 +130,16 @@ def test_two_islands_3_1(tmp_path: Path) -> None:
     rc, results, out = launch(tmp_path, ["nvidia", "nvidia", "nvidia", "amd"])
     check_ok(rc, results, out)
     assert sorted(results[0]["islands"]) == [[0, 1, 2], [3]]
+
+
+@needs_tools
+def test_three_islands_2_2_2(tmp_path: Path) -> None:
+    rc, results, out = launch(tmp_path, ["nvidia", "nvidia", "amd", "amd", "amd:b", "amd:b"])
+    check_ok(rc, results, out)
+    assert sorted(results[0]["islands"]) == [[0, 1], [2, 3], [4, 5]]
+    leaders = [r for r, res in enumerate(results) if res["role"] == "leader"]
+    assert leaders == [0, 2, 4]
+    assert all(results[r]["bridge_exit"] == 0 for r in leaders), results
 
 
 @needs_tools
