@@ -14,7 +14,7 @@ export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 .PHONY: help deps venv build lint golint pylint gotest pytest man man-check slurm-test test demo clean
 
 help:
-	@echo "make demo   run the main job (4 simulated ranks: probe, discover, topology)"
+	@echo "make demo   run the main job (4 simulated ranks, 2 NVIDIA + 2 AMD, train a model with DDP over the gpubridge backend on CPU)"
 	@echo "make test   run every test (lint, go tests with -race, torch interop, CLI scripts, man pages, Slurm)"
 	@echo "make build  build the tools into bin/"
 	@echo "make man    regenerate man/*.1 from the CLI models"
@@ -39,6 +39,8 @@ golint: deps
 # The Python package gpubridge (torchplugin/): ruff and mypy from the venv.
 pylint: venv
 	cd torchplugin && $(CURDIR)/.venv/bin/ruff check . && $(CURDIR)/.venv/bin/ruff format --check . && $(CURDIR)/.venv/bin/mypy gpubridge
+	$(CURDIR)/.venv/bin/ruff check --config torchplugin/pyproject.toml examples ci
+	$(CURDIR)/.venv/bin/ruff format --check --config torchplugin/pyproject.toml examples ci
 
 # The Go tests, with the race detector; GPUBRIDGE_PYTHON turns on the torch
 # interop tests and GPUBRIDGE_BIN the tests of built binaries.
@@ -72,7 +74,7 @@ slurm-test: build
 test: lint gotest pytest man-check slurm-test
 	@echo "make test: all passed"
 
-demo: build
+demo: venv build
 	@ci/demo.sh $(BIN)
 
 clean:

@@ -1,69 +1,83 @@
 #!/usr/bin/env bash
-# The main job for now: the control plane and the bridge end to end on the
-# embedded store. Four simulated ranks (2 NVIDIA + 2 AMD) probe their node,
-# discover each other through a c10d-compatible store and print the topology
-# they agree on; then the two island leaders run a bridged all_reduce of real
-# data through gbbridge, verified element by element, and print its bandwidth.
+# The main job (`make demo`, which builds the tools and the virtualenv first):
+#
+# 1. Four simulated ranks, 2 NVIDIA + 2 AMD, train a small MLP with
+#    DistributedDataParallel on CPU through the gpubridge torch.distributed
+#    backend, launched with torchrun as a user would launch
+#    examples/ddp_train.py. Rank 0 prints the topology the ranks agreed on,
+#    the loss every few steps and the throughput; at the end every rank
+#    checks that its parameters are identical, bit for bit, to every other
+#    rank's.
+# 2. The bridge alone: two island leaders all-reduce float32 buffers through
+#    gbbridge, verified element by element, with their bandwidth.
+#
+# Usage: ci/demo.sh [BIN_DIR]  (default: the repository's bin/). The Python
+# is .venv/bin/python, or $GPUBRIDGE_PYTHON.
+#
+# stdout: JSON lines, each with "schema": "gpubridge.demo/v1" and a "kind":
+#   topology  world_size, run_kind, simulated, digest, islands[] (label,
+#             vendor, backend, ranks, leader), bridge (members, transport, reason)
+#   step      epoch, step, loss (averaged over the ranks), samples_per_s
+#   result    world_size, steps, parameters, seconds, samples_per_s,
+#             final_loss, params_identical, param_sha256
+#   bridge    one gbbridge bench row (schema gpubridge.bench/v1) under "bench"
+# stderr: progress. Exit status 0 when everything passed, 1 when a check
+# failed (parameters differ between ranks, wrong elements), 2 when the demo
+# could not run.
 set -euo pipefail
-bin=${1:-$(dirname "$0")/../bin}
-export PATH="$bin:$PATH"
-command -v jq >/dev/null 2>&1 && have_jq=1 || have_jq=0
+repo=$(cd "$(dirname "$0")/.." && pwd)
+bin=$(cd "${1:-$repo/bin}" && pwd)
+py=${GPUBRIDGE_PYTHON:-$repo/.venv/bin/python}
+say() { echo "demo: $*" >&2; }
+
+for t in gbprobe gbdiscover gbbridge; do
+  [ -x "$bin/$t" ] || { say "$bin/$t is missing: run make build (make demo does)"; exit 2; }
+done
+[ -x "$py" ] || { say "$py is missing: run make venv (make demo does)"; exit 2; }
+"$py" -c 'import torch' 2>/dev/null || { say "$py has no torch: run make venv"; exit 2; }
 
 work=$(mktemp -d)
-cleanup() {
-  [ -n "${store_pid:-}" ] && kill "$store_pid" 2>/dev/null && wait "$store_pid" 2>/dev/null
-  rm -rf "$work"
-}
-trap cleanup EXIT
+trap 'rm -rf "$work"' EXIT
 
-# The embedded store on a free port; it prints {"listen": ...} once ready.
-gbdiscover serve --listen 127.0.0.1:0 > "$work/serve.json" 2> "$work/serve.log" &
-store_pid=$!
-for _ in $(seq 100); do [ -s "$work/serve.json" ] && break; sleep 0.05; done
-addr=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/serve.json")
-[ -n "$addr" ] || { echo "demo: the store did not start:"; cat "$work/serve.log"; exit 2; } >&2
-echo "demo: embedded c10d store on $addr" >&2
-
-vendors=(nvidia nvidia amd amd)
-pids=()
-for r in 0 1 2 3; do
-  ( GPUBRIDGE_VENDOR=${vendors[$r]} gbprobe --json \
-    | gbdiscover --store "$addr" --rank "$r" --world-size 4 --namespace demo --local-rank "$r" --timeout 30s \
-    > "$work/topo.$r.json" 2> "$work/rank.$r.log" ) &
-  pids+=($!)
-done
-fail=0
-for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || { echo "demo: rank $i failed:" >&2; cat "$work/rank.$i.log" >&2; fail=1; }
-done
-[ "$fail" -eq 0 ] || exit 1
-
-digests=$(for r in 0 1 2 3; do sed -n 's/^  "digest": "\(.*\)",$/\1/p' "$work/topo.$r.json"; done | sort -u)
-[ "$(echo "$digests" | wc -l)" -eq 1 ] || { echo "demo: ranks disagree on the topology: $digests" >&2; exit 1; }
-
-echo "rank 0's topology (every rank agrees, digest $digests):" >&2
-cat "$work/topo.0.json"
-if [ "$have_jq" -eq 1 ]; then
-  jq -r '.islands[] | "island \(.label): ranks \(.ranks) leader \(.leader) backend \(.backend)"' "$work/topo.0.json" >&2
-  jq -r '"bridge: members \(.bridge.members) transport \(.bridge.transport) (\(.bridge.reason))"' "$work/topo.0.json" >&2
+# ---- 1. DDP training through the gpubridge backend ----
+say "4 simulated ranks (nvidia, nvidia, amd, amd) train with DDP over backend \"gpubridge\" (torchrun, CPU):"
+set +e
+env -u GPUBRIDGE_VENDOR -u GPUBRIDGE_SPLIT_TEST -u GPUBRIDGE_NAMESPACE \
+  GPUBRIDGE_SIM_VENDORS=nvidia,nvidia,amd,amd GPUBRIDGE_BIN_DIR="$bin" \
+  PYTHONPATH="$repo/torchplugin${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 \
+  "$py" -m torch.distributed.run --standalone --nproc-per-node 4 \
+  "$repo/examples/ddp_train.py" --json --epochs 4 --max-steps 200 --log-every 25 \
+  2>&1 > "$work/train.jsonl" \
+  | tee "$work/train.log" | grep --line-buffered -E '^(island|bridge:|training:|epoch|done:)' >&2
+rc=${PIPESTATUS[0]}  # (stderr is filtered to rank 0's progress lines, without torch's per-rank noise)
+set -e
+cat "$work/train.jsonl"
+result=$(grep '"kind": "result"' "$work/train.jsonl" || true)
+if [ "$rc" -ne 0 ] || [ -z "$result" ]; then
+  say "training failed (torchrun exit $rc):"
+  tail -40 "$work/train.log" >&2
+  [ -n "$result" ] && exit 1 || exit 2
 fi
-echo "demo: 4 ranks agree on the topology" >&2
+case "$result" in
+  *'"params_identical": true'*) say "every rank ends with identical parameters" ;;
+  *) say "parameters differ between ranks"; exit 1 ;;
+esac
 
-# The bridge: each leader joins as its member index among bridge.members,
-# over the transport discovery chose.
-read -r transport m0 m1 < <(python3 -c 'import json,sys
-t = json.load(open(sys.argv[1]))
-print(t["bridge"]["transport"], *t["bridge"]["members"])' "$work/topo.0.json")
-echo "demo: leaders (ranks $m0 and $m1) all-reduce float32 buffers over the $transport bridge:" >&2
-for i in 0 1; do
-  gbbridge bench --store "$addr" --rank "$i" --world-size 2 --namespace demo-bridge --transport "$transport" \
-    --collective all_reduce --sizes 4K,1M,64M --iters 3 --timeout 60s > "$work/bridge.$i.txt" 2> "$work/bridge.$i.log" &
-  pids[$i]=$!
-done
-for i in 0 1; do
-  wait "${pids[$i]}" || { echo "demo: bridge member $i failed:" >&2; cat "$work/bridge.$i.log" >&2; exit 1; }
-done
-cat "$work/bridge.0.txt"
-wrong=$(awk '!/^#/ {s += $8} END {print s+0}' "$work/bridge.0.txt")
-[ "$wrong" -eq 0 ] || { echo "demo: $wrong wrong elements" >&2; exit 1; }
-echo "demo: every element of every all_reduce equals the exact sum over both leaders (#wrong 0)" >&2
+# ---- 2. the bridge alone ----
+say "the bridge alone: 2 leaders all-reduce float32 buffers through gbbridge (shm), verified:"
+"$bin/gbbridge" bench --members 2 --transport shm --collective all_reduce --sizes 4K,1M,64M --iters 3 \
+  --json > "$work/bench.jsonl" 2> "$work/bench.log" || { say "gbbridge bench failed:"; cat "$work/bench.log" >&2; exit 1; }
+sed 's/^/{"schema": "gpubridge.demo\/v1", "kind": "bridge", "bench": /; s/$/}/' "$work/bench.jsonl"
+"$py" - "$work/bench.jsonl" <<'EOF' || { say "the bridge returned wrong elements"; exit 1; }
+import json
+import sys
+
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for r in rows:
+    print(f"  {r['size']:>10} B  {r['time_us']:10.1f} us  {r['algbw_gbps']:6.2f} GB/s  #wrong {r['wrong']}",
+          file=sys.stderr)
+wrong = sum(r["wrong"] for r in rows)
+sys.exit(1 if wrong or not rows else 0)
+EOF
+say "every element of every all_reduce equals the exact sum over both leaders (#wrong 0)"
+say "passed"

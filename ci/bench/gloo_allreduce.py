@@ -4,6 +4,7 @@ tensors, N ranks on this host, the same sizes and row format as
 
 Usage: python gloo_allreduce.py --members 2 --sizes 1048576,16777216 --iters 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def free_port() -> int:
 
 def worker(rank: int, n: int, port: int, sizes: list[int], iters: int, warmup: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=300)
+    )
     for size in sizes:
         count = max(size // 4, 1)
         t = torch.full((count,), float(rank + 1), dtype=torch.float32)
@@ -47,10 +49,25 @@ def worker(rank: int, n: int, port: int, sizes: list[int], iters: int, warmup: i
         if rank == 0:
             sec = float(slowest.item())
             algbw = count * 4 / sec / 1e9
-            print(json.dumps({"schema": "gpubridge.bench/v1", "collective": "all_reduce", "members": n,
-                              "transport": "torch gloo", "size": count * 4, "count": count, "type": "float32",
-                              "redop": "sum", "time_us": sec * 1e6, "algbw_gbps": algbw,
-                              "busbw_gbps": algbw * 2 * (n - 1) / n, "wrong": wrong}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "schema": "gpubridge.bench/v1",
+                        "collective": "all_reduce",
+                        "members": n,
+                        "transport": "torch gloo",
+                        "size": count * 4,
+                        "count": count,
+                        "type": "float32",
+                        "redop": "sum",
+                        "time_us": sec * 1e6,
+                        "algbw_gbps": algbw,
+                        "busbw_gbps": algbw * 2 * (n - 1) / n,
+                        "wrong": wrong,
+                    }
+                ),
+                flush=True,
+            )
     dist.destroy_process_group()
 
 
@@ -63,8 +80,12 @@ def main() -> None:
     a = p.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(worker, args=(a.members, free_port(), sizes, a.iters, a.warmup), nprocs=a.members,
-                       start_method="spawn")
+    mp.start_processes(
+        worker,
+        args=(a.members, free_port(), sizes, a.iters, a.warmup),
+        nprocs=a.members,
+        start_method="spawn",
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 the GPU gbdiscover picked against torch's own view of LOCAL_RANK's device, and
 runs an NCCL all_reduce on the same store to show discovery and torch share it.
 Writes <out>/<case>.<rank>.json. Usage: discover_worker.py OUTDIR CASE"""
+
 import json
 import os
 import subprocess
@@ -17,11 +18,21 @@ local = int(os.environ["LOCAL_RANK"])
 env = dict(os.environ)
 if case == "same-gpu":
     env["LOCAL_RANK"] = "0"  # both ranks claim GPU 0: discovery must refuse
-probe = subprocess.run(["bin/gbprobe", "--json"], env=env, capture_output=True, timeout=60)
-found = subprocess.run(["bin/gbdiscover", "--timeout", "60s"], input=probe.stdout, env=env,
-                       capture_output=True, timeout=120)
-result = {"case": case, "rank": rank, "gbdiscover_rc": found.returncode,
-          "stderr": found.stderr.decode()[-2000:]}
+probe = subprocess.run(["bin/gbprobe", "--json"], env=env, capture_output=True, timeout=60, check=False)
+found = subprocess.run(
+    ["bin/gbdiscover", "--timeout", "60s"],
+    input=probe.stdout,
+    env=env,
+    capture_output=True,
+    timeout=120,
+    check=False,
+)
+result = {
+    "case": case,
+    "rank": rank,
+    "gbdiscover_rc": found.returncode,
+    "stderr": found.stderr.decode()[-2000:],
+}
 try:
     result["topology"] = json.loads(found.stdout)
 except ValueError:

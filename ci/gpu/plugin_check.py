@@ -28,7 +28,8 @@ import gpubridge
 rank = int(os.environ["RANK"])
 outdir = Path(sys.argv[1])
 reference = sys.argv[2]
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int8, torch.uint8]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+DTYPES += [torch.int32, torch.int64, torch.int8, torch.uint8]
 OPS = [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN]
 
 
@@ -186,5 +187,6 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except Exception:
-        (outdir / f"check.{rank}.json").write_text(json.dumps({"rank": rank, "error": traceback.format_exc()}))
+        err = {"rank": rank, "error": traceback.format_exc()}
+        (outdir / f"check.{rank}.json").write_text(json.dumps(err))
         raise
