@@ -39,7 +39,7 @@ if [ "$ngpu" -ge 2 ]; then
   timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 0 \
     ci/gpu/plugin_check.py "$out/check2" nccl || { echo "FAILED (rc $?)"; fail=1; }
   echo "  wall $(( $(date +%s) - start )) s"; summary "$out/check2"
-  pkill -f 'gbbridge serve' && echo "leftover gbbridge killed" && fail=1
+  pgrep -f 'gbbridge serve' && { echo "leftover gbbridge found"; fail=1; }
   echo "== split test, 4 ranks on 2 GPUs (2 islands x 2 ranks) vs world Gloo on CPU copies"
   start=$(date +%s)
   port=$((29600 + RANDOM % 200))
@@ -52,7 +52,13 @@ if [ "$ngpu" -ge 2 ]; then
   for p in "${pids[@]}"; do wait "$p" || { echo "FAILED node (rc $?)"; fail=1; }; done
   echo "  wall $(( $(date +%s) - start )) s"; summary "$out/check4"
   tail -5 "$out/check4/node0.log"
-  pkill -f 'gbbridge serve' && echo "leftover gbbridge killed" && fail=1
+  pgrep -f 'gbbridge serve' && { echo "leftover gbbridge found"; fail=1; }
+  for ex in ddp_train fsdp_train; do
+    echo "== examples/$ex.py on 2 GPUs (split test), as a user launches it"
+    timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 0 \
+      examples/$ex.py > "$out/$ex.out" 2> "$out/$ex.log" || { echo "FAILED (rc $?)"; fail=1; }
+    tail -4 "$out/$ex.log"
+  done
 else
   echo "== one GPU: 2 ranks would share it inside one island; skipped (needs nvidia-h200-x2)"
 fi
