@@ -223,6 +223,8 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self._h2d: Any = None
         self._seq = 0
         self._submit_lock = threading.Lock()
+        self._exec_lock = threading.Lock()  # held while a collective runs
+        self._pending = 0  # collectives queued or running
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._done_q: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
@@ -391,13 +393,19 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         fn: Callable[[fl.Entry], None],
         result: list[torch.Tensor],
         uses: list[torch.Tensor] | None = None,
+        opts: Any = None,
     ) -> Any:
-        """Queues fn to the worker; returns the Work the caller gets (its
-        future's value is result). On GPUs the tensors in result and uses are
-        marked as used on the worker's stream, so the caching allocator does
+        """Runs fn after every collective submitted before it; returns the
+        Work the caller gets (its future's value is result). A synchronous
+        call (opts.asyncOp false) with nothing ahead of it runs at once on
+        the calling thread, saving two thread switches; anything else is
+        queued to the worker. On GPUs the tensors in result and uses are
+        marked as used on the group's stream, so the caching allocator does
         not hand their memory out before the collective is done."""
         gpu = self._device.type == "cuda"
         fut: Any = torch.futures.Future(devices=[self._device]) if gpu else torch.futures.Future()
+        sync = opts is not None and getattr(opts, "asyncOp", True) is False
+        inline = False
         with self._submit_lock:
             self._refusal(op)
             self._seq += 1
@@ -409,7 +417,19 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 task.event.record(cur)
                 for t in [*result, *(uses or [])]:
                     t.record_stream(self._stream)
-            self._queue.put(task)
+            # _pending counts collectives queued or running; with none, the
+            # worker is idle and cannot start a later one before this one
+            # (it takes _exec_lock first).
+            if sync and self._pending == 0:
+                inline = self._exec_lock.acquire(blocking=False)
+            self._pending += 1
+            if not inline:
+                self._queue.put(task)
+        if inline:
+            try:
+                self._execute(task)
+            finally:
+                self._exec_lock.release()
         return _Work(task, self._device, self._timeout.total_seconds() + 120.0)
 
     def _run(self) -> None:
@@ -417,32 +437,38 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             task = self._queue.get()
             if task is None:
                 return
-            e = task.entry
-            e.set_step(fl.RUNNING)
-            fl.enter(e)
-            try:
-                if self._error is not None:
-                    raise RuntimeError(f"not started: the group is broken: {self._error}")
-                if self._device.type == "cuda":
-                    with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-                        self._stream.wait_event(task.event)
-                        task.fn(e)
-                        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                        done.record(self._stream)
-                        task.event = done
-                    task.done.set()
-                    self._done_q.put(task)
-                else:
+            with self._exec_lock:
+                self._execute(task)
+
+    def _execute(self, task: _Task) -> None:
+        e = task.entry
+        e.set_step(fl.RUNNING)
+        fl.enter(e)
+        try:
+            if self._error is not None:
+                raise RuntimeError(f"not started: the group is broken: {self._error}")
+            if self._device.type == "cuda":
+                with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+                    self._stream.wait_event(task.event)
                     task.fn(e)
-                    task.done.set()
-                    task.fut.set_result(task.result)
-            except BaseException as exc:  # every failure fails the Work, never the thread
-                task.exc = self._fail(e, exc)
-                task.event = None
+                    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    done.record(self._stream)
+                    task.event = done
                 task.done.set()
-                task.fut.set_exception(task.exc)
-            finally:
-                fl.leave()
+                self._done_q.put(task)
+            else:
+                task.fn(e)
+                task.done.set()
+                task.fut.set_result(task.result)
+        except BaseException as exc:  # every failure fails the Work, never the thread
+            task.exc = self._fail(e, exc)
+            task.event = None
+            task.done.set()
+            task.fut.set_exception(task.exc)
+        finally:
+            fl.leave()
+            with self._submit_lock:
+                self._pending -= 1
 
     def _complete(self) -> None:
         """Completes GPU Works once their work is done on the device."""
@@ -648,7 +674,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         t = self._one("allreduce", tensors)
         op = self._reduce_op("allreduce", opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t.dtype)
         return self._submit(
-            "allreduce", t.numel() * t.element_size(), lambda e: self._allreduce(e, t, op), [t]
+            "allreduce", t.numel() * t.element_size(), lambda e: self._allreduce(e, t, op), [t], opts=opts
         )
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -672,7 +698,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 off += t.numel()
 
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        return self._submit("allreduce_coalesced", nbytes, run, list(tensors))
+        return self._submit("allreduce_coalesced", nbytes, run, list(tensors), opts=opts)
 
     def _allreduce(self, e: fl.Entry, t: torch.Tensor, op: Op) -> None:
         if t.numel() == 0:
@@ -699,7 +725,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         if not 0 <= root < self._size:
             raise RuntimeError(f"gpubridge: broadcast: root {root} is not a rank of the group")
         return self._submit(
-            "broadcast", t.numel() * t.element_size(), lambda e: self._broadcast(e, t, root), [t]
+            "broadcast", t.numel() * t.element_size(), lambda e: self._broadcast(e, t, root), [t], opts=opts
         )
 
     def _broadcast(self, e: fl.Entry, t: torch.Tensor, root: int) -> None:
@@ -733,7 +759,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> Any:
         self._refusal("barrier")
         t = torch.zeros(1, dtype=torch.int32, device=self._device)
-        return self._submit("barrier", 4, lambda e: self._allreduce(e, t, Op.SUM), [t])
+        return self._submit("barrier", 4, lambda e: self._allreduce(e, t, Op.SUM), [t], opts=opts)
 
     # all_gather
 
@@ -758,7 +784,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 o.copy_(flat[r * inp.numel() : (r + 1) * inp.numel()].view_as(o))
 
         return self._submit(
-            "allgather", inp.numel() * inp.element_size() * self._size, run, list(outs), [inp]
+            "allgather", inp.numel() * inp.element_size() * self._size, run, list(outs), [inp], opts
         )
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
@@ -773,7 +799,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             )
         return self._submit(
             "all_gather_into_tensor", output.numel() * output.element_size(),
-            lambda e: self._allgather(e, output.reshape(-1), input.reshape(-1)), [output], [input],
+            lambda e: self._allgather(e, output.reshape(-1), input.reshape(-1)), [output], [input], opts,
         )  # fmt: skip
 
     def allgather_into_tensor_coalesced(
@@ -896,7 +922,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self._reduce_scatter(e, out.reshape(-1), torch.cat([i.reshape(-1) for i in ins]), op)
 
         return self._submit(
-            "reduce_scatter", out.numel() * out.element_size() * self._size, run, [out], list(ins)
+            "reduce_scatter", out.numel() * out.element_size() * self._size, run, [out], list(ins), opts
         )
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
@@ -917,7 +943,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self._reduce_scatter(e, output.reshape(-1), input.reshape(-1).clone(), op)
 
         return self._submit(
-            "reduce_scatter_tensor", input.numel() * input.element_size(), run, [output], [input]
+            "reduce_scatter_tensor", input.numel() * input.element_size(), run, [output], [input], opts
         )
 
     def reduce_scatter_tensor_coalesced(
