@@ -176,6 +176,8 @@ def train(args: argparse.Namespace, gb: Any, rank: int, world: int, device: torc
     marks: list[Any] = []
     cpu_marks: list[float] = []
     loss = torch.zeros((), device=device)
+    pg_stats = getattr(dist.distributed_c10d._get_default_group(), "stats", None)
+    stats_before = pg_stats() if callable(pg_stats) else None
     t0 = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):
         if cuda:
@@ -187,6 +189,7 @@ def train(args: argparse.Namespace, gb: Any, rank: int, world: int, device: torc
         marks.append(new_event())
     sync()
     elapsed = time.perf_counter() - t0
+    stats_after = pg_stats() if callable(pg_stats) else None
     if cuda:
         step_ms = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
     else:
@@ -236,6 +239,9 @@ def train(args: argparse.Namespace, gb: Any, rank: int, world: int, device: torc
         "params_in_sync": in_sync,
         "param_checksum": checksum,
     }
+    if stats_after is not None:
+        # the backend's host-side time per step over the timed steps
+        row["backend_stats"] = {"before": stats_before, "after": stats_after}
     if cuda:
         row["gpu"] = torch.cuda.get_device_name(device)
         row["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

@@ -225,6 +225,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self._submit_lock = threading.Lock()
         self._exec_lock = threading.Lock()  # held while a collective runs
         self._pending = 0  # collectives queued or running
+        self._stats: dict[str, dict[str, Any]] = {}
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._done_q: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
@@ -342,6 +343,22 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
     @property
     def group_name(self) -> str:  # type: ignore[override]
         return self._group_name
+
+    def stats(self) -> dict[str, Any]:
+        """Host-side time per collective and step since the group began
+        (seconds, summed over calls; "queued" is the wait behind earlier
+        collectives). On GPUs the island steps only queue work on the stream,
+        so their device time shows up in the next step that waits for it (the
+        leader's copy into the region)."""
+        ops = {
+            op: {
+                **v,
+                "seconds": round(v["seconds"], 6),
+                "steps": {k: round(x, 6) for k, x in v["steps"].items()},
+            }
+            for op, v in self._stats.copy().items()
+        }
+        return {"schema": "gpubridge.stats/v1", "rank": self._rank, "collectives": self._seq, "ops": ops}
 
     @property
     def device(self) -> torch.device:
@@ -467,6 +484,13 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             task.fut.set_exception(task.exc)
         finally:
             fl.leave()
+            e.set_step(fl.DONE)
+            st = self._stats.setdefault(e.op, {"calls": 0, "bytes": 0, "seconds": 0.0, "steps": {}})
+            st["calls"] += 1
+            st["bytes"] += e.nbytes
+            st["seconds"] += e.step_started - e.started
+            for k, v in e.steps.items():
+                st["steps"][k] = st["steps"].get(k, 0.0) + v
             with self._submit_lock:
                 self._pending -= 1
 

@@ -30,6 +30,7 @@ ISLAND_GATHER = "island allgather"
 ISLAND_SCATTER = "island scatter"
 NATIVE = "native"  # the whole collective on the native group (one island)
 P2P = "p2p"
+DONE = "done"
 
 
 @dataclass
@@ -46,9 +47,15 @@ class Entry:
     step_started: float = field(default_factory=time.monotonic)
     thread: str = ""
 
+    # Seconds spent in each step so far (the group's statistics take them
+    # when the collective ends).
+    steps: dict[str, float] = field(default_factory=dict)
+
     def set_step(self, step: str) -> None:
+        now = time.monotonic()
+        self.steps[self.step] = self.steps.get(self.step, 0.0) + now - self.step_started
         self.step = step
-        self.step_started = time.monotonic()
+        self.step_started = now
 
 
 # thread ident -> entry. Written only by the thread it names (a dict item
@@ -77,7 +84,7 @@ def in_flight() -> list[dict[str, Any]]:
         d = asdict(e)
         d["seconds"] = round(now - e.started, 6)
         d["step_seconds"] = round(now - e.step_started, 6)
-        del d["started"], d["step_started"]
+        del d["started"], d["step_started"], d["steps"]
         out.append(d)
     out.sort(key=lambda d: (d["group"], d["seq"]))
     return out

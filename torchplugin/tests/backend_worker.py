@@ -24,7 +24,10 @@ vendors = sys.argv[1].split(",")
 outdir = Path(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else ""
 # VENDOR or VENDOR:ISLAND (a simulated island name, for three islands)
+# ("real": leave the vendor to detection, as in a CPU-only run on GPU nodes)
 os.environ["GPUBRIDGE_VENDOR"], _, island = vendors[rank].partition(":")
+if os.environ["GPUBRIDGE_VENDOR"] == "real":
+    del os.environ["GPUBRIDGE_VENDOR"]
 if island:
     os.environ["GPUBRIDGE_SIM_ISLAND"] = island
 if mode == "badbridge" and rank == 1:
@@ -257,6 +260,9 @@ def main() -> int:
     dist.all_reduce(x)  # still works after the refusals
     same(x, torch.full((5,), float(world * (world + 1) // 2)), "after refusals")
     dist.barrier()
+    st = pg.stats()
+    assert st["schema"] == "gpubridge.stats/v1" and st["ops"]["allreduce"]["calls"] > 0, st
+    assert "island reduce" in st["ops"]["allreduce"]["steps"] or len(info["islands"]) == world, st
     dist.destroy_process_group()  # says BYE to gbbridge serve and waits for its exit
     info["bridge_exit"] = pg.bridge_exit
     (outdir / f"rank{rank}.json").write_text(

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-
-from tests.test_backend import BIN, PKG, bridge_pids, needs_tools
+from test_backend import BIN, PKG, bridge_pids, needs_tools  # (tests/ is on sys.path under pytest)
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 20
