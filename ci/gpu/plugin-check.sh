@@ -63,4 +63,5 @@ else
   echo "== one GPU: 2 ranks would share it inside one island; skipped (needs nvidia-h200-x2)"
 fi
 echo "== plugin-check done, fail=$fail"
+tar czf "$out/plugin-check.tgz" -C "$out" check2 check4 && rm -rf "$out/check2" "$out/check4"
 exit $fail

@@ -42,4 +42,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("rank*.json")):
           f"transport={d.get('transport')} error={str(d.get('error'))[-300:] if d.get('error') else None}")
 PY
 pgrep -af 'gbbridge serve' && echo "leftover gbbridge found"
+cat "$out/profile.jsonl" "$out/train.jsonl" "$out/overhead.jsonl" 2>/dev/null | grep -v '"stats"' | cut -c1-600
 echo "== profile done"
+# one file back instead of many (the device returns a limited number)
+tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"

@@ -53,6 +53,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -654,25 +655,37 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 return
             # GPU: chunked copies on the worker's stream; the bridge starts on
             # each chunk once its copy is done and hands results back as it
-            # finishes them, copied back on a second stream meanwhile.
+            # finishes them, copied back on a second stream meanwhile. While
+            # a chunk's copy runs, this thread reads the feed, so results are
+            # copied back while input still goes in. Chunks: an eighth of the
+            # tensor, 1 to 8 MiB (GPUBRIDGE_COPY_CHUNK caps them).
             e.set_step(fl.COPY)
+            chunk = min(_CHUNK, max(1 << 20, -(-n // 8)))
+            chunk = -(-chunk // 4096) * 4096
+            # The copies back wait for the island reduce (queued before), not
+            # for the copies in: a result range comes only after the bridge
+            # read its input, whose copy was done by then.
+            self._h2d.wait_stream(self._stream)
             ends = []
-            for off in range(0, n, _CHUNK):
-                end = min(n, off + _CHUNK)
+            for off in range(0, n, chunk):
+                end = min(n, off + chunk)
                 host[off:end].copy_(src[off:end], non_blocking=True)
                 ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ev.record(self._stream)
                 ends.append((end, ev))
-            self._h2d.wait_stream(self._stream)
+            dev = self._device
 
             def back(off: int, k: int) -> None:
-                with torch.cuda.stream(self._h2d):
+                with torch.cuda.device(dev), torch.cuda.stream(self._h2d):
                     src[off : off + k].copy_(host[off : off + k], non_blocking=True)
 
-            call = self._feed.start_all_reduce(region, 0, n, dt, op, on_progress=back)
+            feed = self._feed
+            call = feed.start_all_reduce(region, 0, n, dt, op, on_progress=back)
             e.set_step(fl.BRIDGE)
             for end, ev in ends:
-                ev.synchronize()
+                while not ev.query():  # type: ignore[no-untyped-call]
+                    feed.pump(0.0)  # what has arrived, without blocking
+                    time.sleep(0.00005)
                 call.ready(end)
             call.wait()
             e.set_step(fl.COPY_BACK)

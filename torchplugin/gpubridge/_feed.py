@@ -694,6 +694,24 @@ class FeedClient:
                 self._reading = False
                 self._cond.notify_all()
 
+    def pump(self, timeout: float) -> None:
+        """Handles the messages that arrive within timeout seconds (so that
+        PROGRESS callbacks run while the caller is busy feeding a streamed
+        request), unless another thread is reading the socket. Never raises
+        FeedTimeout; a broken feed shows in :attr:`error` and in the next
+        wait."""
+        with self._cond:
+            if self._reading or self._err is not None:
+                return
+            self._reading = True
+        try:
+            with contextlib.suppress(FeedTimeout):
+                self._pump(time.monotonic() + timeout)
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+
     # -- requests --
 
     def _send(self, call: Call | None, msg: Callable[[int], bytes], fds: Sequence[int] = ()) -> int:
