@@ -105,6 +105,12 @@ _MIN_REGION = 1 << 20
 # starts on a chunk as soon as its copy is done.
 _CHUNK = int(os.environ.get("GPUBRIDGE_COPY_CHUNK", str(8 << 20)))
 _FAILURE_KEY = "gpubridge/failure"
+# How the leader waits for a chunk's copy into the region: "poll" reads the
+# feed meanwhile (results are copied back as they come), "sync" blocks
+# without the GIL (results are read once every chunk is in). A tuning knob
+# for the GPU path; GPUBRIDGE_TRACE_COPIES=1 logs each large call's timeline.
+_COPY_WAIT = os.environ.get("GPUBRIDGE_COPY_WAIT", "poll")
+_TRACE_COPIES = os.environ.get("GPUBRIDGE_TRACE_COPIES") == "1"
 
 
 def _op_of(rop: Any) -> Op | None:
@@ -675,7 +681,12 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 ends.append((end, ev))
             dev = self._device
 
+            trace: list[tuple[str, float]] | None = [] if _TRACE_COPIES and n >= (16 << 20) else None
+            t0 = time.perf_counter()
+
             def back(off: int, k: int) -> None:
+                if trace is not None:
+                    trace.append((f"result {off >> 20}+{k >> 10}K", time.perf_counter() - t0))
                 with torch.cuda.device(dev), torch.cuda.stream(self._h2d):
                     src[off : off + k].copy_(host[off : off + k], non_blocking=True)
 
@@ -683,13 +694,25 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             call = feed.start_all_reduce(region, 0, n, dt, op, on_progress=back)
             e.set_step(fl.BRIDGE)
             for end, ev in ends:
-                while not ev.query():  # type: ignore[no-untyped-call]
-                    feed.pump(0.0)  # what has arrived, without blocking
-                    time.sleep(0.00005)
+                if _COPY_WAIT == "sync":
+                    ev.synchronize()  # without the GIL; results are read in wait()
+                else:
+                    while not ev.query():  # type: ignore[no-untyped-call]
+                        feed.pump(0.0)  # what has arrived, without blocking
+                        time.sleep(0.00005)
                 call.ready(end)
+                if trace is not None:
+                    trace.append((f"ready {end >> 20}M", time.perf_counter() - t0))
             call.wait()
             e.set_step(fl.COPY_BACK)
             self._stream.wait_stream(self._h2d)
+            if trace is not None:
+                self._h2d.synchronize()
+                trace.append(("copied back", time.perf_counter() - t0))
+                log.warning(
+                    "gpubridge: rank %d: %d-byte all_reduce (chunks of %d): %s", self._rank, n, chunk,
+                    ", ".join(f"{w} {t * 1e3:.3f}" for w, t in trace),
+                )  # fmt: skip
         except FeedError as exc:
             raise RuntimeError(f"bridge all_reduce: {exc}") from exc
 
