@@ -672,6 +672,8 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             # for the copies in: a result range comes only after the bridge
             # read its input, whose copy was done by then.
             self._h2d.wait_stream(self._stream)
+            trace: list[tuple[str, float]] | None = [] if _TRACE_COPIES and n >= (16 << 20) else None
+            t0 = time.perf_counter()
             ends = []
             for off in range(0, n, chunk):
                 end = min(n, off + chunk)
@@ -680,9 +682,8 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 ev.record(self._stream)
                 ends.append((end, ev))
             dev = self._device
-
-            trace: list[tuple[str, float]] | None = [] if _TRACE_COPIES and n >= (16 << 20) else None
-            t0 = time.perf_counter()
+            if trace is not None:
+                trace.append(("copies queued", time.perf_counter() - t0))
 
             def back(off: int, k: int) -> None:
                 if trace is not None:
