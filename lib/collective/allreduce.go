@@ -12,10 +12,10 @@ import (
 type Progress struct {
 	// Ready blocks until input bytes [0,end) are ready; nil: all ready.
 	// The collective calls it before it reads or sends input bytes below
-	// end. Calls are serialised (never two at once), but may come from
-	// different goroutines and their end values are not always
-	// increasing; a call for an end at or below one already granted is
-	// not made. An error fails the collective.
+	// end. Calls come from several goroutines at once (one per stream),
+	// so Ready must be safe for concurrent use, and their end values are
+	// not always increasing; a call for an end at or below one already
+	// granted is not made. An error fails the collective.
 	Ready func(ctx context.Context, end int) error
 	// Done is called once per final result range: the bytes [off,off+n)
 	// of the result hold their final value and the collective no longer

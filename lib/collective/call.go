@@ -27,7 +27,6 @@ type call struct {
 	pre    error         // found before the call started: it fails at once
 
 	readyFn func(context.Context, int) error
-	readyMu chan struct{}
 	readyTo atomic.Int64
 	doneFn  func(off, n int)
 
@@ -50,7 +49,6 @@ func (c *Comm) begin(ctx context.Context, k kind, desc string, fp uint16, p *Pro
 	cl := &call{c: c, kind: k, desc: desc, fp: fp, heard: make([]atomic.Bool, c.size)}
 	if p != nil {
 		cl.readyFn, cl.doneFn = p.Ready, p.Done
-		cl.readyMu = make(chan struct{}, 1)
 	}
 	var tctx context.Context
 	tctx, cl.stopT, cl.limit = c.deadline(ctx)
@@ -257,20 +255,14 @@ func (cl *call) recvErr(err error, peer int, primary bool) error {
 	return cl.c.classify(cl.ctx, err, peer, cl.limit, primary, hint)
 }
 
-// ready waits until the input bytes [0,end) are ready (Progress.Ready).
-// Calls to Ready are serialised; an end at or below one already granted
-// returns at once.
+// ready waits until the input bytes [0,end) are ready (Progress.Ready); an
+// end at or below one already granted returns at once. Streams call it at
+// the same time: one waiting for a far end must not hold up another whose
+// nearer end is ready already (that serialised the streams behind the last
+// chunk of a streamed input), so Ready runs concurrently and readyTo only
+// grows.
 func (cl *call) ready(end int) error {
 	if cl.readyFn == nil || int64(end) <= cl.readyTo.Load() {
-		return nil
-	}
-	select {
-	case cl.readyMu <- struct{}{}:
-	case <-cl.ctx.Done():
-		return errSibling
-	}
-	defer func() { <-cl.readyMu }()
-	if int64(end) <= cl.readyTo.Load() {
 		return nil
 	}
 	if err := cl.readyFn(cl.ctx, end); err != nil {
@@ -279,8 +271,12 @@ func (cl *call) ready(end int) error {
 		}
 		return fmt.Errorf("input not ready: %w", err)
 	}
-	cl.readyTo.Store(int64(end))
-	return nil
+	for {
+		cur := cl.readyTo.Load()
+		if int64(end) <= cur || cl.readyTo.CompareAndSwap(cur, int64(end)) {
+			return nil
+		}
+	}
 }
 
 // done reports a final result range (Progress.Done).

@@ -361,6 +361,64 @@ func TestMixed(t *testing.T) {
 	requireNoErrors(t, <-p2pDone)
 }
 
+// TestReadyStreamsNotHeldBack: with half of the input ready and the rest
+// held back, the two-member all_reduce finishes the whole first half. A
+// stream waiting in Ready for the second half must not hold up the streams
+// whose chunks are ready (Ready calls used to be serialised, so one stream
+// blocked on the far end stalled the others until all input was in).
+func TestReadyStreamsNotHeldBack(t *testing.T) {
+	cl := newCluster(t, 2, 4, Options{ChunkBytes: testChunk})
+	ctx := context.Background()
+	const n = 32 * testChunk
+	half := n / 2
+	rng := rand.New(rand.NewPCG(9, 9))
+	inputs := [][]byte{randData(rng, reduce.Float32, n/4), randData(rng, reduce.Float32, n/4)}
+	want := ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 2)
+	bufs := make([][]byte, 2)
+	gates := make([]*readyGate, 2)
+	recs := make([]*doneRecorder, 2)
+	for m := range bufs {
+		bufs[m] = make([]byte, n)
+		gates[m] = newReadyGate(t, n)
+		recs[m] = &doneRecorder{buf: bufs[m]}
+	}
+	release := func(m, from, to int) {
+		g := gates[m]
+		g.mu.Lock()
+		copy(bufs[m][from:to], inputs[m][from:to])
+		g.upto = to
+		g.cond.Broadcast()
+		g.mu.Unlock()
+	}
+	covered := func(m int) int { // bytes of [0,half) reported final
+		recs[m].mu.Lock()
+		defer recs[m].mu.Unlock()
+		got := 0
+		for _, r := range recs[m].ranges {
+			got += max(0, min(r[0]+r[1], half)-r[0])
+		}
+		return got
+	}
+	errs := make(chan []error, 1)
+	go func() {
+		errs <- cl.each(func(m int, c *Comm) error {
+			return c.AllReduce(ctx, bufs[m], reduce.Float32, reduce.Sum, &Progress{Ready: gates[m].ready, Done: recs[m].done})
+		})
+	}()
+	for m := range bufs {
+		release(m, 0, half)
+	}
+	assert.Eventually(t, func() bool { return covered(0) == half && covered(1) == half }, 5*time.Second, time.Millisecond,
+		"the first half was not finished while the second half was held back")
+	for m := range bufs {
+		release(m, half, n)
+	}
+	requireNoErrors(t, <-errs)
+	for m := range bufs {
+		requireBits(t, want, bufs[m], 4, "member %d", m)
+	}
+}
+
 // TestReady releases every member's input slowly as a growing prefix,
 // starting from garbage: a collective that read input before Ready granted
 // it would compute from the garbage.

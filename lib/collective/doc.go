@@ -122,8 +122,8 @@
 // A Progress lets the feed (the torch plugin's GPU copies) overlap with the
 // collective. Ready(ctx, end) must block until input bytes [0, end) hold
 // their values; the collective calls it before it reads or sends any input
-// byte below end (calls are serialised but may come from different
-// goroutines, with ends not always increasing). Done(off, n) reports that
+// byte below end (calls come from several goroutines at once, with ends not
+// always increasing, so it must be safe for concurrent use). Done(off, n) reports that
 // result bytes [off, off+n) are final and no longer read or written by the
 // collective; the ranges are disjoint and cover the result exactly once
 // before a successful return, and may be reported from several goroutines
