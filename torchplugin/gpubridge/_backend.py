@@ -1048,6 +1048,14 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         if not self._bridged:
             if pg is None:
                 out.copy_(full)
+            elif isinstance(pg, ProcessGroupGloo):
+                # Gloo's reduce-scatter is an all_reduce and a slice anyway,
+                # and torch 2.8's passes no op to that all_reduce (MAX and MIN
+                # came out as SUM): the same here, with the op.
+                ao = dist.AllreduceOptions()
+                ao.reduceOp = _NATIVE_OP[op]
+                self._native(e, fl.NATIVE, pg.allreduce([full], ao))  # type: ignore[attr-defined]
+                out.copy_(full[self._island_rank * n : (self._island_rank + 1) * n])
             else:
                 o = dist.ReduceScatterOptions()
                 o.reduceOp = _NATIVE_OP[op]

@@ -262,7 +262,9 @@ def main() -> int:
     dist.barrier()
     st = pg.stats()
     assert st["schema"] == "gpubridge.stats/v1" and st["ops"]["allreduce"]["calls"] > 0, st
-    assert "island reduce" in st["ops"]["allreduce"]["steps"] or len(info["islands"]) == world, st
+    mine = next(i for i in info["islands"] if rank in i)
+    if info["transport"] != "none" and len(mine) > 1:  # a bridged rank in an island of 2+
+        assert "island reduce" in st["ops"]["allreduce"]["steps"], st
     dist.destroy_process_group()  # says BYE to gbbridge serve and waits for its exit
     info["bridge_exit"] = pg.bridge_exit
     (outdir / f"rank{rank}.json").write_text(
