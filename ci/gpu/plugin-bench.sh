@@ -83,7 +83,7 @@ exec > >(tee "$out/plugin-bench.log") 2>&1
 budget=${GB_BUDGET_S:-470}
 t_begin=$(date +%s)
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
-echo "== $(date -u +%FT%TZ) plugin-bench: commit $GB_COMMIT; $(nproc) cores; budget ${budget}s; out $out"
+echo "== $(date -u +%FT%TZ) plugin-bench: commit $GB_COMMIT; $(nproc --all) cores; budget ${budget}s; out $out"
 nvidia-smi -L 2>/dev/null || echo "(no nvidia-smi)"
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
   "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)'
