@@ -433,28 +433,36 @@ def summary(outdir: str) -> str:
     if train:
         lines += [
             "",
-            "### DDP training throughput (LLaMA-style, bf16)",
+            "### Training throughput (LLaMA-style, bf16)",
             "",
-            "| backend | comm hook | ranks | params | batch x seq | tokens/s total | step ms (median) "
-            "| vs nccl | params in sync |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| backend | parallel | comm hook | ranks | params | batch x seq | tokens/s total "
+            "| step ms (median) | vs nccl | params in sync |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        # The reference of a row: the last nccl row of as many ranks.
-        refs = {r["world"]: r for r in train if r["backend"] == "nccl"}
+
+        def key(r: dict[str, Any]) -> tuple[int, str]:
+            return r["world"], r.get("parallel", "ddp")
+
+        # The reference of a row: the last nccl row of as many ranks and the
+        # same parallelism.
+        refs = {key(r): r for r in train if r["backend"] == "nccl"}
         for r in train:
-            ref = refs.get(r["world"])
+            ref = refs.get(key(r))
             q = f"{r['tokens_per_s_total'] / ref['tokens_per_s_total']:.3f}" if ref else "-"
             lines.append(
-                f"| {r['backend']} | {r['comm_hook']} | {r['world']} | {r['params'] / 1e6:.1f}M "
+                f"| {r['backend']} | {key(r)[1]} | {r['comm_hook']} | {r['world']} "
+                f"| {r['params'] / 1e6:.1f}M "
                 f"| {r['batch_per_rank']}x{r['seq']} | {r['tokens_per_s_total']:,.0f} "
                 f"| {r['step_ms_median']:.1f} | {q} | {r['params_in_sync']} |"
             )
         for r in train:
-            ref = refs.get(r["world"])
+            ref = refs.get(key(r))
             if ref and r["backend"] == "gpubridge":
                 q = r["tokens_per_s_total"] / ref["tokens_per_s_total"]
                 verdict = "met" if q >= 0.85 else "NOT met"
-                lines.append(f"- goal >= 0.85 of nccl's tokens/s ({r['comm_hook']}): {q:.3f}, {verdict}")
+                lines.append(
+                    f"- goal >= 0.85 of nccl's tokens/s ({key(r)[1]}, {r['comm_hook']}): {q:.3f}, {verdict}"
+                )
 
     over = read_rows(os.path.join(outdir, "overhead.jsonl"))
     if over:

@@ -1,4 +1,4 @@
-"""DDP training throughput of the small LLaMA (ci/gpu/llama.py) over a
+"""DDP (or FSDP2 / HSDP: --parallel) training throughput of the small LLaMA (ci/gpu/llama.py) over a
 torch.distributed backend (issue 4), one torchrun worker per rank, the device
 cuda:LOCAL_RANK.
 
@@ -65,6 +65,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    p.add_argument(
+        "--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp",
+        help="DDP, FSDP2 over every rank, or HSDP with the islands as shard groups",
+    )  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="the tiny config (CPU smoke tests)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--timeout", type=int, default=300, help="seconds, for the process group")
@@ -119,6 +123,28 @@ def main() -> int:
     return 0 if row["params_in_sync"] else 1
 
 
+def shard(model: Llama, parallel: str, device: torch.device, world: int) -> Any:
+    """FSDP2 over every rank (fsdp), or HSDP (hsdp) with a (2, world/2) mesh:
+    the shard groups are the rows, ranks [0, w/2) and [w/2, w) — the two
+    islands of a split test (GPUBRIDGE_SPLIT_TEST=half), so sharding stays
+    inside an island on its native library — and the replicate groups are the
+    columns {i, i + w/2}, whose all_reduce is the only traffic that crosses
+    the bridge."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    if parallel == "hsdp":
+        if world % 2:
+            raise SystemExit("hsdp needs an even number of ranks")
+        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def train(args: argparse.Namespace, gb: Any, rank: int, world: int, device: torch.device) -> dict[str, Any]:
     cuda = device.type == "cuda"
     cfg = Config.tiny() if args.tiny else Config()
@@ -127,16 +153,21 @@ def train(args: argparse.Namespace, gb: Any, rank: int, world: int, device: torc
     torch.manual_seed(0)
     model = Llama(cfg).to(device=device, dtype=torch.bfloat16)
     nparams = count_parameters(model)
-    ddp = DDP(
-        model,
-        device_ids=[device.index] if cuda else None,
-        bucket_cap_mb=args.bucket_mb,
-        gradient_as_bucket_view=True,
-    )
     hook_used = "none"
+    if args.parallel != "ddp":
+        ddp = shard(model, args.parallel, device, world)
+        if args.comm_hook:
+            hook_used = f"not applicable ({args.parallel})"
+    else:
+        ddp = DDP(
+            model,
+            device_ids=[device.index] if cuda else None,
+            bucket_cap_mb=args.bucket_mb,
+            gradient_as_bucket_view=True,
+        )
     if args.comm_hook and gb is None:
         hook_used = "not applicable (backend is not gpubridge)"
-    elif args.comm_hook:
+    elif args.comm_hook and args.parallel == "ddp":
         hook = getattr(gb, "ddp_comm_hook", None)
         if hook is None:
             hook_used = "asked for, but gpubridge has no ddp_comm_hook"
@@ -201,7 +232,9 @@ def train(args: argparse.Namespace, gb: Any, rank: int, world: int, device: torc
     # Every rank's rate (a SUM of one-hot vectors needs only all_reduce), and a
     # parameter checksum: MAX of (c, -c) gives max and -min, equal iff every
     # rank holds the same c.
-    checksum = float(sum(p.detach().double().sum().item() for p in model.parameters()))
+    # FSDP/HSDP parameters are DTensor shards: compare the whole tensors.
+    full = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    checksum = float(sum(p.double().sum().item() for p in full))
     vec = torch.zeros(world, dtype=torch.float64, device=device)
     vec[rank] = rate
     dist.all_reduce(vec)
@@ -223,6 +256,7 @@ def train(args: argparse.Namespace, gb: Any, rank: int, world: int, device: torc
         "batch_per_rank": args.batch,
         "seq": cfg.seq,
         "bucket_cap_mb": args.bucket_mb,
+        "parallel": args.parallel,
         "comm_hook": hook_used,
         "warmup_steps": args.warmup,
         "steps": args.steps,
