@@ -253,6 +253,12 @@ def main() -> int:
         "role": pg.topology["self"]["role"],
         "bridge_pid": pg._bridge.proc.pid if pg._bridge is not None else None,
     }
+    try:  # one or the other in a process: the native API is refused now
+        gpubridge.init()
+    except RuntimeError as e:
+        assert "use one or the other" in str(e), e
+    else:
+        raise AssertionError("gpubridge.init() next to init_process_group was not refused")
     flat = dist.new_group(backend="gloo")
     checks = run_checks(world, flat)
     refused = refusals(world, pg)
