@@ -105,11 +105,8 @@ _MIN_REGION = 1 << 20
 # starts on a chunk as soon as its copy is done.
 _CHUNK = int(os.environ.get("GPUBRIDGE_COPY_CHUNK", str(8 << 20)))
 _FAILURE_KEY = "gpubridge/failure"
-# How the leader waits for a chunk's copy into the region: "poll" reads the
-# feed meanwhile (results are copied back as they come), "sync" blocks
-# without the GIL (results are read once every chunk is in). A tuning knob
-# for the GPU path; GPUBRIDGE_TRACE_COPIES=1 logs each large call's timeline.
-_COPY_WAIT = os.environ.get("GPUBRIDGE_COPY_WAIT", "poll")
+# GPUBRIDGE_TRACE_COPIES=1 logs the timeline of each large GPU all_reduce on
+# a leader (copies queued, input handed to the bridge, results back).
 _TRACE_COPIES = os.environ.get("GPUBRIDGE_TRACE_COPIES") == "1"
 
 
@@ -508,12 +505,33 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             if task is None:
                 return
             try:
-                task.event.synchronize()
+                self._wait_gpu(task.event, f"{task.entry.op} (collective #{task.entry.seq})")
                 with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
                     task.fut.set_result(task.result)
             except BaseException as exc:
                 task.exc = self._fail(task.entry, exc)
                 task.fut.set_exception(task.exc)
+
+    def _wait_gpu(self, ev: Any, what: str, feed: FeedClient | None = None) -> None:
+        """Waits until a CUDA event has completed, at most the group's
+        timeout (a stuck GPU is an error, not a hang); with feed, handles
+        what the bridge sends meanwhile."""
+        secs = self._timeout.total_seconds()
+        deadline = time.monotonic() + secs
+        pause = 0.00005
+        while not ev.query():
+            if feed is not None:
+                feed.pump(0.0)  # what has arrived, without blocking
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not finish on the GPU within {secs:g} s")
+            time.sleep(pause)
+            if feed is None:
+                pause = min(2 * pause, 0.0002)
+
+    def _sync_stream(self, stream: Any, what: str) -> None:
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(stream)
+        self._wait_gpu(ev, what)
 
     def _fail(self, e: fl.Entry, exc: BaseException) -> RuntimeError:
         """Breaks the group after a failure: publishes the first cause in the
@@ -608,8 +626,8 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self._region_t = None
         if self._pinned:
             if self._stream is not None:
-                self._stream.synchronize()
-                self._h2d.synchronize()
+                self._sync_stream(self._stream, "the copies into the feed region")
+                self._sync_stream(self._h2d, "the copies out of the feed region")
             _cudart().cudaHostUnregister(self._pinned)
             self._pinned = 0
         if r is not None and self._feed is not None and self._feed.error is None:
@@ -695,12 +713,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             call = feed.start_all_reduce(region, 0, n, dt, op, on_progress=back)
             e.set_step(fl.BRIDGE)
             for end, ev in ends:
-                if _COPY_WAIT == "sync":
-                    ev.synchronize()  # without the GIL; results are read in wait()
-                else:
-                    while not ev.query():  # type: ignore[no-untyped-call]
-                        feed.pump(0.0)  # what has arrived, without blocking
-                        time.sleep(0.00005)
+                self._wait_gpu(ev, f"the copy of bytes [0, {end}) into the feed region", feed)
                 call.ready(end)
                 if trace is not None:
                     trace.append((f"ready {end >> 20}M", time.perf_counter() - t0))
@@ -708,7 +721,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             e.set_step(fl.COPY_BACK)
             self._stream.wait_stream(self._h2d)
             if trace is not None:
-                self._h2d.synchronize()
+                self._sync_stream(self._h2d, "the copies out of the feed region")
                 trace.append(("copied back", time.perf_counter() - t0))
                 log.warning(
                     "gpubridge: rank %d: %d-byte all_reduce (chunks of %d): %s", self._rank, n, chunk,
@@ -721,7 +734,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         e.set_step(fl.COPY)
         if self._device.type == "cuda":
             host.copy_(src, non_blocking=True)
-            self._stream.synchronize()
+            self._sync_stream(self._stream, "the copy into the feed region")
         else:
             host.copy_(src)
 
