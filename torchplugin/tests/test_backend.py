@@ -66,21 +66,24 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def launch(tmp_path: Path, vendors: list[str], mode: str = "") -> tuple[int, list[dict[str, Any]], str]:
-    """Runs the worker under torchrun; returns its exit status, every rank's
-    result and the output."""
+def job_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a test job's ranks: the built tools, the package,
+    one thread each, a tag on their processes (see bridge_pids), and none of
+    the caller's gpubridge settings."""
     env = dict(
         os.environ, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1",
         GPUBRIDGE_TEST_TAG=str(tmp_path),
     )  # fmt: skip
-    for k in (
-        "GPUBRIDGE_VENDOR",
-        "GPUBRIDGE_SIM_ISLAND",
-        "GPUBRIDGE_BRIDGE",
-        "GPUBRIDGE_NAMESPACE",
-        "TORCHELASTIC_RUN_ID",
-    ):
+    for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_SIM_ISLAND", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE"):
         env.pop(k, None)
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    return env
+
+
+def launch(tmp_path: Path, vendors: list[str], mode: str = "") -> tuple[int, list[dict[str, Any]], str]:
+    """Runs the worker under torchrun; returns its exit status, every rank's
+    result and the output."""
+    env = job_env(tmp_path)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(vendors)),
         str(WORKER), ",".join(vendors), str(tmp_path),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_backend import BIN, PKG, bridge_pids, needs_tools  # (tests/ is on sys.path under pytest)
+from test_backend import bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 20
@@ -34,12 +33,10 @@ def run_job(
     procs = []
     for r, v in enumerate(vendors):
         env = dict(
-            os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(vendors)),
+            job_env(tmp_path), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(vendors)),
             LOCAL_WORLD_SIZE=str(len(vendors)),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
-            GPUBRIDGE_VENDOR=v, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1",
-            GPUBRIDGE_NAMESPACE=f"kill-{tmp_path.name}", KILL_TEST_TIMEOUT=str(TIMEOUT_S),
-            GPUBRIDGE_TEST_TAG=str(tmp_path),
+            GPUBRIDGE_VENDOR=v, GPUBRIDGE_NAMESPACE=f"kill-{tmp_path.name}", KILL_TEST_TIMEOUT=str(TIMEOUT_S),
         )  # fmt: skip
         log = (tmp_path / f"rank{r}.log").open("wb")
         procs.append(

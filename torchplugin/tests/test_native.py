@@ -5,12 +5,11 @@ group, and refusing to share a process with init_process_group."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from test_backend import BIN, PKG, bridge_pids, needs_tools  # (tests/ is on sys.path under pytest)
+from test_backend import bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 
@@ -18,12 +17,7 @@ WORKER = Path(__file__).resolve().parent / "native_worker.py"
 @needs_tools
 def test_native_api_2_2(tmp_path: Path) -> None:
     vendors = ["nvidia", "nvidia", "amd", "amd"]
-    env = dict(
-        os.environ, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1",
-        GPUBRIDGE_TEST_TAG=str(tmp_path),
-    )  # fmt: skip
-    for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_SIM_ISLAND", "GPUBRIDGE_NAMESPACE", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
+    env = job_env(tmp_path)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(vendors)),
         str(WORKER), ",".join(vendors), str(tmp_path),

@@ -14,13 +14,12 @@ must also agree with each other. Afterwards no gbbridge serve may be left.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from test_backend import BIN, PKG, alive, bridge_pids, needs_tools  # (tests/ is on sys.path under pytest)
+from test_backend import alive, bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "train_worker.py"
@@ -31,18 +30,7 @@ STEPS = 12
 def launch(tmp_path: Path, vendors: list[str], variants: list[str]) -> list[dict[str, Any]]:
     """Runs the worker under torchrun; returns every rank's result after
     checking the job passed and left no gbbridge serve behind."""
-    env = dict(
-        os.environ, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1",
-        GPUBRIDGE_TEST_TAG=str(tmp_path),
-    )  # fmt: skip
-    for k in (
-        "GPUBRIDGE_VENDOR",
-        "GPUBRIDGE_SIM_ISLAND",
-        "GPUBRIDGE_BRIDGE",
-        "GPUBRIDGE_NAMESPACE",
-        "TORCHELASTIC_RUN_ID",
-    ):
-        env.pop(k, None)
+    env = job_env(tmp_path)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(vendors)),
         str(WORKER), ",".join(vendors), str(tmp_path), ",".join(variants), str(STEPS),
