@@ -397,7 +397,10 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             )
         return self._check(op, tensors[0])
 
-    def _reduce_op(self, op: str, rop: Any, dtype: torch.dtype) -> Op:
+    def _reduce_op(self, op: str, opts: Any, dtype: torch.dtype) -> Op:
+        """The feed op of a call's options (SUM without options), refused
+        unless supported for dtype."""
+        rop = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         o = _op_of(rop)
         if o is None:
             raise RuntimeError(f"gpubridge: {op}: unsupported reduce op {_op_name(rop)} (SUM, AVG, MAX, MIN)")
@@ -746,7 +749,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         t = self._one("allreduce", tensors)
-        op = self._reduce_op("allreduce", opts.reduceOp if opts is not None else dist.ReduceOp.SUM, t.dtype)
+        op = self._reduce_op("allreduce", opts, t.dtype)
         return self._submit(
             "allreduce", t.numel() * t.element_size(), lambda e: self._allreduce(e, t, op), [t], opts=opts
         )
@@ -759,9 +762,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self._check("allreduce_coalesced", t)
         if len({t.dtype for t in tensors}) != 1:
             raise RuntimeError("gpubridge: allreduce_coalesced: every tensor must have the same dtype")
-        op = self._reduce_op(
-            "allreduce_coalesced", opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensors[0].dtype
-        )
+        op = self._reduce_op("allreduce_coalesced", opts, tensors[0].dtype)
 
         def run(e: fl.Entry) -> None:
             flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -988,9 +989,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 raise RuntimeError(
                     "gpubridge: reduce_scatter: every input must match the output's size and dtype"
                 )
-        op = self._reduce_op(
-            "reduce_scatter", opts.reduceOp if opts is not None else dist.ReduceOp.SUM, out.dtype
-        )
+        op = self._reduce_op("reduce_scatter", opts, out.dtype)
 
         def run(e: fl.Entry) -> None:
             self._reduce_scatter(e, out.reshape(-1), torch.cat([i.reshape(-1) for i in ins]), op)
@@ -1009,9 +1008,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 f"({self._size * output.numel()} elements of {output.dtype}), "
                 f"got {input.numel()} of {input.dtype}"
             )
-        op = self._reduce_op(
-            "reduce_scatter_tensor", opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output.dtype
-        )
+        op = self._reduce_op("reduce_scatter_tensor", opts, output.dtype)
 
         def run(e: fl.Entry) -> None:
             self._reduce_scatter(e, output.reshape(-1), input.reshape(-1).clone(), op)
@@ -1039,7 +1036,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             ops.append(
                 self._reduce_op(
                     "reduce_scatter_tensor_coalesced",
-                    opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
+                    opts,
                     o.dtype,
                 )
             )
