@@ -16,13 +16,14 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import gpubridge  # noqa: F401  (registers the backend)
+import gpubridge
 
 rank = int(os.environ["RANK"])
 outdir = Path(sys.argv[1])
@@ -32,6 +33,19 @@ timeout = float(os.environ.get("KILL_TEST_TIMEOUT", "20"))
 
 dist.init_process_group(backend="gpubridge", timeout=datetime.timedelta(seconds=timeout))
 grad = torch.ones(1 << 16)
+stuck: list[dict[str, object]] = []
+
+
+def watchdog() -> None:
+    """What a hang finder sees: 3 s after the victim went, which collective
+    this rank is inside (gpubridge.in_flight never blocks)."""
+    while not (outdir / "victim").exists():
+        time.sleep(0.05)
+    time.sleep(3)
+    stuck.extend(gpubridge.in_flight())
+
+
+threading.Thread(target=watchdog, daemon=True).start()
 step = 0
 t_fail = 0.0
 try:
@@ -44,6 +58,7 @@ try:
         time.sleep(0.01)
 except RuntimeError as e:
     t_fail = time.time()
-    (outdir / f"rank{rank}.json").write_text(json.dumps({"error": str(e), "step": step, "at": t_fail}))
+    res = {"error": str(e), "step": step, "at": t_fail, "in_flight": stuck}
+    (outdir / f"rank{rank}.json").write_text(json.dumps(res))
     sys.exit(1)
 (outdir / f"rank{rank}.json").write_text(json.dumps({"ok": True, "step": step}))

@@ -121,6 +121,12 @@ def test_stalled_rank(tmp_path: Path) -> None:
         errors.append(res["error"].split(" (on rank ")[0])
     assert len(set(errors)) == 1, errors
     assert f"rank 3 (pid {pids[3]}) stopped" in errors[0], errors[0]
+    # While they waited, in_flight() showed each survivor inside the same
+    # all_reduce (same sequence number), in a step of its own.
+    seen = [results[r]["in_flight"] for r in (0, 1, 2)]
+    assert all(len(s) == 1 and s[0]["op"] == "allreduce" for s in seen), seen
+    assert len({s[0]["seq"] for s in seen}) == 1, seen
+    assert all(s[0]["step"] in ("island reduce", "bridge", "island broadcast") for s in seen), seen
     assert not bridge_pids(str(tmp_path)), "gbbridge serve left running"
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
