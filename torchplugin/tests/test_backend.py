@@ -80,20 +80,22 @@ def job_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def launch(tmp_path: Path, vendors: list[str], mode: str = "") -> tuple[int, list[dict[str, Any]], str]:
-    """Runs the worker under torchrun; returns its exit status, every rank's
-    result and the output."""
-    env = job_env(tmp_path)
+def run_job(
+    tmp_path: Path, worker: Path, ranks: int, args: list[str], timeout: float = TIMEOUT
+) -> tuple[int, list[dict[str, Any]], str]:
+    """Runs worker under torchrun with ranks ranks (argv: args); every rank
+    writes tmp_path/rank<R>.json. Returns the exit status, every rank's
+    result and the output, after checking that no gbbridge serve of the job
+    is left running."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(vendors)),
-        str(WORKER), ",".join(vendors), str(tmp_path),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+        str(worker), *args,
     ]  # fmt: skip
-    if mode:
-        cmd.append(mode)
-    p = subprocess.run(cmd, env=env, capture_output=True, timeout=TIMEOUT, check=False, cwd=tmp_path)
+    env = job_env(tmp_path)
+    p = subprocess.run(cmd, env=env, capture_output=True, timeout=timeout, check=False, cwd=tmp_path)
     output = (p.stdout + p.stderr).decode("utf-8", "replace")
     results = []
-    for r in range(len(vendors)):
+    for r in range(ranks):
         f = tmp_path / f"rank{r}.json"
         assert f.exists(), f"rank {r} wrote no result (exit {p.returncode}):\n{output[-6000:]}"
         results.append(json.loads(f.read_text()))
@@ -103,6 +105,13 @@ def launch(tmp_path: Path, vendors: list[str], mode: str = "") -> tuple[int, lis
         if res.get("bridge_pid"):
             assert not alive(res["bridge_pid"]), f"gbbridge serve {res['bridge_pid']} still runs"
     return p.returncode, results, output
+
+
+def launch(tmp_path: Path, vendors: list[str], mode: str = "") -> tuple[int, list[dict[str, Any]], str]:
+    """Runs backend_worker.py under torchrun, one rank per vendor."""
+    return run_job(
+        tmp_path, WORKER, len(vendors), [",".join(vendors), str(tmp_path), *([mode] if mode else [])]
+    )
 
 
 def check_ok(rc: int, results: list[dict[str, Any]], output: str) -> None:

@@ -13,13 +13,10 @@ must also agree with each other. Afterwards no gbbridge serve may be left.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from test_backend import alive, bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
+from test_backend import needs_tools, run_job  # (tests/ is on sys.path under pytest)
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "train_worker.py"
@@ -30,26 +27,15 @@ STEPS = 12
 def launch(tmp_path: Path, vendors: list[str], variants: list[str]) -> list[dict[str, Any]]:
     """Runs the worker under torchrun; returns every rank's result after
     checking the job passed and left no gbbridge serve behind."""
-    env = job_env(tmp_path)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(vendors)),
-        str(WORKER), ",".join(vendors), str(tmp_path), ",".join(variants), str(STEPS),
-    ]  # fmt: skip
-    p = subprocess.run(cmd, env=env, capture_output=True, timeout=TIMEOUT, check=False, cwd=tmp_path)
-    output = (p.stdout + p.stderr).decode("utf-8", "replace")
-    results = []
-    for r in range(len(vendors)):
-        f = tmp_path / f"rank{r}.json"
-        assert f.exists(), f"rank {r} wrote no result (exit {p.returncode}):\n{output[-6000:]}"
-        results.append(json.loads(f.read_text()))
+    rc, results, output = run_job(
+        tmp_path, WORKER, len(vendors), [",".join(vendors), str(tmp_path), ",".join(variants), str(STEPS)],
+        timeout=TIMEOUT,
+    )  # fmt: skip
     for r, res in enumerate(results):
         assert res.get("ok"), f"rank {r}: {res.get('error')}\n{output[-6000:]}"
-    assert p.returncode == 0, output[-6000:]
-    left = bridge_pids(str(tmp_path))
-    assert not left, f"gbbridge serve left running: {left}"
+    assert rc == 0, output[-6000:]
     for res in results:
         if res.get("bridge_pid"):
-            assert not alive(res["bridge_pid"]), f"gbbridge serve {res['bridge_pid']} still runs"
             assert res["bridge_exit"] == 0, f"gbbridge serve exited {res['bridge_exit']} (no clean BYE)"
     return results
 
