@@ -389,6 +389,17 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             raise RuntimeError(f"gpubridge: {op}: the tensor must be contiguous")
         return t
 
+    def _check_sizes(self, op: str, big: torch.Tensor, small: torch.Tensor, names: tuple[str, str]) -> None:
+        """Checks both tensors, and that big holds group-size x small of its
+        dtype (names: what big and small are called in this call)."""
+        self._check(op, big)
+        self._check(op, small)
+        if big.numel() != self._size * small.numel() or big.dtype != small.dtype:
+            raise RuntimeError(
+                f"gpubridge: {op}: the {names[0]} must hold {self._size} x the {names[1]} "
+                f"({self._size * small.numel()} elements of {small.dtype}), got {big.numel()} of {big.dtype}"
+            )
+
     def _one(self, op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         self._refusal(op)
         if len(tensors) != 1:
@@ -864,14 +875,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         self._refusal("all_gather_into_tensor")
-        self._check("all_gather_into_tensor", output)
-        self._check("all_gather_into_tensor", input)
-        if output.numel() != self._size * input.numel() or output.dtype != input.dtype:
-            raise RuntimeError(
-                f"gpubridge: all_gather_into_tensor: the output must hold {self._size} x the input "
-                f"({self._size * input.numel()} elements of {input.dtype}), "
-                f"got {output.numel()} of {output.dtype}"
-            )
+        self._check_sizes("all_gather_into_tensor", output, input, ("output", "input"))
         return self._submit(
             "all_gather_into_tensor", output.numel() * output.element_size(),
             lambda e: self._allgather(e, output.reshape(-1), input.reshape(-1)), [output], [input], opts,
@@ -886,12 +890,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 "gpubridge: allgather_into_tensor_coalesced: as many outputs as inputs are needed"
             )
         for o, i in zip(outputs, inputs, strict=True):
-            self._check("allgather_into_tensor_coalesced", o)
-            self._check("allgather_into_tensor_coalesced", i)
-            if o.numel() != self._size * i.numel() or o.dtype != i.dtype:
-                raise RuntimeError(
-                    "gpubridge: allgather_into_tensor_coalesced: an output must hold size x its input"
-                )
+            self._check_sizes("allgather_into_tensor_coalesced", o, i, ("output", "input"))
 
         def run(e: fl.Entry) -> None:
             for o, i in zip(outputs, inputs, strict=True):
@@ -1000,14 +999,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         self._refusal("reduce_scatter_tensor")
-        self._check("reduce_scatter_tensor", output)
-        self._check("reduce_scatter_tensor", input)
-        if input.numel() != self._size * output.numel() or output.dtype != input.dtype:
-            raise RuntimeError(
-                f"gpubridge: reduce_scatter_tensor: the input must hold {self._size} x the output "
-                f"({self._size * output.numel()} elements of {output.dtype}), "
-                f"got {input.numel()} of {input.dtype}"
-            )
+        self._check_sizes("reduce_scatter_tensor", input, output, ("input", "output"))
         op = self._reduce_op("reduce_scatter_tensor", opts, output.dtype)
 
         def run(e: fl.Entry) -> None:
@@ -1027,12 +1019,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             )
         ops = []
         for o, i in zip(outputs, inputs, strict=True):
-            self._check("reduce_scatter_tensor_coalesced", o)
-            self._check("reduce_scatter_tensor_coalesced", i)
-            if i.numel() != self._size * o.numel() or o.dtype != i.dtype:
-                raise RuntimeError(
-                    "gpubridge: reduce_scatter_tensor_coalesced: an input must hold size x its output"
-                )
+            self._check_sizes("reduce_scatter_tensor_coalesced", i, o, ("input", "output"))
             ops.append(
                 self._reduce_op(
                     "reduce_scatter_tensor_coalesced",
