@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 20
 
 
-def run_job(
+def launch_env(
     tmp_path: Path, vendors: list[str], victim: int, mode: str
 ) -> tuple[list[dict], float, list[int]]:
     store = dist.TCPStore(
@@ -83,7 +83,7 @@ def run_job(
     ],
 )
 def test_killed_rank(tmp_path: Path, vendors: list[str], victim: int) -> None:
-    results, _, pids = run_job(tmp_path, vendors, victim, "kill")
+    results, _, pids = launch_env(tmp_path, vendors, victim, "kill")
     t_kill = float((tmp_path / "victim").read_text())
     errors = []
     for r, res in enumerate(results):
@@ -109,7 +109,7 @@ def test_killed_rank(tmp_path: Path, vendors: list[str], victim: int) -> None:
 def test_stalled_rank(tmp_path: Path) -> None:
     """A rank stopped with SIGSTOP: its island peer times out after the
     group's timeout, names it, and every other rank follows at once."""
-    results, _, pids = run_job(tmp_path, ["nvidia", "nvidia", "amd", "amd"], 3, "stop")
+    results, _, pids = launch_env(tmp_path, ["nvidia", "nvidia", "amd", "amd"], 3, "stop")
     t_stop = float((tmp_path / "victim").read_text())
     errors = []
     for r in (0, 1, 2):
