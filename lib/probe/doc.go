@@ -59,7 +59,9 @@
 // Options.SimulateVendor (GPUBRIDGE_VENDOR=nvidia|amd) sets Vendor to the
 // simulated vendor and Simulated to true. GPUs, PCIGPUs and RealVendor keep
 // the real findings. The nvidia and amd requirements follow the simulated
-// vendor and say so in their reason; gpu and gpus=N count real GPUs only.
+// vendor only with Options.AllowSimulated (gbprobe --allow-simulated);
+// without it they judge the real GPUs and their reason says the simulated
+// vendor did not count. gpu and gpus=N count real GPUs only.
 //
 // # Requirements
 //

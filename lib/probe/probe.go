@@ -48,6 +48,10 @@ type Options struct {
 	// SimulateVendor ("nvidia" or "amd", from GPUBRIDGE_VENDOR) makes the
 	// report claim that vendor, with Simulated set; "" for none.
 	SimulateVendor string
+	// AllowSimulated lets a simulated vendor satisfy the nvidia and amd
+	// requirements. Without it they count real GPUs only, so a Slurm prolog
+	// that inherits GPUBRIDGE_VENDOR cannot pass a node without GPUs.
+	AllowSimulated bool
 	// Requirements are checked into Report.Requirements.
 	Requirements []Requirement
 }
@@ -88,14 +92,15 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 	}
 
 	rep := &Report{
-		Schema:       Schema,
-		SysfsRoot:    root,
-		GPUs:         []GPU{},
-		PCIGPUs:      []PCIDevice{},
-		NICs:         []NIC{},
-		RDMA:         []RDMADevice{},
-		Problems:     []string{},
-		Requirements: []RequirementResult{},
+		Schema:         Schema,
+		SysfsRoot:      root,
+		GPUs:           []GPU{},
+		PCIGPUs:        []PCIDevice{},
+		NICs:           []NIC{},
+		RDMA:           []RDMADevice{},
+		Problems:       []string{},
+		Requirements:   []RequirementResult{},
+		allowSimulated: opts.AllowSimulated,
 	}
 	if h, err := os.Hostname(); err == nil {
 		rep.Hostname = h

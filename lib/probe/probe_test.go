@@ -129,7 +129,12 @@ func TestRequirementsPerTree(t *testing.T) {
 			"gpu": true, "gpus=4": true, "gpus>=5": false, "amd": true, "nvidia": false, "nvml": false,
 			"rdma": false, "ib": false, "roce": false, "no-problems": true, "route": false,
 		}},
+		// A simulated vendor counts only with AllowSimulated; without it
+		// the vendor words judge the real GPUs.
 		{"amd4", Options{SimulateVendor: VendorNVIDIA}, want{
+			"nvidia": false, "amd": true, "gpu": true, "gpus>=4": true,
+		}},
+		{"amd4", Options{SimulateVendor: VendorNVIDIA, AllowSimulated: true}, want{
 			"nvidia": true, "amd": false, "gpu": true, "gpus>=4": true,
 		}},
 		{"nvidia-nodriver", Options{NVML: NVMLModeOn, NVMLLib: nvmlMissing}, want{
@@ -143,12 +148,16 @@ func TestRequirementsPerTree(t *testing.T) {
 		{"bare", Options{}, want{
 			"gpu": false, "gpus=0": true, "nvidia": false, "amd": false, "rdma": false, "no-problems": true,
 		}},
-		{"bare", Options{SimulateVendor: VendorAMD}, want{"amd": true, "nvidia": false, "gpu": false}},
+		{"bare", Options{SimulateVendor: VendorAMD}, want{"amd": false, "nvidia": false, "gpu": false}},
+		{"bare", Options{SimulateVendor: VendorAMD, AllowSimulated: true}, want{"amd": true, "nvidia": false, "gpu": false}},
 	}
 	for _, tc := range tests {
 		name := tc.tree
 		if tc.opts.SimulateVendor != "" {
 			name += "-sim-" + tc.opts.SimulateVendor
+		}
+		if tc.opts.AllowSimulated {
+			name += "-allowed"
 		}
 		if tc.opts.NVMLLib != nil {
 			name += "-nvml"
@@ -337,8 +346,33 @@ func TestWriteText(t *testing.T) {
 		"vendor nvidia (simulated by GPUBRIDGE_VENDOR; real: amd), 4 GPUs (amd)",
 		"  gpu amd 0: AMD Instinct MI210, 0000:23:00.0, 64 GiB, gfx90a, GPU-6ea6b16ce1e5a002\n",
 		"nvml: off (", "nics: not probed\n", "rdma: none\n",
-		"require nvidia: ok: vendor nvidia simulated", "require ib: FAILED: no active InfiniBand port",
+		"require nvidia: FAILED: no NVIDIA GPU found", "require ib: FAILED: no active InfiniBand port",
 	} {
 		assert.Contains(t, out, want)
+	}
+}
+
+// A node without GPUs must not pass --require nvidia because GPUBRIDGE_VENDOR
+// says nvidia (a prolog inheriting the variable would wave jobs through):
+// the simulated vendor counts only when asked for, and the verdict says why.
+func TestSimulatedVendorNeedsAllow(t *testing.T) {
+	tests := []struct {
+		name   string
+		allow  bool
+		ok     bool
+		reason string
+	}{
+		{"refused", false, false, "no NVIDIA GPU found (NVML off: not consulted (--nvml=off)); the simulated vendor nvidia (GPUBRIDGE_VENDOR) does not count without --allow-simulated"},
+		{"allowed", true, true, "vendor nvidia simulated (GPUBRIDGE_VENDOR), accepted by --allow-simulated; real GPUs: 0 GPUs"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			rep, err := Run(context.Background(), Options{SysfsRoot: tree("bare"), NoNICs: true, NVML: NVMLModeOff,
+				SimulateVendor: VendorNVIDIA, AllowSimulated: tc.allow, Requirements: mustParse(t, "nvidia")})
+			require.NoError(t, err)
+			require.Len(t, rep.Requirements, 1)
+			assert.Equal(t, RequirementResult{Require: "nvidia", OK: tc.ok, Reason: tc.reason}, rep.Requirements[0])
+			assert.Equal(t, !tc.ok, len(rep.Failed()) == 1)
+		})
 	}
 }

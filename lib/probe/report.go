@@ -66,6 +66,10 @@ type Report struct {
 	Requirements []RequirementResult `json:"requirements"`
 	// ProbeMS is how long the probe took, in milliseconds.
 	ProbeMS float64 `json:"probe_ms"`
+
+	// allowSimulated is Options.AllowSimulated: whether Check lets the
+	// simulated vendor satisfy the nvidia and amd requirements.
+	allowSimulated bool
 }
 
 // GPU is one usable GPU.

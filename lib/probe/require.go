@@ -10,8 +10,8 @@ import (
 const (
 	ReqGPU        = "gpu"         // at least one usable GPU (real, not simulated)
 	ReqGPUs       = "gpus"        // gpus=N or gpus>=N: at least N usable GPUs
-	ReqNVIDIA     = "nvidia"      // the node is an NVIDIA node (a usable NVIDIA GPU, or simulated nvidia)
-	ReqAMD        = "amd"         // the node is an AMD node (a usable AMD GPU, or simulated amd)
+	ReqNVIDIA     = "nvidia"      // the node is an NVIDIA node (a usable NVIDIA GPU; simulated nvidia only with AllowSimulated)
+	ReqAMD        = "amd"         // the node is an AMD node (a usable AMD GPU; simulated amd only with AllowSimulated)
 	ReqNVML       = "nvml"        // NVML initialised and answered
 	ReqRDMA       = "rdma"        // an ACTIVE RDMA port, any link layer
 	ReqIB         = "ib"          // an ACTIVE InfiniBand port
@@ -151,17 +151,23 @@ func (r *Report) check(q Requirement) (bool, string) {
 
 func (r *Report) checkVendor(vendor string) (bool, string) {
 	label := map[string]string{VendorNVIDIA: "NVIDIA", VendorAMD: "AMD"}[vendor]
-	gpus := r.GPUsOf(vendor)
-	if r.Simulated {
+	if r.Simulated && r.allowSimulated {
 		if r.Vendor == vendor {
-			return true, fmt.Sprintf("vendor %s simulated (GPUBRIDGE_VENDOR); real GPUs: %s", vendor, r.gpuSummary())
+			return true, fmt.Sprintf("vendor %s simulated (GPUBRIDGE_VENDOR), accepted by --allow-simulated; real GPUs: %s", vendor, r.gpuSummary())
 		}
 		return false, fmt.Sprintf("vendor simulated as %s (GPUBRIDGE_VENDOR); real GPUs: %s", r.Vendor, r.gpuSummary())
 	}
-	if len(gpus) == 0 {
-		return false, fmt.Sprintf("no %s GPU found", label) + r.gpuContext(vendor)
+	// Without --allow-simulated only real GPUs count: a prolog that inherits
+	// GPUBRIDGE_VENDOR must not wave a node without GPUs through.
+	note := ""
+	if r.Simulated {
+		note = fmt.Sprintf("; the simulated vendor %s (GPUBRIDGE_VENDOR) does not count without --allow-simulated", r.Vendor)
 	}
-	return true, fmt.Sprintf("found %s: %s", plural(len(gpus), label+" GPU"), gpus[0].Name)
+	gpus := r.GPUsOf(vendor)
+	if len(gpus) == 0 {
+		return false, fmt.Sprintf("no %s GPU found", label) + r.gpuContext(vendor) + note
+	}
+	return true, fmt.Sprintf("found %s: %s", plural(len(gpus), label+" GPU"), gpus[0].Name) + note
 }
 
 // gpuSummary is "0 GPUs" or "4 GPUs (4 amd)".

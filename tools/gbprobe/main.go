@@ -22,12 +22,20 @@ type grammar struct {
 	NoNICs         bool          `name:"no-nics" help:"Do not probe network interfaces (no netlink): nics is empty and nics_probed false." env:"GPUBRIDGE_NO_NICS"`
 	RouteTo        string        `name:"route-to" help:"Report the interface and source address the kernel would use to reach this host (name or address)." placeholder:"HOST"`
 	SimulateVendor string        `name:"simulate-vendor" help:"Claim this vendor (nvidia or amd) in the report, marked simulated; the real findings stay in gpus and real_vendor." env:"GPUBRIDGE_VENDOR" placeholder:"VENDOR"`
+	AllowSimulated bool          `name:"allow-simulated" help:"Let the simulated vendor satisfy --require nvidia or amd (tests). Without it they judge the real GPUs only."`
 }
 
 func (g *grammar) Run(env *cli.Env) error {
 	reqs, err := probe.ParseRequirements(g.Require)
 	if err != nil {
 		return cli.CannotRun(fmt.Errorf("--require: %w", err))
+	}
+	// A route verdict needs a host to route to: without one it is a usage
+	// error (exit 2), not a failed requirement (exit 1).
+	for _, q := range reqs {
+		if q.Kind == probe.ReqRoute && strings.TrimSpace(g.RouteTo) == "" {
+			return cli.CannotRun(fmt.Errorf("--require %s needs --route-to HOST", q.Text))
+		}
 	}
 	rep, err := probe.Run(env.Ctx, probe.Options{
 		SysfsRoot:      g.SysfsRoot,
@@ -37,6 +45,7 @@ func (g *grammar) Run(env *cli.Env) error {
 		NoNICs:         g.NoNICs,
 		RouteTo:        g.RouteTo,
 		SimulateVendor: strings.ToLower(strings.TrimSpace(g.SimulateVendor)),
+		AllowSimulated: g.AllowSimulated,
 		Requirements:   reqs,
 	})
 	if err != nil {
@@ -72,16 +81,16 @@ Without --json gbprobe prints a short summary for people; with --json one JSON o
 
 --sysfs-root points every sysfs read at a fake tree (tests). Under a fake root NVML is not consulted (--nvml=auto means off there; --nvml=on forces it), while NICs and --route-to still come from this host's netlink unless --no-nics.
 
-GPUBRIDGE_VENDOR=nvidia|amd (--simulate-vendor) makes a CPU-only node stand in for a vendor: vendor is the simulated one and simulated is true, while gpus, pci_gpus and real_vendor keep the real findings. The nvidia and amd requirements follow the simulated vendor (their reason says so); gpu and gpus=N count real GPUs only.
+GPUBRIDGE_VENDOR=nvidia|amd (--simulate-vendor) makes a CPU-only node stand in for a vendor: vendor is the simulated one and simulated is true, while gpus, pci_gpus and real_vendor keep the real findings. The nvidia and amd requirements follow the simulated vendor only with --allow-simulated (their reason says so); without it they judge the real GPUs and their reason says that the simulated vendor did not count, so a Slurm prolog that inherits GPUBRIDGE_VENDOR cannot pass a node without GPUs. gpu and gpus=N count real GPUs only.
 
---require makes gbprobe a verdict. Words: gpu (a usable GPU), gpus=N or gpus>=N (at least N usable GPUs), nvidia, amd (a usable GPU of that vendor, or that vendor simulated), nvml (NVML answered), rdma (an ACTIVE RDMA port), ib (an ACTIVE InfiniBand port), roce (an ACTIVE Ethernet link-layer port), nic=NAME (the interface exists and is up), route (the --route-to host has a route), no-problems (the report lists no problem). Each failed requirement prints one line on stderr, "gbprobe: requirement WORD failed: REASON", and its reason is in the JSON.`,
+--require makes gbprobe a verdict. Words: gpu (a usable GPU), gpus=N or gpus>=N (at least N usable GPUs), nvidia, amd (a usable GPU of that vendor, or that vendor simulated with --allow-simulated), nvml (NVML answered), rdma (an ACTIVE RDMA port), ib (an ACTIVE InfiniBand port), roce (an ACTIVE Ethernet link-layer port), nic=NAME (the interface exists and is up), route (the --route-to host has a route; without --route-to, exit 2), no-problems (the report lists no problem). Each failed requirement prints one line on stderr, "gbprobe: requirement WORD failed: REASON", and its reason is in the JSON.`,
 	Output: `With --json, one JSON object, schema "gpubridge.probe/v1": schema; hostname; vendor (nvidia, amd, none or mixed; the simulated one when simulated); simulated (bool); real_vendor (from the usable GPUs); sysfs_root; gpus[] (vendor, index, name, uuid, pci_bus_id, device_id, memory_bytes, driver_version, cuda_driver_version, compute_capability, gfx_target, unique_id, drm_card, kfd_node, source nvml or sysfs); pci_gpus[] (pci_bus_id, vendor, vendor_id, device_id, class, driver, usable); nvml (state ok, off, unavailable, timeout or error; error; driver_version; cuda_driver_version); nics_probed (bool); nics[] (name, index, state up or down, oper_state, kind, mtu, mac, addresses[] in CIDR form, speed_mbps); rdma[] (name, node_guid, node_type, fw_version, pci_bus_id, ports[]: port, state, phys_state, link_layer, rate, rate_gbps, lid, gids[] (index, gid, type, netdev), netdevs[]); route (only with --route-to: to, ip, interface, source, gateway, error); problems[] (sentences); requirements[] (require, ok, reason); probe_ms. Empty lists are [], never null. Fields may be added within v1; none is removed or changes meaning.
 
 Without --json, a summary for people whose format may change.`,
 	ExitCodes: []cli.ExitCode{
 		{Code: cli.ExitOK, Meaning: "the probe ran and every --require held (problems alone do not fail it; --require no-problems does)"},
 		{Code: cli.ExitFail, Meaning: "the probe ran and at least one --require failed; one line per failed requirement on stderr, the reasons also in the JSON"},
-		{Code: cli.ExitUsage, Meaning: "the probe could not run: bad flags, an unknown --require word, a bad GPUBRIDGE_VENDOR, an unreadable --sysfs-root"},
+		{Code: cli.ExitUsage, Meaning: "the probe could not run: bad flags, an unknown --require word, --require route without --route-to, a bad GPUBRIDGE_VENDOR, an unreadable --sysfs-root"},
 	},
 	Examples: []cli.Example{
 		{Command: "gbprobe", Text: "What is on this node, for people."},
@@ -94,6 +103,7 @@ if ! out=$(/usr/local/bin/gbprobe --json --require gpu,rdma 2>&1 >/dev/null); th
     exit 1
 fi`, Text: "A Slurm prolog that drains a node whose GPUs or RDMA port are gone, with gbprobe's reason (see ci/slurm/prolog-test.sh)."},
 		{Command: "GPUBRIDGE_VENDOR=amd gbprobe --json --no-nics", Text: "A CPU-only node standing in for an AMD node in tests."},
+		{Command: "GPUBRIDGE_VENDOR=amd gbprobe --require amd --allow-simulated", Text: "A test that wants the simulated vendor to pass --require amd; without --allow-simulated it fails on a node without AMD GPUs."},
 	},
 	SeeAlso: []string{"gbdiscover", "gbbridge"},
 }
