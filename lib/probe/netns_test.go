@@ -27,13 +27,13 @@ const (
 )
 
 func TestNetlinkInNamespace(t *testing.T) {
+	// Only a non-root run may skip: as root (CI) a namespace that cannot be
+	// made is a failure, not a reason to pass without the test.
 	if os.Geteuid() != 0 {
-		t.Skip("needs root to create network namespaces")
+		t.Skip("needs root: creates network namespaces (make test as root runs it)")
 	}
 	ipPath, err := exec.LookPath("ip")
-	if err != nil {
-		t.Skip("needs iproute2's ip to create network namespaces")
-	}
+	require.NoError(t, err, "iproute2's ip is needed to create network namespaces (ci/deps.sh installs it)")
 	ip := func(args ...string) error {
 		out, err := exec.Command(ipPath, args...).CombinedOutput()
 		if err != nil {
@@ -44,9 +44,7 @@ func TestNetlinkInNamespace(t *testing.T) {
 	nsA := fmt.Sprintf("gbprobe-test-%d-a", os.Getpid())
 	nsB := fmt.Sprintf("gbprobe-test-%d-b", os.Getpid())
 	for _, ns := range []string{nsA, nsB} {
-		if err := ip("netns", "add", ns); err != nil {
-			t.Skipf("cannot create network namespaces here: %v", err)
-		}
+		require.NoError(t, ip("netns", "add", ns), "cannot create network namespaces as root")
 		t.Cleanup(func() {
 			if err := ip("netns", "del", ns); err != nil {
 				t.Errorf("cleanup: %v", err)
@@ -132,4 +130,29 @@ func TestNetnsChild(t *testing.T) {
 	b, err := json.Marshal(reps)
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(out, b, 0o644))
+}
+
+// As root, a namespace that cannot be made must fail TestNetlinkInNamespace,
+// never skip it: run it again with an ip that refuses everything.
+func TestNetnsFailureFailsAsRoot(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: checks what TestNetlinkInNamespace does as root")
+	}
+	out, err := runWithFailingIP(t, "^TestNetlinkInNamespace$")
+	require.Error(t, err, "TestNetlinkInNamespace passed with an ip that fails:\n%s", out)
+	assert.Contains(t, out, "--- FAIL: TestNetlinkInNamespace")
+	assert.Contains(t, out, "cannot create network namespaces as root")
+	assert.NotContains(t, out, "--- SKIP")
+}
+
+// runWithFailingIP runs the tests matching run in this test binary with an
+// ip(8) first on PATH that prints an error and exits 1.
+func runWithFailingIP(t *testing.T, run string) (string, error) {
+	t.Helper()
+	dir := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "ip"), []byte("#!/bin/sh\necho 'ip: refused by the test' >&2\nexit 1\n"), 0o755))
+	cmd := exec.Command(os.Args[0], "-test.run="+run, "-test.count=1", "-test.v")
+	cmd.Env = append(os.Environ(), "PATH="+dir+string(os.PathListSeparator)+os.Getenv("PATH"))
+	b, err := cmd.CombinedOutput()
+	return string(b), err
 }

@@ -8,8 +8,12 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
+	"os/user"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -268,15 +272,48 @@ func TestRunSetupErrors(t *testing.T) {
 	}
 }
 
+// An unreadable sysfs root is a setup error. Root reads directories
+// whatever their mode, so as root (CI) the test runs itself again as nobody.
 func TestUnreadableRootIsSetupError(t *testing.T) {
 	if os.Geteuid() == 0 {
-		t.Skip("root reads directories whatever their mode")
+		out, err := runAsNobody(t, "^TestUnreadableRootIsSetupError$")
+		require.NoError(t, err, "as nobody:\n%s", out)
+		require.Contains(t, out, "--- PASS: TestUnreadableRootIsSetupError", "as nobody:\n%s", out)
+		return
 	}
 	dir := t.TempDir()
 	require.NoError(t, os.Mkdir(filepath.Join(dir, "sys"), 0o000))
 	t.Cleanup(func() { _ = os.Chmod(filepath.Join(dir, "sys"), 0o755) })
 	_, err := Run(context.Background(), Options{SysfsRoot: dir})
 	assert.ErrorIs(t, err, ErrSetup)
+	assert.ErrorContains(t, err, "permission denied")
+}
+
+// runAsNobody runs the tests matching run in a copy of this test binary as
+// the user nobody and returns their verbose output.
+func runAsNobody(t *testing.T, run string) (string, error) {
+	t.Helper()
+	u, err := user.Lookup("nobody")
+	require.NoError(t, err, "the user nobody is needed to run this test without root's rights")
+	uid, err := strconv.ParseUint(u.Uid, 10, 32)
+	require.NoError(t, err)
+	gid, err := strconv.ParseUint(u.Gid, 10, 32)
+	require.NoError(t, err)
+	// go test's build directory is private to root: nobody runs a copy.
+	dir, err := os.MkdirTemp("", "gbprobe-nobody")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	require.NoError(t, os.Chmod(dir, 0o755))
+	self, err := os.ReadFile(os.Args[0])
+	require.NoError(t, err)
+	bin := filepath.Join(dir, "probe.test")
+	require.NoError(t, os.WriteFile(bin, self, 0o755))
+	cmd := exec.Command(bin, "-test.run="+run, "-test.count=1", "-test.v")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "TMPDIR="+os.TempDir())
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}}
+	b, err := cmd.CombinedOutput()
+	return string(b), err
 }
 
 func TestAMDOrderFollowsKFD(t *testing.T) {
