@@ -50,7 +50,9 @@ import mmap
 import os
 import queue
 import shutil
+import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -105,6 +107,7 @@ _MIN_REGION = 1 << 20
 # starts on a chunk as soon as its copy is done.
 _CHUNK = int(os.environ.get("GPUBRIDGE_COPY_CHUNK", str(8 << 20)))
 _FAILURE_KEY = "gpubridge/failure"
+_SETUP_FAILURE_KEY = "gpubridge/setup/failure"
 # GPUBRIDGE_TRACE_COPIES=1 logs the timeline of each large GPU all_reduce on
 # a leader (copies queued, input handed to the bridge, results back).
 _TRACE_COPIES = os.environ.get("GPUBRIDGE_TRACE_COPIES") == "1"
@@ -147,6 +150,10 @@ class _Task:
         self.done = threading.Event()  # the host's part is over (GPU work may still run)
 
 
+def _value(fut: Any) -> Any:
+    return fut.value()  # raises the collective's error
+
+
 class _Work(dist.Work):
     """What a collective returns. wait() raises the collective's error; on
     GPUs it returns once the work is queued on the group's stream and makes
@@ -159,6 +166,7 @@ class _Work(dist.Work):
         self._task = task
         self._device = device
         self._deadline_s = deadline_s
+        self._fut: Any = None
 
     def wait(self, timeout: Any = None) -> bool:
         t = self._task
@@ -189,7 +197,14 @@ class _Work(dist.Work):
         return self._task.exc
 
     def get_future(self) -> Any:
-        return self._task.fut
+        # A Python Future's set_exception completes it *successfully* with
+        # the exception object as its value (only Python's wait() raises
+        # it): C++ callers such as DDP's reducer would take that value for
+        # the result and crash. The chained future holds a real error,
+        # which every caller sees (made on first use: nothing per call).
+        if self._fut is None:
+            self._fut = self._task.fut.then(_value)
+        return self._fut
 
     def synchronize(self) -> None:
         self.wait()
@@ -235,11 +250,18 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self._worker: threading.Thread | None = None
         self._completer: threading.Thread | None = None
         self._p2p_threads: set[threading.Thread] = set()
-        self._dir = Path(tempfile.mkdtemp(prefix="gpubridge-"))
+        _remove_stale_dirs()
+        self._dir = Path(tempfile.mkdtemp(prefix=f"gpubridge-{os.getpid()}-"))
         self.created = next(_CREATED)
         self._group_name = group
         try:
-            self._setup(store, group, problems or [])
+            topo = self._discover(store, group, problems or [])
+            failed: BaseException | None = None
+            try:
+                self._build(topo)
+            except Exception as e:
+                failed = e
+            self._agree(failed)
         except BaseException:
             self._close(abort=True)
             raise
@@ -254,15 +276,77 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
 
     # ---- set-up ----
 
-    def _setup(self, store: Any, group: str, problems: list[str]) -> None:
+    def _discover(self, store: Any, group: str, problems: list[str]) -> dict[str, Any]:
+        """gbprobe | gbdiscover: the topology, or the same error on every rank."""
         host, port = _tools.store_address(store)
         store.set(f"gpubridge/pid/{self._rank}", f"{socket.gethostname()} {os.getpid()}")
         secs = max(1.0, self._timeout.total_seconds())
-        topo = _tools.discover(
+        return _tools.discover(
             host, port, self._rank, self._size, _tools.namespace(group), self._dir / "topology.json",
             timeout=min(secs, float(os.environ.get("GPUBRIDGE_DISCOVER_TIMEOUT_S", "300"))),
             **({"problems": problems} if problems else {}),
         )  # fmt: skip
+
+    def _agree(self, failed: BaseException | None) -> None:
+        """Set-up after discovery (island groups, gbbridge serve, regions) can
+        fail on one rank only, say a leader whose /dev/shm is full: no rank
+        returns before every rank is set up, and a failure anywhere raises
+        the same error everywhere (the first one published). A rank that does
+        not finish within the group's timeout is named."""
+        store = self._store
+        secs = max(1.0, self._timeout.total_seconds())
+        key = "gpubridge/setup/{}".format
+        root = ""
+        if failed is not None:
+            mine = str(failed).removeprefix("gpubridge: ")
+            if not mine.startswith(f"rank {self._rank}: "):
+                mine = f"rank {self._rank}: {mine}"
+            root = self._publish(_SETUP_FAILURE_KEY, mine)
+        store.set(key(self._rank), "failed" if failed is not None else "ok")
+        try:
+            store.wait([key(r) for r in range(self._size)], datetime.timedelta(seconds=secs))
+        except Exception:
+            slow = [r for r in range(self._size) if not self._has(key(r))]
+            if slow:
+                names = ", ".join(str(r) for r in slow)
+                root = self._publish(
+                    _SETUP_FAILURE_KEY, f"rank(s) {names} did not finish setting up within {secs:g}s"
+                )
+        if not root and self._has(_SETUP_FAILURE_KEY):
+            root = store.get(_SETUP_FAILURE_KEY).decode("utf-8", "replace")
+        if not root:
+            return
+        # The store may live in one of the failing processes (rank 0 under
+        # env://): everyone reads the outcome before anyone leaves.
+        with contextlib.suppress(Exception):
+            store.add("gpubridge/setup/read", 1)
+            end = time.monotonic() + min(secs, 30.0)
+            while store.add("gpubridge/setup/read", 0) < self._size and time.monotonic() < end:
+                time.sleep(0.02)
+        err = RuntimeError(f"gpubridge: set-up failed: {root}")
+        raise err from failed
+
+    def _publish(self, key: str, msg: str) -> str:
+        """Stores msg under key unless a message is there already; returns the
+        stored one (the first cause wins on every rank), or msg when the store
+        is unreachable."""
+        try:
+            got = self._store.compare_set(key, "", msg)
+        except Exception:
+            return msg
+        return got.decode("utf-8", "replace") or msg
+
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self._store.check([key]))
+        except Exception:
+            return False
+
+    def _build(self, topo: dict[str, Any]) -> None:
+        """The island group and, on leaders, gbbridge serve and the feed."""
+        store = self._store
+        host, port = _tools.store_address(store)
+        secs = max(1.0, self._timeout.total_seconds())
         self.topology: dict[str, Any] = topo
         me = topo["self"]
         islands = topo["islands"]
@@ -299,6 +383,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self._h2d = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         if len(ranks) > 1:
             pstore = PrefixStore(f"gpubridge/island/{self._island['label']}", store)
+            self._arrive(pstore, secs)
             if self._island.get("backend") == "nccl":
                 o = _c10d.ProcessGroupNCCL.Options()
                 o._timeout = self._timeout
@@ -322,6 +407,21 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 )  # fmt: skip
             except FeedError as e:
                 raise RuntimeError(f"gpubridge: rank {self._rank}: starting gbbridge serve: {e}") from e
+
+    def _arrive(self, pstore: Any, secs: float) -> None:
+        """Waits, within the timeout, until every rank of the island is here:
+        a native group's constructor can wait far longer for a peer that
+        never comes (Gloo's did, 5x its timeout)."""
+        pstore.set(f"arrived/{self._island_rank}", str(os.getpid()))
+        keys = [f"arrived/{i}" for i in range(len(self._island_ranks))]
+        try:
+            pstore.wait(keys, datetime.timedelta(seconds=secs))
+        except Exception as e:
+            missing = [str(r) for i, r in enumerate(self._island_ranks) if not pstore.check([f"arrived/{i}"])]
+            raise RuntimeError(
+                f"island {self._island['label']}: rank(s) {', '.join(missing)} did not arrive "
+                f"within {secs:g}s ({e})"
+            ) from None
 
     # ---- identity ----
 
@@ -556,7 +656,9 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         # let them go, so that dropping the group below closes its
         # connections and wakes the island peers at once.
         traceback.clear_frames(exc.__traceback__)
-        here = f"rank {self._rank}: {e.op} (collective #{e.seq}, step {e.step}): {exc}"
+        dead = self._dead_bridge()
+        what = f"{dead} ({exc})" if dead else str(exc)
+        here = f"rank {self._rank}: {e.op} (collective #{e.seq}, step {e.step}): {what}"
         if self._error is None:
             gone = self._gone_ranks()
             if gone:
@@ -584,6 +686,27 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         err = RuntimeError(msg)
         err.__cause__ = exc
         return err
+
+    def _dead_bridge(self) -> str | None:
+        """Says how this rank's gbbridge serve ended, if it did (a feed error
+        such as a broken pipe is only the symptom)."""
+        b = self._bridge
+        if b is None:
+            return None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            b.proc.wait(0.2)  # a killed child may not be reaped yet
+        rc = b.proc.poll()
+        if rc is None:
+            return None
+        if rc < 0:
+            try:
+                how = f"was killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                how = f"was killed by signal {-rc}"
+        else:
+            last = b.stderr().strip().rsplit("\n", 1)[-1][-300:]
+            how = f"exited with status {rc}" + (f": {last}" if last else "")
+        return f"gbbridge serve of rank {self._rank} (pid {b.proc.pid}) {how}"
 
     def _gone_ranks(self) -> list[str]:
         """Ranks of this group on this host whose process has exited or is
@@ -1220,6 +1343,20 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         del pg
         shutil.rmtree(self._dir, ignore_errors=True)
         _LIVE.discard(self)
+
+
+def _remove_stale_dirs() -> None:
+    """Removes the private directories (gpubridge-<pid>-*) that processes of
+    this user left behind when they were killed."""
+    tmp = Path(tempfile.gettempdir())
+    uid = os.getuid()
+    for d in tmp.glob("gpubridge-*-*"):
+        pid = d.name.split("-")[1]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        with contextlib.suppress(OSError):
+            if d.is_dir() and d.lstat().st_uid == uid:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 _LIVE: weakref.WeakSet[GpubridgeProcessGroup] = weakref.WeakSet()

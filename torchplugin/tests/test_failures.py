@@ -1,32 +1,48 @@
-"""A rank lost in the middle of a job: every surviving rank raises the same
-clear error within the group's timeout, and nothing is left running.
+"""A process lost in the middle of a job: every surviving rank raises the
+same clear error, naming what died, within the group's timeout; nothing
+crashes and nothing is left running.
 
-The ranks are started as plain processes with an env:// rendezvous on a store
-this test hosts (as torchrun's agent or a Slurm launch would), not under
-torchrun, whose agent would tear the survivors down itself.
+Faults (at step 5): a rank SIGKILLed, a rank SIGSTOPped, a leader's
+``gbbridge serve`` SIGKILLed; each for rank 0 (a leader), the other island's
+leader (rank 2) and a non-leader (rank 3, or rank 1 in 3+1), under a loop of
+all_reduce calls, DistributedDataParallel and FSDP2. The ranks are started
+as plain processes with an env:// rendezvous on a store this test hosts (as
+torchrun's agent or a Slurm launch would), not under torchrun, whose agent
+would tear the survivors down itself.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 from test_backend import bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
+from testenv import scale
 
 HERE = Path(__file__).resolve().parent
-TIMEOUT_S = 20
+TIMEOUT_S = round(scale(20))
+TWO_TWO = ["nvidia", "nvidia", "amd", "amd"]
 
 
-def launch_env(
-    tmp_path: Path, vendors: list[str], victim: int, mode: str
-) -> tuple[list[dict], float, list[int]]:
+@dataclass
+class Outcome:
+    results: list[dict[str, Any]]  # per rank ({} for the victim unless it survives)
+    fault: dict[str, Any]  # when, and the pid of what died
+    pids: list[int]
+    logs: list[str]
+
+
+def run_fault(tmp_path: Path, vendors: list[str], victim: int, mode: str, workload: str) -> Outcome:
     store = dist.TCPStore(
         "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
     )
@@ -36,97 +52,144 @@ def launch_env(
             job_env(tmp_path), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(vendors)),
             LOCAL_WORLD_SIZE=str(len(vendors)),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
-            GPUBRIDGE_VENDOR=v, GPUBRIDGE_NAMESPACE=f"kill-{tmp_path.name}", KILL_TEST_TIMEOUT=str(TIMEOUT_S),
+            GPUBRIDGE_VENDOR=v, GPUBRIDGE_NAMESPACE=f"fault-{tmp_path.name}",
+            KILL_TEST_TIMEOUT=str(TIMEOUT_S),
         )  # fmt: skip
         log = (tmp_path / f"rank{r}.log").open("wb")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(HERE / "kill_worker.py"), str(tmp_path), str(victim), mode],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=tmp_path,
-            )
-        )
-    start = time.monotonic()
+        cmd = [sys.executable, str(HERE / "fault_worker.py"), str(tmp_path), str(victim), mode, workload]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+    survives = mode == "bridge"
     try:
         for r, p in enumerate(procs):
-            if r == victim:
-                continue
-            p.wait(timeout=TIMEOUT_S * 3 + 60)
-        elapsed = time.monotonic() - start
+            if r != victim or survives:
+                p.wait(timeout=TIMEOUT_S * 3 + scale(60))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
             p.wait()
+    logs = [(tmp_path / f"rank{r}.log").read_text(errors="replace") for r in range(len(vendors))]
     results = []
     for r in range(len(vendors)):
-        if r == victim:
+        f = tmp_path / f"rank{r}.json"
+        if r == victim and not survives:
             results.append({})
             continue
-        f = tmp_path / f"rank{r}.json"
-        log = (tmp_path / f"rank{r}.log").read_text(errors="replace")
-        assert f.exists(), f"rank {r} wrote no result:\n{log[-4000:]}"
+        assert f.exists(), f"rank {r} wrote no result (exit {procs[r].returncode}):\n{logs[r][-4000:]}"
         results.append(json.loads(f.read_text()))
-    return results, elapsed, [p.pid for p in procs]
+    fault = json.loads((tmp_path / "victim").read_text())
+    return Outcome(results, fault, [p.pid for p in procs], logs)
+
+
+# "gpubridge: <root cause>" up to " (on rank N: what failed there)", or up to
+# the end of the first line: torch prefixes what DDP's reducer raises and
+# appends a traceback.
+_ROOT = re.compile(r"gpubridge: (.*?)(?: \(on rank \d+: |\n|$)")
+
+
+def root_causes(out: Outcome, survivors: list[int]) -> str:
+    """The root cause every survivor names (they must all name the same one)."""
+    causes = []
+    for r in survivors:
+        res = out.results[r]
+        assert "error" in res, f"rank {r} did not fail: {res}\n{out.logs[r][-3000:]}"
+        assert "Segmentation fault" not in out.logs[r], out.logs[r][-4000:]
+        m = _ROOT.search(res["error"])
+        assert m, res["error"]
+        causes.append(m.group(1))
+    assert len(set(causes)) == 1, causes
+    return causes[0]
+
+
+def check_clean(out: Outcome, tmp_path: Path) -> None:
+    """Nothing of the job runs any more. A stopped leader's gbbridge serve
+    lives until the test kills that rank, then goes with it (PDEATHSIG):
+    give it a moment."""
+    end = time.monotonic() + scale(10)
+    while bridge_pids(str(tmp_path)) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not bridge_pids(str(tmp_path)), "gbbridge serve left running"
+    for pid in out.pids:
+        p = Path(f"/proc/{pid}/stat")
+        state = p.read_text().rsplit(")", 1)[1].split()[0] if p.exists() else "gone"
+        assert state in ("gone", "Z"), f"rank pid {pid} still runs"
+
+
+def check_in_time(out: Outcome, survivors: list[int], budget: float) -> None:
+    for r in survivors:
+        late = out.results[r]["at"] - out.fault["at"]
+        assert late < budget, f"rank {r} failed {late:.1f}s after the fault (budget {budget:.0f}s)"
+
+
+WORKLOADS = ["loop", "ddp", "fsdp"]
+CASES = [  # vendors, victim, what the victim is
+    (TWO_TWO, 0, "rank 0, a leader"),
+    (TWO_TWO, 2, "the other island's leader"),
+    (TWO_TWO, 3, "a non-leader"),
+]
 
 
 @needs_tools
-@pytest.mark.parametrize(
-    ("vendors", "victim"),
-    [
-        (["nvidia", "nvidia", "amd", "amd"], 3),  # a member of the second island
-        (["nvidia", "nvidia", "amd", "amd"], 0),  # a leader
-        (["nvidia", "nvidia", "nvidia", "amd"], 1),
-    ],
-)
-def test_killed_rank(tmp_path: Path, vendors: list[str], victim: int) -> None:
-    results, _, pids = launch_env(tmp_path, vendors, victim, "kill")
-    t_kill = float((tmp_path / "victim").read_text())
-    errors = []
-    for r, res in enumerate(results):
-        if r == victim:
-            continue
-        assert "error" in res, f"rank {r} did not fail: {res}"
-        assert res["at"] - t_kill < TIMEOUT_S + 10, (
-            f"rank {r} failed {res['at'] - t_kill:.1f}s after the kill"
-        )
-        # the root cause, the same on every rank, comes first
-        errors.append(res["error"].split(" (on rank ")[0])
-    assert len(set(errors)) == 1, errors
-    assert errors[0].startswith("gpubridge: rank "), errors[0]
-    assert f"rank {victim} (pid {pids[victim]}) no longer running" in errors[0] or "member" in errors[0], (
-        errors[0]
-    )
-    assert not bridge_pids(str(tmp_path)), "gbbridge serve left running"
-    for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize(("vendors", "victim", "_what"), CASES)
+def test_killed_rank(tmp_path: Path, workload: str, vendors: list[str], victim: int, _what: str) -> None:
+    out = run_fault(tmp_path, vendors, victim, "kill", workload)
+    survivors = [r for r in range(len(vendors)) if r != victim]
+    cause = root_causes(out, survivors)
+    assert f"rank {victim} (pid {out.pids[victim]}) no longer running" in cause, cause
+    check_in_time(out, survivors, TIMEOUT_S + scale(10))
+    check_clean(out, tmp_path)
 
 
 @needs_tools
-def test_stalled_rank(tmp_path: Path) -> None:
-    """A rank stopped with SIGSTOP: its island peer times out after the
-    group's timeout, names it, and every other rank follows at once."""
-    results, _, pids = launch_env(tmp_path, ["nvidia", "nvidia", "amd", "amd"], 3, "stop")
-    t_stop = float((tmp_path / "victim").read_text())
-    errors = []
-    for r in (0, 1, 2):
-        res = results[r]
-        assert "error" in res, f"rank {r} did not fail: {res}"
-        assert res["at"] - t_stop < TIMEOUT_S + 15, (
-            f"rank {r} failed {res['at'] - t_stop:.1f}s after the stop"
-        )
-        errors.append(res["error"].split(" (on rank ")[0])
-    assert len(set(errors)) == 1, errors
-    assert f"rank 3 (pid {pids[3]}) stopped" in errors[0], errors[0]
-    # While they waited, in_flight() showed each survivor inside the same
-    # all_reduce (same sequence number), in a step of its own.
-    seen = [results[r]["in_flight"] for r in (0, 1, 2)]
-    assert all(len(s) == 1 and s[0]["op"] == "allreduce" for s in seen), seen
-    assert len({s[0]["seq"] for s in seen}) == 1, seen
-    assert all(s[0]["step"] in ("island reduce", "bridge", "island broadcast") for s in seen), seen
-    assert not bridge_pids(str(tmp_path)), "gbbridge serve left running"
-    for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+def test_killed_rank_3_1_non_leader(tmp_path: Path) -> None:
+    out = run_fault(tmp_path, ["nvidia", "nvidia", "nvidia", "amd"], 1, "kill", "loop")
+    cause = root_causes(out, [0, 2, 3])
+    assert f"rank 1 (pid {out.pids[1]}) no longer running" in cause, cause
+    check_clean(out, tmp_path)
+
+
+@needs_tools
+def test_exited_rank_ddp(tmp_path: Path) -> None:
+    """The issue's reproduction: a rank leaves with os._exit under DDP (the
+    survivors used to die with SIGSEGV in DDP's reducer)."""
+    out = run_fault(tmp_path, TWO_TWO, 3, "exit", "ddp")
+    cause = root_causes(out, [0, 1, 2])
+    assert f"rank 3 (pid {out.pids[3]}) no longer running" in cause, cause
+    check_clean(out, tmp_path)
+
+
+@needs_tools
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize(("vendors", "victim", "_what"), CASES)
+def test_stalled_rank(tmp_path: Path, workload: str, vendors: list[str], victim: int, _what: str) -> None:
+    """A rank stopped with SIGSTOP: a peer times out after the group's
+    timeout, names it, and every other rank follows at once."""
+    out = run_fault(tmp_path, vendors, victim, "stop", workload)
+    survivors = [r for r in range(len(vendors)) if r != victim]
+    cause = root_causes(out, survivors)
+    assert f"rank {victim} (pid {out.pids[victim]}) stopped" in cause, cause
+    check_in_time(out, survivors, TIMEOUT_S + scale(15))
+    if workload == "loop":
+        # While they waited, in_flight() showed each survivor inside the same
+        # all_reduce (same sequence number), in a step of its own.
+        seen = [out.results[r]["in_flight"] for r in survivors]
+        assert all(len(s) == 1 and s[0]["op"] == "allreduce" for s in seen), seen
+        assert len({s[0]["seq"] for s in seen}) == 1, seen
+        assert all(s[0]["step"] in ("island reduce", "bridge", "island broadcast") for s in seen), seen
+    check_clean(out, tmp_path)
+
+
+@needs_tools
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("victim", [0, 2])
+def test_killed_bridge(tmp_path: Path, workload: str, victim: int) -> None:
+    """A leader's gbbridge serve SIGKILLed: every rank, its own rank too,
+    fails naming that process."""
+    out = run_fault(tmp_path, TWO_TWO, victim, "bridge", workload)
+    survivors = [0, 1, 2, 3]
+    cause = root_causes(out, survivors)
+    assert f"gbbridge serve of rank {victim} (pid {out.fault['pid']})" in cause, cause
+    check_in_time(out, survivors, TIMEOUT_S + scale(10))
+    check_clean(out, tmp_path)
