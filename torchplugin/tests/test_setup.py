@@ -1,0 +1,122 @@
+"""Set-up after discovery that fails on one rank only (a leader whose
+gbbridge cannot start, or whose /dev/shm is full): every rank, the
+non-leaders too, raises the same error naming the cause from
+init_process_group, within the group's timeout, and nothing is left running.
+
+The ranks are plain env:// processes on a store this test hosts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from test_backend import BIN, bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
+from testenv import scale
+
+HERE = Path(__file__).resolve().parent
+TIMEOUT_S = round(scale(30))
+VENDORS = ["nvidia", "nvidia", "amd", "amd"]
+
+
+def run(tmp_path: Path, wrap: dict[int, list[str]], env_of: dict[int, dict[str, str]]) -> list[dict]:
+    """Starts one process per rank (rank r's command prefixed with wrap[r],
+    its environment extended with env_of[r]); returns every rank's result."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    procs = []
+    for r, v in enumerate(VENDORS):
+        env = dict(
+            job_env(tmp_path), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(VENDORS)),
+            LOCAL_WORLD_SIZE=str(len(VENDORS)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+            TORCHELASTIC_USE_AGENT_STORE="True", GPUBRIDGE_VENDOR=v,
+            GPUBRIDGE_NAMESPACE=f"setup-{tmp_path.name}", SETUP_TEST_TIMEOUT=str(TIMEOUT_S),
+            **env_of.get(r, {}),
+        )  # fmt: skip
+        log = (tmp_path / f"rank{r}.log").open("wb")
+        cmd = [*wrap.get(r, []), sys.executable, str(HERE / "setup_worker.py"), str(tmp_path)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S * 2 + scale(60))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    results = []
+    for r in range(len(VENDORS)):
+        f = tmp_path / f"rank{r}.json"
+        log = (tmp_path / f"rank{r}.log").read_text(errors="replace")
+        assert f.exists(), f"rank {r} wrote no result:\n{log[-4000:]}"
+        results.append(json.loads(f.read_text()))
+    assert not bridge_pids(str(tmp_path)), "gbbridge serve left running"
+    return results
+
+
+def same_error(results: list[dict]) -> str:
+    errors = [res.get("error") for res in results]
+    assert all(errors), results
+    assert len(set(errors)) == 1, errors
+    assert all(res["elapsed"] < TIMEOUT_S + scale(30) for res in results), results
+    return str(errors[0])
+
+
+@needs_tools
+def test_bridge_cannot_start_on_one_leader(tmp_path: Path) -> None:
+    """Rank 2 (the AMD island's leader) has a gbbridge that fails at once."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for t in ("gbprobe", "gbdiscover"):
+        (tools / t).symlink_to(BIN / t)
+    bad = tools / "gbbridge"
+    bad.write_text("#!/bin/sh\necho 'gbbridge: unknown flag --timeout (an older gbbridge?)' >&2\nexit 2\n")
+    bad.chmod(0o755)
+    env = {"GPUBRIDGE_BIN_DIR": str(tools), "GPUBRIDGE_BIN_STRICT": "1"}
+    err = same_error(run(tmp_path, {}, {2: env}))
+    assert err.startswith("gpubridge: set-up failed: rank 2: starting gbbridge serve:"), err
+    assert "unknown flag --timeout" in err, err
+
+
+@needs_tools
+@pytest.mark.skipif(os.geteuid() != 0, reason="root only: needs a mount namespace with a tiny /dev/shm")
+def test_dev_shm_full_on_one_leader(tmp_path: Path) -> None:
+    """Rank 2 runs in a mount namespace whose /dev/shm is a 64 KiB tmpfs: its
+    gbbridge cannot allocate its ring file (the issue's case)."""
+    unshare = shutil.which("unshare")
+    assert unshare, "unshare (util-linux) is missing"
+    wrap = [unshare, "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs -o size=64k gbtest /dev/shm && exec "$@"', "sh"]  # fmt: skip
+    err = same_error(run(tmp_path, {2: wrap}, {}))
+    assert err.startswith("gpubridge: set-up failed: rank 2:"), err
+    assert "/dev/shm" in err, err
+
+
+def test_stale_private_dirs_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed rank leaves its gpubridge-<pid>-* directory; the next group
+    created by this user removes it (and keeps the live ones)."""
+    from gpubridge import _backend  # noqa: PLC0415
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile  # noqa: PLC0415
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    p = subprocess.Popen(["true"])  # a pid that is gone
+    p.wait()
+    stale = tmp_path / f"gpubridge-{p.pid}-abc"
+    (stale / "x").mkdir(parents=True)
+    live = tmp_path / f"gpubridge-{os.getpid()}-def"
+    live.mkdir()
+    other = tmp_path / "gpubridge-notapid-x"
+    other.mkdir()
+    _backend._remove_stale_dirs()
+    assert not stale.exists()
+    assert live.exists() and other.exists()
