@@ -247,6 +247,7 @@ func (cl *call) recvHold(st transport.Holder, peer, step, chunk, n int, primary 
 
 // recvErr classifies an error of a receive from peer; primary is recv's.
 func (cl *call) recvErr(err error, peer int, primary bool) error {
+	err = corruptHint(err)
 	hint := "nothing received from it in this collective"
 	if cl.heard[peer].Load() {
 		primary = false

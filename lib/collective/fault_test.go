@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/transport"
 	"github.com/gpubridge/gpubridge/lib/wire"
 )
@@ -394,4 +396,61 @@ func TestOptionsDefaults(t *testing.T) {
 	defer c3.Close()
 	assert.Equal(t, 1000, c3.chunkFor(8))
 	assert.Equal(t, 1001, c3.chunkFor(1))
+}
+
+// corruptMesh reports the first data frame member 1 receives from member 0
+// as corrupt, the way a transport does when its CRC32C does not match.
+type corruptMesh struct{ transport.Mesh }
+
+type corruptStream struct {
+	transport.Stream
+	peer string
+	once *atomic.Bool
+}
+
+func (m corruptMesh) Stream(peer, i int) transport.Stream {
+	return corruptStream{Stream: m.Mesh.Stream(peer, i), peer: m.Peer(peer), once: new(atomic.Bool)}
+}
+
+func (s corruptStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error) error {
+	var bad *wire.CorruptError
+	err := s.Stream.Recv(ctx, func(h wire.Header, p []byte) error {
+		if s.once.CompareAndSwap(false, true) {
+			bad = &wire.CorruptError{Header: h, Got: h.CRC ^ 1}
+			return nil
+		}
+		return fn(h, p)
+	})
+	if bad != nil {
+		return &transport.PeerError{Peer: s.peer, Err: fmt.Errorf("stream 0: %w", bad)}
+	}
+	return err
+}
+
+// Issue 9: after a corrupt frame the error showed the header's raw step
+// field as if it were a step ("step 134281332"). It names the raw field as
+// such, and what the collective's header says in its own terms.
+func TestCorruptFrameNamed(t *testing.T) {
+	meshes := transport.NewMem(2, 1, true)
+	meshes[1] = corruptMesh{meshes[1]}
+	cl := newClusterMesh(t, meshes, Options{Timeout: testenv.Scale(5 * time.Second)}, DefaultMaxUnexpected)
+	errs := cl.each(func(m int, c *Comm) error {
+		return c.AllReduce(context.Background(), make([]byte, 64), reduce.Float32, reduce.Sum, nil)
+	})
+	err := errs[1]
+	require.Error(t, err)
+	assert.ErrorIs(t, err, wire.ErrCorrupt)
+	var pe *transport.PeerError
+	require.ErrorAs(t, err, &pe)
+	raw := encodeStep(kAllReduce, 0, fingerprint(kAllReduce, 64, reduce.Float32, reduce.Sum, 0, cl.comms[0].chunkFor(4)))
+	assert.NotContains(t, err.Error(), fmt.Sprintf("step %d", raw), "the raw step field is no step number")
+	assert.Contains(t, err.Error(), fmt.Sprintf("step field %#08x", raw))
+	assert.Contains(t, err.Error(), "by its header, chunk 0 of step 0 of all_reduce #1 (argument fingerprint")
+	assert.True(t, strings.HasPrefix(err.Error(), "all_reduce #1 (float32 sum, 64 B): member 0"), err.Error())
+	// Member 0 may have finished its part; its next call learns of the
+	// failure.
+	if errs[0] == nil {
+		errs[0] = cl.comms[0].Barrier(context.Background())
+	}
+	assert.ErrorContains(t, errs[0], "corrupt frame")
 }

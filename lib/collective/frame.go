@@ -2,6 +2,7 @@ package collective
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"strings"
@@ -88,6 +89,28 @@ func (cl *call) check(peer int, h wire.Header, step, chunk, n int) error {
 		return fmt.Errorf("%s sent %s #%d step %d chunk %d (%d bytes), this member expected step %d chunk %d (%d bytes): protocol error", who, cl.kind, cl.seq, st, h.Chunk, h.Len, step, chunk, n)
 	}
 	return nil
+}
+
+// corruptHint adds to a corrupt frame's error what its header says, read
+// the way this package packs it (the wire error can only report the raw
+// step field). The header is not covered by the CRC, so this is what the
+// frame claims to be.
+func corruptHint(err error) error {
+	var ce *wire.CorruptError
+	if !errors.As(err, &ce) {
+		return err
+	}
+	h := ce.Header
+	switch h.Kind {
+	case wire.KindData:
+		k, st, fp := decodeStep(h.Step)
+		return fmt.Errorf("%w; by its header, chunk %d of step %d of %s #%d (argument fingerprint %#04x)", err, h.Chunk, st, k, h.Seq, fp)
+	case wire.KindP2P:
+		return fmt.Errorf("%w; by its header, frame %d of point-to-point message %d on tag %d", err, h.Chunk, h.Seq, h.Step)
+	case wire.KindBarrier:
+		return fmt.Errorf("%w; by its header, a token of barrier #%d", err, h.Seq)
+	}
+	return err
 }
 
 // fmtBytes writes a byte count the way people read it: "64 MiB" when exact,

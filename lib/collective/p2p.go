@@ -427,7 +427,7 @@ func (c *Comm) dispatch(peer int) {
 		if !errors.As(err, &pe) {
 			err = &transport.PeerError{Peer: c.mesh.Peer(peer), Err: err}
 		}
-		c.lose(peer, err)
+		c.lose(peer, corruptHint(err))
 		return
 	}
 }

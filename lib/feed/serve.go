@@ -72,7 +72,10 @@ func ReadTopology(r io.Reader) (*discover.Topology, error) {
 	}
 	var t discover.Topology
 	if err := json.Unmarshal(b, &t); err != nil {
-		return nil, fmt.Errorf("topology is not JSON: %w", err)
+		if !json.Valid(b) {
+			return nil, fmt.Errorf("topology is not JSON: %w", err)
+		}
+		return nil, fmt.Errorf("topology is JSON, but not gbdiscover's topology: %w", err)
 	}
 	if t.Schema != discover.TopologySchema {
 		return nil, fmt.Errorf("topology has schema %q, want %q (gbdiscover's output on success)", t.Schema, discover.TopologySchema)
@@ -191,6 +194,7 @@ func RunServe(ctx context.Context, o ServeOptions, topo *discover.Topology, stdo
 		Store: sc.Prefix(discover.KeyPrefix).Prefix(ns), Self: ms.Member, Members: ms.Members,
 		Transport: ms.Transport, Streams: o.Streams, CRC: o.CRC, Interface: o.Interface,
 		ListenHost: o.ListenHost, Timeout: o.SetupTimeout, RingBytes: o.RingBytes, Log: log,
+		Process: "gbbridge serve",
 	})
 	if err != nil {
 		return cli.CannotRun(setupCause(ctx, fmt.Errorf("%s: %w", who, err)))

@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -51,6 +52,11 @@ type Config struct {
 	RingBytes int
 	// Log receives setup events and refused connections (default: discard).
 	Log *slog.Logger
+	// Process names the program that runs Establish on every member (they
+	// all run the same: "gbbridge serve"), for the messages that name a
+	// peer's process: "gbbridge serve of rank 2 (pid 1234) died". Default:
+	// this executable's name.
+	Process string
 
 	// proto overrides the protocol version this member speaks (tests).
 	proto uint16
@@ -75,13 +81,31 @@ const (
 // Errors a stream returns, wrapped in a *PeerError.
 var (
 	// ErrConnClosed: the peer's end of a connection went away without an
-	// orderly close (EOF or reset).
-	ErrConnClosed = errors.New("connection closed (process died?)")
+	// orderly close (EOF or reset). The error names the peer's process
+	// and asks whether it died.
+	ErrConnClosed = errors.New("connection closed")
 	// ErrPeerClosed: the peer closed its mesh.
 	ErrPeerClosed = errors.New("closed its end of the bridge")
-	// ErrPeerDied: the peer's process is gone (shm).
+	// ErrPeerDied: the peer's process is gone (shm); the error is a
+	// *ProcessDiedError.
 	ErrPeerDied = errors.New("process died")
 )
+
+// ProcessDiedError is a peer member's process found dead (shm: through its
+// pidfd). The process is the bridge member's (gbbridge serve), not the
+// rank's: the pid is the one the member published in its endpoint record.
+type ProcessDiedError struct {
+	Program string // Config.Process of the members: "gbbridge serve"
+	Rank    int    // the global rank the process served
+	PID     int
+}
+
+func (e *ProcessDiedError) Error() string {
+	return fmt.Sprintf("%s of rank %d (pid %d) died", e.Program, e.Rank, e.PID)
+}
+
+// Is makes errors.Is(err, ErrPeerDied) true.
+func (e *ProcessDiedError) Is(target error) bool { return target == ErrPeerDied }
 
 // Store keys under "bridge/".
 const (
@@ -93,8 +117,9 @@ const (
 
 const (
 	failPoll      = 100 * time.Millisecond // how often setup looks for another member's failure
+	helloTimeout  = 2 * time.Second        // an accepted connection's hello must arrive within this
 	hsTimeout     = 10 * time.Second       // bounds one connection handshake
-	maxPendingHS  = 64                     // handshakes in progress on one listener
+	maxPendingHS  = 64                     // handshakes in progress on one listener beyond the members' own (admit.go)
 	failWriteTime = 2 * time.Second
 )
 
@@ -118,8 +143,41 @@ type endpoint struct {
 	MAC string `json:"mac,omitempty"`
 }
 
+// maxEndpointBytes bounds an endpoint record read from the store (one has
+// about 400 bytes).
+const maxEndpointBytes = 4 << 10
+
+// parseEndpoint decodes an endpoint record; its signature is checked
+// apart.
+func parseEndpoint(b []byte) (endpoint, error) {
+	var e endpoint
+	if len(b) > maxEndpointBytes {
+		return e, fmt.Errorf("%d bytes, over the %d-byte limit", len(b), maxEndpointBytes)
+	}
+	if err := json.Unmarshal(b, &e); err != nil {
+		if !json.Valid(b) {
+			return endpoint{}, fmt.Errorf("not JSON: %w", err)
+		}
+		return endpoint{}, fmt.Errorf("JSON, but not an endpoint record: %w", err)
+	}
+	return e, nil
+}
+
+// maxFailureText bounds another member's failure message read from the
+// store.
+const maxFailureText = 4 << 10
+
 // remoteFailure is another member's setup failure, read from the store.
 type remoteFailure struct{ msg string }
+
+// newRemoteFailure makes the failure text read from the store safe to
+// show: at most maxFailureText bytes, printable.
+func newRemoteFailure(v []byte) *remoteFailure {
+	if len(v) > maxFailureText {
+		v = v[:maxFailureText]
+	}
+	return &remoteFailure{msg: printable(string(v))}
+}
 
 func (e *remoteFailure) Error() string { return e.msg }
 
@@ -194,6 +252,12 @@ func (c *Config) normalize() error {
 	c.RingBytes = max(c.RingBytes, minRingBytes)
 	if c.Log == nil {
 		c.Log = slog.New(slog.DiscardHandler)
+	}
+	if c.Process == "" {
+		c.Process = "the bridge process"
+		if exe, err := os.Executable(); err == nil {
+			c.Process = filepath.Base(exe)
+		}
 	}
 	if c.proto == 0 {
 		c.proto = wire.ProtocolVersion
@@ -293,7 +357,7 @@ func (s *setup) watch(ctx context.Context, cancel context.CancelCauseFunc) {
 		}
 		v, ok, err := s.st.TryGet(ctx, keyFailed)
 		if err == nil && ok {
-			cancel(&remoteFailure{msg: string(v)})
+			cancel(newRemoteFailure(v))
 			return
 		}
 	}
@@ -314,14 +378,30 @@ func (s *setup) fail(ctx context.Context, err error) {
 	}
 }
 
+// doneCause is ctx's cause once it is done, and context.DeadlineExceeded
+// once its deadline has passed even if ctx does not say so yet: a store
+// call or a connection whose I/O deadline is ctx's may time out an instant
+// before ctx's own timer fires (on a loaded machine, much longer), and the
+// error must then be the setup timeout, not the call's i/o timeout. nil
+// while ctx is live.
+func doneCause(ctx context.Context) error {
+	if ctx.Err() != nil {
+		return context.Cause(ctx)
+	}
+	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+		return context.DeadlineExceeded
+	}
+	return nil
+}
+
 // ctxErr explains an error that happened while ctx may be done: another
 // member's failure, the setup timeout (naming the members waited for), or
 // cancellation.
 func (s *setup) ctxErr(ctx context.Context, err error, what string, waitingFor []int) error {
-	if ctx.Err() == nil {
+	cause := doneCause(ctx)
+	if cause == nil {
 		return fmt.Errorf("%s: %w", what, err)
 	}
-	cause := context.Cause(ctx)
 	var rf *remoteFailure
 	if errors.As(cause, &rf) {
 		return rf
@@ -436,8 +516,8 @@ func (s *setup) gather(ctx context.Context) ([]endpoint, error) {
 	}
 	eps := make([]endpoint, n)
 	for i, v := range vals {
-		if err := json.Unmarshal(v, &eps[i]); err != nil {
-			return nil, fmt.Errorf("%s published an endpoint record that is not JSON: %w", s.member(i), err)
+		if eps[i], err = parseEndpoint(v); err != nil {
+			return nil, fmt.Errorf("%s published a bad endpoint record: %w", s.member(i), err)
 		}
 	}
 	var diffs []string
@@ -533,8 +613,10 @@ func (s *setup) establishTCP(ctx context.Context) (Mesh, error) {
 		return nil, err
 	}
 	peers := make([]string, len(eps))
+	procs := make([]string, len(eps))
 	for i, e := range eps {
 		peers[i] = fmt.Sprintf("member %d (rank %d on %s %s)", i, e.Rank, e.Hostname, net.JoinHostPort(e.IP, strconv.Itoa(e.Port)))
+		procs[i] = fmt.Sprintf("%s of rank %d (pid %d on %s)", s.cfg.Process, e.Rank, e.PID, e.Hostname)
 	}
 	stopped = true
 	conns, err := tc.connect(ip, eps, peers)
@@ -554,7 +636,7 @@ func (s *setup) establishTCP(ctx context.Context) (Mesh, error) {
 		via = ifname + " " + via
 	}
 	desc := fmt.Sprintf("tcp, %d streams per peer, %s, via %s", s.cfg.Streams, crc, via)
-	return newTCPMesh(s.cfg.Self, s.cfg.Streams, s.cfg.CRC, desc, peers, conns, s.log), nil
+	return newTCPMesh(s.cfg.Self, s.cfg.Streams, s.cfg.CRC, desc, peers, procs, conns, s.log), nil
 }
 
 func closeConns(conns [][]*net.TCPConn) {
@@ -582,6 +664,9 @@ type tcpConnector struct {
 	wg      sync.WaitGroup
 	want    int
 
+	pending *pendingSet
+	logs    *logLimiter
+
 	mu      sync.Mutex
 	claimed map[[2]int]bool
 	lastErr map[int]error
@@ -596,6 +681,9 @@ type connResult struct {
 func (s *setup) startTCP(ctx context.Context, ln *net.TCPListener) *tcpConnector {
 	n, self, per := len(s.cfg.Members), s.cfg.Self, s.cfg.Streams+1
 	c := &tcpConnector{s: s, ln: ln, hp: s.hsParams(), want: n*per - per,
+		// Room for every connection the members with larger indices owe
+		// this listener, and maxPendingHS more.
+		pending: newPendingSet(maxPendingHS + (n-1-self)*per), logs: newLogLimiter(),
 		claimed: make(map[[2]int]bool), lastErr: make(map[int]error)}
 	c.ctx, c.cancel = context.WithCancel(ctx)
 	c.results = make(chan connResult, c.want)
@@ -606,35 +694,59 @@ func (s *setup) startTCP(ctx context.Context, ln *net.TCPListener) *tcpConnector
 }
 
 func (c *tcpConnector) acceptLoop() {
-	sem := make(chan struct{}, maxPendingHS)
 	for {
 		conn, err := c.ln.Accept()
 		if err != nil {
 			return
 		}
-		select {
-		case sem <- struct{}{}:
-		default:
-			c.s.log.Warn("refused bridge connection: too many handshakes in progress", "from", conn.RemoteAddr())
+		pc := &pendingConn{conn: conn.(*net.TCPConn), since: time.Now()}
+		if dl, ok := c.ctx.Deadline(); ok {
+			pc.ctxDL = dl
+		}
+		pc.extend(helloTimeout)
+		victim, ok := c.pending.admit(pc)
+		if !ok {
+			// Only members' authenticated connections hold the slots.
+			c.logs.log(c.s.log, slog.LevelWarn, "full", "refused bridge connection: too many handshakes in progress", "from", conn.RemoteAddr().String())
 			_ = conn.Close()
 			continue
 		}
-		c.wg.Go(func() {
-			defer func() { <-sem }()
-			tc := conn.(*net.TCPConn)
-			from, st, err := c.s.accept(c.ctx, tc, c.hp, c.claim, c.unclaim)
-			if err != nil {
-				_ = tc.Close()
-				var ve *versionError
-				if errors.As(err, &ve) {
-					c.s.log.Error("refused bridge connection", "from", conn.RemoteAddr(), "err", err)
-				} else {
-					c.s.log.Warn("refused bridge connection", "from", conn.RemoteAddr(), "err", err)
-				}
-				return
-			}
-			c.results <- connResult{peer: from, stream: st, c: tc}
-		})
+		if victim != nil {
+			c.logs.log(c.s.log, slog.LevelWarn, "evict", "closed an unauthenticated bridge connection to make room for a new one (too many handshakes in progress: strangers connecting?)",
+				"from", victim.conn.RemoteAddr().String(), "pending", c.pending.limit)
+		}
+		c.wg.Go(func() { c.handshake(pc) })
+	}
+}
+
+// handshake runs the server handshake on an admitted connection and hands
+// the connection on, or closes it and logs why.
+func (c *tcpConnector) handshake(pc *pendingConn) {
+	defer c.pending.remove(pc)
+	from, st, err := c.s.accept(c.ctx, pc, c.hp, c.claim, c.unclaim)
+	if err == nil {
+		c.results <- connResult{peer: from, stream: st, c: pc.conn}
+		return
+	}
+	_ = pc.conn.Close()
+	stage, evicted := pc.state()
+	var ve *versionError
+	switch {
+	case evicted:
+		// Logged when it was evicted.
+	case c.ctx.Err() != nil:
+		// The setup is over (done or failed): nothing to refuse.
+	case stage == stageHello:
+		// No hello with this job's tag: a stranger (or a member of
+		// another job). Not worth more than a rate-limited warning.
+		c.logs.log(c.s.log, slog.LevelWarn, "stranger", "refused bridge connection: no hello of this job (a stranger, or a member of another job)",
+			"from", pc.conn.RemoteAddr().String(), "err", err)
+	case errors.As(err, &ve):
+		// This job's tag in another protocol version: most likely a
+		// member started from another gbbridge build.
+		c.logs.log(c.s.log, slog.LevelError, "version", "refused bridge connection", "from", pc.conn.RemoteAddr().String(), "err", err)
+	default:
+		c.logs.log(c.s.log, slog.LevelWarn, "refused", "refused bridge connection", "from", pc.conn.RemoteAddr().String(), "err", err)
 	}
 }
 
@@ -748,7 +860,7 @@ func (c *tcpConnector) timeout(conns [][]*net.TCPConn, peers []string) error {
 		c.mu.Unlock()
 		missing = append(missing, m)
 	}
-	err := s.ctxErr(ctx, ctx.Err(), "connect", who)
+	err := s.ctxErr(ctx, context.DeadlineExceeded, "connect", who)
 	var rf *remoteFailure
 	if errors.As(err, &rf) || !errors.Is(err, context.DeadlineExceeded) {
 		return err
@@ -756,8 +868,10 @@ func (c *tcpConnector) timeout(conns [][]*net.TCPConn, peers []string) error {
 	return fmt.Errorf("connections missing after %v: %s: %w", s.cfg.Timeout, strings.Join(missing, "; "), context.DeadlineExceeded)
 }
 
-// dial connects to member p's stream st, retrying until ctx ends, and runs
-// the client handshake.
+// dial connects to member p's stream st and runs the client handshake,
+// dialing again with backoff until ctx ends when the connection is
+// refused, or closed before member p answered the hello (its listener
+// sheds unauthenticated connections when strangers crowd it).
 func (s *setup) dial(ctx context.Context, ip net.IP, ep endpoint, hp *hsParams, p, st int, noteErr func(error)) (*net.TCPConn, error) {
 	addr := net.JoinHostPort(ep.IP, strconv.Itoa(ep.Port))
 	d := net.Dialer{Control: sockControl, LocalAddr: &net.TCPAddr{IP: ip}, KeepAliveConfig: keepAlive}
@@ -767,14 +881,19 @@ func (s *setup) dial(ctx context.Context, ip net.IP, ep endpoint, hp *hsParams, 
 		if err == nil {
 			tc := c.(*net.TCPConn)
 			_ = tc.SetNoDelay(true)
-			if err := handshakeWithin(ctx, tc, func() error { return clientHandshake(tc, hp, p, st) }); err != nil {
-				_ = tc.Close()
+			err = handshakeWithin(ctx, tc, func() error { return clientHandshake(tc, hp, p, st) })
+			if err == nil {
+				return tc, nil
+			}
+			_ = tc.Close()
+			var ue *unansweredError
+			if !errors.As(err, &ue) && doneCause(ctx) == nil {
 				return nil, err
 			}
-			return tc, nil
+			s.log.Debug("bridge connection closed before the handshake; dialing again", "member", p, "stream", st, "err", err)
 		}
 		noteErr(err)
-		if ctx.Err() != nil {
+		if doneCause(ctx) != nil {
 			return nil, s.ctxErr(ctx, err, "connect", []int{p})
 		}
 		t := time.NewTimer(backoff)
@@ -787,22 +906,35 @@ func (s *setup) dial(ctx context.Context, ip net.IP, ep endpoint, hp *hsParams, 
 	}
 }
 
-// accept runs the server handshake on an accepted connection.
-func (s *setup) accept(ctx context.Context, c *net.TCPConn, hp *hsParams, claim func(int, int) error, unclaim func(int, int)) (int, int, error) {
+// accept runs the server handshake on an admitted connection: its hello
+// within helloTimeout, the rest within hsTimeout, all within ctx.
+func (s *setup) accept(ctx context.Context, pc *pendingConn, hp *hsParams, claim func(int, int) error, unclaim func(int, int)) (int, int, error) {
+	c := pc.conn
 	_ = c.SetNoDelay(true)
+	stop := context.AfterFunc(ctx, func() { pc.stop(false) })
 	var from, st int
 	claimed := false
-	err := handshakeWithin(ctx, c, func() (err error) {
-		from, st, err = serverHandshake(c, hp, func(f, i int) error {
+	from, st, err := serverHandshake(c, hp, serverHooks{
+		tagged: func() {
+			pc.setStage(stageTagged)
+			pc.extend(hsTimeout)
+		},
+		claim: func(f, i int) error {
 			if err := claim(f, i); err != nil {
 				return err
 			}
 			claimed = true
 			from, st = f, i
+			pc.setStage(stageAuthed)
 			return nil
-		})
-		return err
+		},
 	})
+	if !stop() && err == nil {
+		err = ctx.Err()
+	}
+	if err == nil && !pc.finish() {
+		err = errors.New("handshake stopped")
+	}
 	if err != nil && claimed {
 		unclaim(from, st)
 	}

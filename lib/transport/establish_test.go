@@ -8,6 +8,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/store/storetest"
 	"log/slog"
 	"net"
+	"os"
 	"strconv"
 	"sync"
 	"syscall"
@@ -81,7 +82,8 @@ func TestDescribe(t *testing.T) {
 	s := newBridge(t, "shm", 2, 2, false)
 	sm := s.mustEstablish(t)
 	assert.Equal(t, fmt.Sprintf("shm, 2 streams per peer, no crc, 8 MiB rings on %s", hostname(t)), sm[0].Describe())
-	assert.Regexp(t, fmt.Sprintf(`^member 1 \(rank 2 on %s, pid \d+\)$`, hostname(t)), sm[0].Peer(1))
+	assert.Equal(t, fmt.Sprintf("member 1 (rank 2 on %s)", hostname(t)), sm[0].Peer(1),
+		"no pid beside the rank: it would read as the rank's, and it is the bridge process's")
 }
 
 func TestConcurrentStreamsManyFrames(t *testing.T) {
@@ -113,7 +115,11 @@ func TestCorruptFrame(t *testing.T) {
 				m.links[1][0].corrupt.Store(true)
 			}
 			payload := []byte("the quick brown fox jumps over the lazy dog")
-			require.NoError(t, meshes[0].Stream(1, 0).Send(ctx, wire.Header{Kind: wire.KindData}, payload))
+			// A step field as lib/collective packs it (collective, step,
+			// fingerprint): reported raw, by name, never as a step number
+			// (issue 9: "step 134281332").
+			const step = 0x0800f874
+			require.NoError(t, meshes[0].Stream(1, 0).Send(ctx, wire.Header{Kind: wire.KindData, Seq: 7, Step: step, Chunk: 3}, payload))
 			called := false
 			err := meshes[1].Stream(0, 0).Recv(ctx, func(wire.Header, []byte) error { called = true; return nil })
 			require.ErrorIs(t, err, wire.ErrCorrupt)
@@ -121,6 +127,12 @@ func TestCorruptFrame(t *testing.T) {
 			require.ErrorAs(t, err, &pe)
 			assert.Equal(t, meshes[1].Peer(0), pe.Peer)
 			assert.Contains(t, err.Error(), "member 0 (rank 0")
+			var ce *wire.CorruptError
+			require.ErrorAs(t, err, &ce)
+			assert.Equal(t, uint32(step), ce.Header.Step)
+			assert.NotContains(t, err.Error(), fmt.Sprintf("step %d", step))
+			assert.Contains(t, err.Error(), "stream 0: corrupt frame: CRC32C mismatch: the 43-byte payload has CRC32C 0x")
+			assert.Contains(t, err.Error(), "(header as received: data frame, seq 7, step field 0x0800f874, chunk 3)")
 			assert.False(t, called, "fn must not see a corrupt frame")
 
 			// The stream stays in step: the next frame arrives intact.
@@ -234,8 +246,7 @@ func TestHandshakeVersionMismatch(t *testing.T) {
 			var serr error
 			var wg sync.WaitGroup
 			wg.Go(func() {
-				_, _, serr = serverHandshake(b, &hsParams{secret: secret, version: c.server, self: 0, size: 2, streams: 1},
-					func(int, int) error { return nil })
+				_, _, serr = serverHandshake(b, &hsParams{secret: secret, version: c.server, self: 0, size: 2, streams: 1}, serverHooks{})
 				_ = b.Close()
 			})
 			cerr := clientHandshake(a, &hsParams{secret: secret, version: c.client, self: 1, size: 2, streams: 1}, 0, 0)
@@ -395,7 +406,9 @@ func TestPeerCloses(t *testing.T) {
 // Connections that vanish without an orderly close (what a crash looks
 // like to TCP).
 func TestTCPConnectionDrops(t *testing.T) {
-	meshes := newBridge(t, "tcp", 2, 1, false).mustEstablish(t)
+	b := newBridge(t, "tcp", 2, 1, false)
+	b.cfgs[0].Process = "gbbridge serve"
+	meshes := b.mustEstablish(t)
 	for _, s := range meshes[1].(*tcpMesh).links[0] {
 		_ = s.conn.SetLinger(0)
 		_ = s.conn.Close()
@@ -405,7 +418,7 @@ func TestTCPConnectionDrops(t *testing.T) {
 	require.ErrorAs(t, err, &pe)
 	assert.ErrorIs(t, err, ErrConnClosed)
 	assert.Contains(t, err.Error(), "member 1 (rank 2 on host-b 127.0.0.1:")
-	assert.Contains(t, err.Error(), "connection closed (process died?)")
+	assert.Regexp(t, fmt.Sprintf(`: connection closed \(stream 0: .*\): did gbbridge serve of rank 2 \(pid %d on host-b\) die\?$`, os.Getpid()), err.Error())
 }
 
 // A member process killed mid-transfer: the survivor's blocked Recv and
@@ -414,6 +427,7 @@ func TestPeerKilled(t *testing.T) {
 	for _, tr := range transports {
 		t.Run(tr, func(t *testing.T) {
 			b := newBridge(t, tr, 2, 1, false)
+			b.cfgs[0].Process = "gbbridge serve"
 			child := startChild(t, b, 1)
 			ms, errs := b.establish(t, 0)
 			require.NoError(t, errs[0])
@@ -440,11 +454,18 @@ func TestPeerKilled(t *testing.T) {
 			var pe *PeerError
 			require.ErrorAs(t, err, &pe)
 			assert.Equal(t, m.Peer(1), pe.Peer)
+			// The process that died is named for what it is: the
+			// member's bridge process, serving rank 2 (issue 9: "member
+			// 1 (rank 2, pid N): process died" read as the rank's pid).
 			if tr == "shm" {
 				assert.ErrorIs(t, err, ErrPeerDied)
-				assert.Contains(t, err.Error(), fmt.Sprintf("pid %d", child.Process.Pid))
+				var pd *ProcessDiedError
+				require.ErrorAs(t, err, &pd)
+				assert.Equal(t, ProcessDiedError{Program: "gbbridge serve", Rank: 2, PID: child.Process.Pid}, *pd)
+				assert.Equal(t, fmt.Sprintf("member 1 (rank 2 on %s): gbbridge serve of rank 2 (pid %d) died", hostname(t), child.Process.Pid), err.Error())
 			} else {
 				assert.ErrorIs(t, err, ErrConnClosed)
+				assert.Contains(t, err.Error(), fmt.Sprintf("did gbbridge serve of rank 2 (pid %d on host-b) die?", child.Process.Pid))
 			}
 			// A sender fills the ring or socket, then fails.
 			start := time.Now()

@@ -204,6 +204,15 @@ func decodeHS(p []byte) (hsMsg, error) {
 	return m, nil
 }
 
+// abortText is the text of a peer's KindAbort frame, cut to maxAbortText
+// bytes (a sender cuts it there too) and safe to log.
+func abortText(p []byte) string {
+	if len(p) > maxAbortText {
+		p = p[:maxAbortText]
+	}
+	return printable(string(p))
+}
+
 // printable makes text from a peer safe to log: valid UTF-8, no control
 // characters.
 func printable(s string) string {
@@ -274,6 +283,18 @@ func (e *rejectError) Error() string {
 	return fmt.Sprintf("member %d refused the connection: %s", e.member, e.reason)
 }
 
+// unansweredError is a connection that failed before the listener
+// answered the hello: closed, reset or silent. The listener may have shed
+// it to make room (strangers hold its pending handshakes), so the dialer
+// tries again.
+type unansweredError struct {
+	op  string
+	err error
+}
+
+func (e *unansweredError) Error() string { return e.op + ": " + e.err.Error() }
+func (e *unansweredError) Unwrap() error { return e.err }
+
 func writeHS(w io.Writer, m *hsMsg) error {
 	_, err := w.Write(appendHS(make([]byte, 0, hsPreamble+hsMaxBody), m))
 	return err
@@ -288,11 +309,14 @@ func clientHandshake(rw io.ReadWriter, p *hsParams, to, stream int) error {
 		return err
 	}
 	if err := writeHS(rw, &hello); err != nil {
-		return fmt.Errorf("send hello: %w", err)
+		return &unansweredError{op: "send hello", err: err}
 	}
 	m, err := readHS(rw)
 	if err != nil {
-		return fmt.Errorf("read challenge: %w", err)
+		if errors.Is(err, errHandshakeFormat) {
+			return fmt.Errorf("read challenge: %w", err)
+		}
+		return &unansweredError{op: "read challenge", err: err}
 	}
 	if m.Version != p.version {
 		return &versionError{member: to, theirs: m.Version, ours: p.version}
@@ -325,11 +349,24 @@ func clientHandshake(rw io.ReadWriter, p *hsParams, to, stream int) error {
 	return nil
 }
 
+// serverHooks are what the listening side's handshake reports as it goes.
+type serverHooks struct {
+	// tagged is called once the hello carries this job's tag, before its
+	// version and addressing are checked: the connection speaks for this
+	// job (the tag is not secret, so it is not yet authenticated). Nil: no
+	// call.
+	tagged func()
+	// claim is called once the client is authenticated; when it fails the
+	// connection is refused with its error.
+	claim func(from, stream int) error
+}
+
 // serverHandshake runs the listening side's handshake on rw, which must
-// have a deadline set. claim is called once the client is authenticated;
-// when it fails the connection is refused with its error. It returns the
-// client's member and stream index.
-func serverHandshake(rw io.ReadWriter, p *hsParams, claim func(from, stream int) error) (from, stream int, err error) {
+// have a deadline set. It returns the client's member and stream index.
+// The job tag is checked before anything else in the hello, so that a
+// stranger's hello (another version, another job, garbage) is told apart
+// from a member's.
+func serverHandshake(rw io.ReadWriter, p *hsParams, hooks serverHooks) (from, stream int, err error) {
 	reject := func(reason string) {
 		_ = writeHS(rw, &hsMsg{Version: p.version, Type: hsReject, Text: reason})
 	}
@@ -340,13 +377,16 @@ func serverHandshake(rw io.ReadWriter, p *hsParams, claim func(from, stream int)
 	if hello.Type != hsHello {
 		return 0, 0, fmt.Errorf("%w: got %s, want hello", errHandshakeFormat, hsTypeName(hello.Type))
 	}
-	if hello.Version != p.version {
-		reject(fmt.Sprintf("this gbbridge speaks bridge protocol v%d", p.version))
-		return 0, 0, &versionError{member: int(hello.From), theirs: hello.Version, ours: p.version}
-	}
 	if hello.Job != p.job {
 		reject("wrong job: this is a bridge member of another job")
 		return 0, 0, &authError{"hello for another job (a stale member of an earlier job, or a stranger)"}
+	}
+	if hooks.tagged != nil {
+		hooks.tagged()
+	}
+	if hello.Version != p.version {
+		reject(fmt.Sprintf("this gbbridge speaks bridge protocol v%d", p.version))
+		return 0, 0, &versionError{member: int(hello.From), theirs: hello.Version, ours: p.version}
 	}
 	to := int(hello.To)
 	from, stream = int(hello.From), int(hello.Stream)
@@ -381,9 +421,11 @@ func serverHandshake(rw io.ReadWriter, p *hsParams, claim func(from, stream int)
 		reject("authentication failed")
 		return 0, 0, &authError{fmt.Sprintf("a client claiming to be member %d failed authentication (bad HMAC: not a member of this job)", from)}
 	}
-	if err := claim(from, stream); err != nil {
-		reject(err.Error())
-		return 0, 0, err
+	if hooks.claim != nil {
+		if err := hooks.claim(from, stream); err != nil {
+			reject(err.Error())
+			return 0, 0, err
+		}
 	}
 	if err := writeHS(rw, &hsMsg{Version: p.version, Type: hsWelcome}); err != nil {
 		return 0, 0, fmt.Errorf("send welcome: %w", err)

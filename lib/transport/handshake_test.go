@@ -3,11 +3,13 @@ package transport
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -88,7 +90,7 @@ func TestHandshake(t *testing.T) {
 		var r result
 		var wg sync.WaitGroup
 		wg.Go(func() {
-			r.from, r.stream, r.err = serverHandshake(b, server, claim)
+			r.from, r.stream, r.err = serverHandshake(b, server, serverHooks{claim: claim})
 			_ = b.Close()
 		})
 		cerr := clientHandshake(a, client, to, stream)
@@ -160,7 +162,7 @@ func TestHandshakeLimits(t *testing.T) {
 	defer b.Close()
 	_ = b.SetDeadline(time.Now().Add(100 * time.Millisecond))
 	start := time.Now()
-	_, _, err := serverHandshake(b, testParams(0), func(int, int) error { return nil })
+	_, _, err := serverHandshake(b, testParams(0), serverHooks{})
 	require.Error(t, err)
 	assert.Less(t, time.Since(start), time.Second)
 
@@ -214,7 +216,7 @@ func FuzzHandshake(f *testing.F) {
 		_, _, err := serverHandshake(struct {
 			io.Reader
 			io.Writer
-		}{cr, io.Discard}, testParams(0), func(int, int) error { return nil })
+		}{cr, io.Discard}, testParams(0), serverHooks{})
 		if err == nil {
 			// The server's nonce is random: no fixed input can hold a valid proof.
 			t.Fatalf("server accepted %x", data)
@@ -225,16 +227,57 @@ func FuzzHandshake(f *testing.F) {
 	})
 }
 
-// TestWriteFuzzSeeds rewrites the checked-in seed corpus when
-// GPUBRIDGE_WRITE_SEEDS is set.
-func TestWriteFuzzSeeds(t *testing.T) {
-	if os.Getenv("GPUBRIDGE_WRITE_SEEDS") == "" {
-		t.Skip("not a check: regenerates testdata/fuzz/FuzzHandshake when GPUBRIDGE_WRITE_SEEDS=1 (go test runs FuzzHandshake over them)")
+// fuzzCorpusDir holds FuzzHandshake's checked-in seed corpus: hsSeeds as
+// seed_<name> files. Other files there are inputs the fuzzer found; they
+// are kept.
+const fuzzCorpusDir = "testdata/fuzz/FuzzHandshake"
+
+// writeCorpusVar rewrites the seed corpus from hsSeeds:
+//
+//	GPUBRIDGE_WRITE_FUZZ_CORPUS=1 go test -run TestFuzzSeedCorpus ./lib/transport/
+const writeCorpusVar = "GPUBRIDGE_WRITE_FUZZ_CORPUS"
+
+func corpusFile(data []byte) []byte {
+	return []byte("go test fuzz v1\n[]byte(" + strconv.Quote(string(data)) + ")\n")
+}
+
+// TestFuzzSeedCorpus fails when the checked-in seed corpus differs from
+// what hsSeeds would write: a seed missing, out of date, or left over from
+// a seed that no longer exists. With GPUBRIDGE_WRITE_FUZZ_CORPUS=1 it
+// rewrites the corpus instead.
+func TestFuzzSeedCorpus(t *testing.T) {
+	write := os.Getenv(writeCorpusVar) == "1"
+	if write {
+		require.NoError(t, os.MkdirAll(fuzzCorpusDir, 0o755))
 	}
-	dir := filepath.Join("testdata", "fuzz", "FuzzHandshake")
-	require.NoError(t, os.MkdirAll(dir, 0o755))
-	for name, b := range hsSeeds() {
-		body := "go test fuzz v1\n[]byte(" + strconv.Quote(string(b)) + ")\n"
-		require.NoError(t, os.WriteFile(filepath.Join(dir, "seed_"+name), []byte(body), 0o644))
+	fix := fmt.Sprintf("seed corpus out of date: run %s=1 go test -run TestFuzzSeedCorpus ./lib/transport/", writeCorpusVar)
+	seeds := hsSeeds()
+	for name, b := range seeds {
+		path := filepath.Join(fuzzCorpusDir, "seed_"+name)
+		want := corpusFile(b)
+		if write {
+			require.NoError(t, os.WriteFile(path, want, 0o644))
+			continue
+		}
+		got, err := os.ReadFile(path)
+		require.NoError(t, err, fix)
+		assert.Equal(t, string(want), string(got), "seed %s: %s", name, fix)
+	}
+	entries, err := os.ReadDir(fuzzCorpusDir)
+	require.NoError(t, err)
+	for _, e := range entries {
+		path := filepath.Join(fuzzCorpusDir, e.Name())
+		if name, ok := strings.CutPrefix(e.Name(), "seed_"); ok {
+			if _, ok := seeds[name]; !ok {
+				if write {
+					require.NoError(t, os.Remove(path))
+					continue
+				}
+				t.Errorf("%s is no seed of hsSeeds any more: %s", path, fix)
+			}
+		}
+		b, err := os.ReadFile(path)
+		require.NoError(t, err)
+		assert.True(t, strings.HasPrefix(string(b), "go test fuzz v1\n"), "%s is not a corpus file", path)
 	}
 }

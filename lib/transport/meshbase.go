@@ -10,7 +10,8 @@ type meshBase[S Stream] struct {
 	crc                 bool
 	desc                string
 	peers               []string
-	links               [][]S // [peer][stream]
+	procs               []string // what runs each member, for messages
+	links               [][]S    // [peer][stream]
 }
 
 func (m *meshBase[S]) Self() int        { return m.self }
@@ -22,6 +23,14 @@ func (m *meshBase[S]) Peer(member int) string {
 		return fmt.Sprintf("member %d", member)
 	}
 	return m.peers[member]
+}
+
+// process names member's process: "gbbridge serve of rank 2 (pid 1234)".
+func (m *meshBase[S]) process(member int) string {
+	if member < 0 || member >= len(m.procs) {
+		return fmt.Sprintf("the process of member %d", member)
+	}
+	return m.procs[member]
 }
 
 func (m *meshBase[S]) Stream(peer, i int) Stream {

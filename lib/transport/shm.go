@@ -238,6 +238,7 @@ func parseSHMHeader(b []byte, secret []byte) (shmHeader, error) {
 type shmMesh struct {
 	meshBase[*shmStream]
 	pids    []int
+	died    []ProcessDiedError // what a peer's death is reported as
 	pidfds  []int
 	dead    []atomic.Bool
 	ownPath string
@@ -462,7 +463,8 @@ func (s *shmStream) wait(ctx context.Context, op string, ready func() bool, seq,
 			return &PeerError{Peer: m.Peer(s.peer), Err: ErrPeerClosed}
 		}
 		if m.peerGone(s.peer) {
-			return &PeerError{Peer: m.Peer(s.peer), Err: fmt.Errorf("%w (pid %d exited)", ErrPeerDied, m.pids[s.peer])}
+			died := m.died[s.peer]
+			return &PeerError{Peer: m.Peer(s.peer), Err: &died}
 		}
 		d := shmPoll
 		if dl, ok := ctx.Deadline(); ok {
@@ -710,6 +712,9 @@ func (s *shmStream) next(ctx context.Context, dst *[]byte) (h wire.Header, p []b
 		le := binary.LittleEndian
 		recLen := le.Uint32(r.data[pos:])
 		if recLen == wrapMark {
+			if r.cap-pos > head-rd {
+				return h, nil, 0, s.broken(fmt.Errorf("stream %d: corrupt ring: a wrap marker at %d with %d bytes published after it", s.idx, pos, head-rd))
+			}
 			s.consume(r.cap-pos, false)
 			continue
 		}
@@ -783,7 +788,7 @@ func (s *shmStream) deliver(h wire.Header, p []byte, fn func(wire.Header, []byte
 	}
 	switch h.Kind {
 	case wire.KindAbort:
-		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("failed: %s", printable(string(p)))}
+		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("failed: %s", abortText(p))}
 		return s.rbroken
 	case wire.KindClose:
 		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: ErrPeerClosed}

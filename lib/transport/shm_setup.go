@@ -69,8 +69,14 @@ func (s *setup) establishSHM(ctx context.Context) (_ Mesh, err error) {
 	}
 
 	m.peers = make([]string, n)
+	m.procs = make([]string, n)
+	m.died = make([]ProcessDiedError, n)
 	for i, e := range eps {
-		m.peers[i] = fmt.Sprintf("member %d (rank %d on %s, pid %d)", i, e.Rank, e.Hostname, e.PID)
+		// The pid is the member's process (gbbridge serve), not the
+		// rank's: it is named as such where it matters, when it dies.
+		m.peers[i] = fmt.Sprintf("member %d (rank %d on %s)", i, e.Rank, e.Hostname)
+		m.procs[i] = fmt.Sprintf("%s of rank %d (pid %d)", s.cfg.Process, e.Rank, e.PID)
+		m.died[i] = ProcessDiedError{Program: s.cfg.Process, Rank: e.Rank, PID: e.PID}
 		m.pids[i] = e.PID
 	}
 	m.links = make([][]*shmStream, n)

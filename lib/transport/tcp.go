@@ -73,8 +73,11 @@ type tcpStream struct {
 }
 
 // newTCPMesh takes ownership of conns[peer][stream] (nil for self).
-func newTCPMesh(self, streams int, crc bool, desc string, peers []string, conns [][]*net.TCPConn, log *slog.Logger) *tcpMesh {
-	m := &tcpMesh{meshBase: meshBase[*tcpStream]{self: self, size: len(conns), streams: streams, crc: crc, desc: desc, peers: peers}, log: log, done: make(chan struct{})}
+// procs[i] names member i's process ("gbbridge serve of rank 2 (pid 1234
+// on host-b)").
+func newTCPMesh(self, streams int, crc bool, desc string, peers, procs []string, conns [][]*net.TCPConn, log *slog.Logger) *tcpMesh {
+	m := &tcpMesh{meshBase: meshBase[*tcpStream]{self: self, size: len(conns), streams: streams, crc: crc, desc: desc, peers: peers, procs: procs},
+		log: log, done: make(chan struct{})}
 	m.links = make([][]*tcpStream, len(conns))
 	for p, cs := range conns {
 		if p == self {
@@ -301,12 +304,11 @@ func (s *tcpStream) read(ctx context.Context, buf *[]byte) (wire.Header, []byte,
 		off = end
 	}
 	if check && sum != h.CRC {
-		return wire.Header{}, nil, &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %w (seq %d step %d chunk %d: got %#08x, want %#08x)",
-			s.idx, wire.ErrCorrupt, h.Seq, h.Step, h.Chunk, sum, h.CRC)}
+		return wire.Header{}, nil, &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %w", s.idx, &wire.CorruptError{Header: h, Got: sum})}
 	}
 	switch h.Kind {
 	case wire.KindAbort:
-		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("failed: %s", printable(string(p)))}
+		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("failed: %s", abortText(p))}
 		return wire.Header{}, nil, s.rbroken
 	case wire.KindClose:
 		s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: ErrPeerClosed}
@@ -332,7 +334,7 @@ func (m *tcpMesh) ioErr(ctx context.Context, op string, s *tcpStream, err error)
 	}
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
 		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNABORTED) || errors.Is(err, net.ErrClosed) {
-		return &PeerError{Peer: peer, Err: fmt.Errorf("%w (stream %d: %v)", ErrConnClosed, s.idx, err)}
+		return &PeerError{Peer: peer, Err: fmt.Errorf("%w (stream %d: %v): did %s die?", ErrConnClosed, s.idx, err, m.process(s.peer))}
 	}
 	return &PeerError{Peer: peer, Err: fmt.Errorf("%s stream %d: %w", op, s.idx, err)}
 }

@@ -88,6 +88,26 @@ type Header struct {
 // ErrCorrupt marks a frame whose payload does not match its CRC.
 var ErrCorrupt = errors.New("corrupt frame: CRC32C mismatch")
 
+// CorruptError is a frame whose payload does not match its CRC32C. The CRC
+// covers the payload only, so the header came as received and may be
+// damaged too; its fields are reported raw, by name: Step in particular is
+// whatever the layer above packs into it (lib/collective: the collective,
+// its algorithm step and a fingerprint), not a step number. It matches
+// ErrCorrupt with errors.Is.
+type CorruptError struct {
+	Header Header // as received
+	Got    uint32 // CRC32C of the payload received
+}
+
+func (e *CorruptError) Error() string {
+	h := &e.Header
+	return fmt.Sprintf("%v: the %d-byte payload has CRC32C %#08x, its header says %#08x (header as received: %s frame, seq %d, step field %#08x, chunk %d)",
+		ErrCorrupt, h.Len, e.Got, h.CRC, h.Kind, h.Seq, h.Step, h.Chunk)
+}
+
+// Is makes errors.Is(err, ErrCorrupt) true.
+func (e *CorruptError) Is(target error) bool { return target == ErrCorrupt }
+
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // Checksum returns the CRC32C of p.
@@ -150,7 +170,7 @@ func (h *Header) Verify(payload []byte) error {
 	}
 	if h.Flags&FlagCRC != 0 {
 		if got := Checksum(payload); got != h.CRC {
-			return fmt.Errorf("%w (seq %d step %d chunk %d: got %#08x, want %#08x)", ErrCorrupt, h.Seq, h.Step, h.Chunk, got, h.CRC)
+			return &CorruptError{Header: *h, Got: got}
 		}
 	}
 	return nil

@@ -2,6 +2,7 @@ package wire
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -20,7 +21,13 @@ func TestRoundTrip(t *testing.T) {
 	require.NoError(t, got.Verify(payload))
 
 	payload[0] ^= 1
-	assert.True(t, errors.Is(got.Verify(payload), ErrCorrupt))
+	err = got.Verify(payload)
+	assert.True(t, errors.Is(err, ErrCorrupt))
+	var ce *CorruptError
+	require.ErrorAs(t, err, &ce)
+	assert.Equal(t, h, ce.Header)
+	assert.Equal(t, Checksum(payload), ce.Got)
+	assert.Equal(t, fmt.Sprintf("corrupt frame: CRC32C mismatch: the 20-byte payload has CRC32C %#08x, its header says %#08x (header as received: data frame, seq 1099511627776, step field 0x00000003, chunk 17)", ce.Got, h.CRC), err.Error())
 	assert.ErrorContains(t, got.Verify(payload[:3]), "header says")
 
 	h.Seal(payload, false)

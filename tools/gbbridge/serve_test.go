@@ -29,6 +29,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/discover"
 	"github.com/gpubridge/gpubridge/lib/feed"
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/testenv"
 )
 
 var bin string
@@ -84,13 +85,18 @@ func runChecked(m *testing.M) int {
 
 // topology is what gbdiscover prints for rank self of a 4-rank CPU job with
 // two islands (ranks 0,1 nvidia; 2,3 amd): the leaders 0 and 2 are the
-// bridge members.
+// bridge members. The islands are on host-a and host-b, or both on host-a
+// for the shm transport (one host).
 func topology(ns string, self int, bridgeTransport string) []byte {
+	hostB := "host-b"
+	if bridgeTransport == discover.BridgeSHM {
+		hostB = "host-a"
+	}
 	ranks := []discover.RankInfo{
 		{Rank: 0, Hostname: "host-a", Island: "nvidia", Role: discover.RoleLeader},
 		{Rank: 1, Hostname: "host-a", Island: "nvidia", Role: discover.RoleMember},
-		{Rank: 2, Hostname: "host-b", Island: "amd", Role: discover.RoleLeader},
-		{Rank: 3, Hostname: "host-b", Island: "amd", Role: discover.RoleMember},
+		{Rank: 2, Hostname: hostB, Island: "amd", Role: discover.RoleLeader},
+		{Rank: 3, Hostname: hostB, Island: "amd", Role: discover.RoleMember},
 	}
 	t := discover.Topology{
 		Shared: discover.Shared{
@@ -98,9 +104,9 @@ func topology(ns string, self int, bridgeTransport string) []byte {
 			Mode: discover.ModeCPU, Simulated: true, Version: "test",
 			Islands: []discover.Island{
 				{Label: "nvidia", Vendor: "nvidia", Backend: "gloo", Ranks: []int{0, 1}, Leader: 0, Hosts: []string{"host-a"}},
-				{Label: "amd", Vendor: "amd", Backend: "gloo", Ranks: []int{2, 3}, Leader: 2, Hosts: []string{"host-b"}},
+				{Label: "amd", Vendor: "amd", Backend: "gloo", Ranks: []int{2, 3}, Leader: 2, Hosts: []string{hostB}},
 			},
-			Bridge: discover.Bridge{Members: []int{0, 2}, Hosts: []string{"host-a", "host-b"}, Requested: "auto", Transport: bridgeTransport, Reason: "test"},
+			Bridge: discover.Bridge{Members: []int{0, 2}, Hosts: []string{"host-a", hostB}, Requested: "auto", Transport: bridgeTransport, Reason: "test"},
 			Ranks:  ranks,
 		},
 		Digest: "test",
@@ -135,9 +141,10 @@ func (p *serveProc) wait(t testing.TB) int {
 
 // cluster is a store and a topology per member of a 2-member bridge.
 type cluster struct {
-	dir   string
-	store string
-	ns    string
+	dir       string
+	store     string
+	ns        string
+	transport string // the topology's bridge transport; "": tcp
 }
 
 func newCluster(t testing.TB) *cluster {
@@ -156,7 +163,11 @@ func (c *cluster) topoFile(t testing.TB, rank int, transport string) string {
 
 // args returns serve's arguments for rank.
 func (c *cluster) args(t testing.TB, rank int, extra ...string) []string {
-	return append([]string{"serve", "--topology", c.topoFile(t, rank, "tcp"), "--store", c.store,
+	tr := c.transport
+	if tr == "" {
+		tr = discover.BridgeTCP
+	}
+	return append([]string{"serve", "--topology", c.topoFile(t, rank, tr), "--store", c.store,
 		"--feed", filepath.Join(c.dir, fmt.Sprintf("feed%d.sock", rank)), "--listen-host", "127.0.0.1",
 		"--setup-timeout", "20s", "--timeout", "10s", "--streams", "2"}, extra...)
 }
@@ -377,6 +388,44 @@ func TestServeParentDies(t *testing.T) {
 	require.NoError(t, cl1.Close(ctx))
 	assert.Equal(t, 1, member1.wait(t), "a bridge failure during the session is exit 1")
 	assert.Contains(t, member1.stderr.String(), "the bridge failed during the session")
+}
+
+// Issue 9: when a leader's gbbridge serve was SIGKILLed, the other member's
+// error read "member 1 (rank 2, pid N): process died" with N the pid of
+// gbbridge, not of the rank. The error names the process that died for
+// what it is.
+func TestServeKilled(t *testing.T) {
+	for _, tr := range []string{discover.BridgeTCP, discover.BridgeSHM} {
+		t.Run(tr, func(t *testing.T) {
+			c := newCluster(t)
+			c.transport = tr
+			ps := startPair(t, c)
+			cl1 := dial(t, ps[1])
+			ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(30*time.Second))
+			defer cancel()
+			reg, err := cl1.Map(ctx, 64)
+			require.NoError(t, err)
+			// An all_reduce member 0 never joins: member 1 waits in it.
+			call, err := cl1.Start(feed.Request{Kind: feed.MsgAllReduce, Buf: reg.Span(0, 64), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+			require.NoError(t, err)
+			pid := ps[0].cmd.Process.Pid
+			require.NoError(t, ps[0].cmd.Process.Kill())
+			_, err = call.Wait(ctx)
+			var re *feed.RequestError
+			require.ErrorAs(t, err, &re)
+			assert.Equal(t, feed.StatusBridgeError, re.Status)
+			t.Logf("member 1 got: %s", re.Msg)
+			assert.NotContains(t, re.Msg, fmt.Sprintf("rank 0, pid %d", pid), "the pid is gbbridge's, not the rank's")
+			if tr == discover.BridgeSHM {
+				assert.Contains(t, re.Msg, fmt.Sprintf("member 0 (rank 0 on host-a): gbbridge serve of rank 0 (pid %d) died", pid))
+			} else {
+				assert.Contains(t, re.Msg, "member 0 (rank 0 on host-a 127.0.0.1:")
+				assert.Contains(t, re.Msg, fmt.Sprintf("did gbbridge serve of rank 0 (pid %d on host-a) die?", pid))
+			}
+			require.NoError(t, cl1.Close(ctx))
+			assert.Equal(t, 1, ps[1].wait(t), "a bridge failure during the session is exit 1")
+		})
+	}
 }
 
 type devNull struct{}
