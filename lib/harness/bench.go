@@ -31,7 +31,13 @@ type BenchRow struct {
 	TimeUS     float64 `json:"time_us"`
 	AlgBW      float64 `json:"algbw_gbps"`
 	BusBW      float64 `json:"busbw_gbps"`
-	Wrong      int64   `json:"wrong"`
+	// Wrong counts the elements, over all members, that differed bit for
+	// bit from the expected result in one more call after timing.
+	Wrong int64 `json:"wrong"`
+	// Checked says that Wrong comes from that check. Every row of this
+	// version is checked; rows of older versions lack the field, and their
+	// exchange and memcpy rows were not checked.
+	Checked bool `json:"checked"`
 }
 
 // SweepOptions choose what a bench times.
@@ -51,13 +57,20 @@ type SweepOptions struct {
 // exchange is the ceiling the bridge is measured against: the two members
 // send each other buf at the same time over every data stream, in frames of
 // chunk bytes, and neither reduces nor copies what arrives — the traffic of
-// a 2-member all_reduce without its arithmetic.
-func exchange(ctx context.Context, m *Member, buf []byte, chunk int) error {
+// a 2-member all_reduce without its arithmetic. With got non-nil (the
+// checked call after timing) each frame is checked for its place in the
+// buffer and copied into got, so the caller can compare got with what the
+// peer sent.
+func exchange(ctx context.Context, m *Member, buf []byte, chunk int, got []byte) error {
 	if m.Size != 2 {
 		return fmt.Errorf("bench: the exchange needs 2 members, not %d", m.Size)
 	}
 	peer, streams := 1-m.Rank, m.Mesh.Streams()
 	chunks := (len(buf) + chunk - 1) / chunk
+	// The first failure stops the other streams rather than leaving them
+	// waiting for frames that will not come.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	errc := make(chan error, 2*streams)
 	for s := 0; s < streams; s++ {
 		st := m.Mesh.Stream(peer, s)
@@ -73,7 +86,19 @@ func exchange(ctx context.Context, m *Member, buf []byte, chunk int) error {
 		}()
 		go func() {
 			for k := s; k < chunks; k += streams {
-				if err := st.Recv(ctx, func(wire.Header, []byte) error { return nil }); err != nil {
+				keep := func(wire.Header, []byte) error { return nil }
+				if got != nil {
+					start, end := k*chunk, min((k+1)*chunk, len(buf))
+					keep = func(h wire.Header, p []byte) error {
+						if int(h.Chunk) != k || len(p) != end-start {
+							return fmt.Errorf("bench: exchange stream %d: got chunk %d of %d bytes, want chunk %d of %d bytes",
+								s, h.Chunk, len(p), k, end-start)
+						}
+						copy(got[start:end], p)
+						return nil
+					}
+				}
+				if err := st.Recv(ctx, keep); err != nil {
 					errc <- err
 					return
 				}
@@ -85,6 +110,7 @@ func exchange(ctx context.Context, m *Member, buf []byte, chunk int) error {
 	for i := 0; i < 2*streams; i++ {
 		if err := <-errc; err != nil && first == nil {
 			first = err
+			cancel()
 		}
 	}
 	return first
@@ -179,7 +205,7 @@ func Sweep(ctx context.Context, m *Member, o SweepOptions) ([]BenchRow, error) {
 			case "reduce_scatter":
 				return m.Comm.ReduceScatter(ctx, buf, in, o.DType, o.Op, nil)
 			case "exchange":
-				return exchange(ctx, m, buf, o.ChunkB)
+				return exchange(ctx, m, buf, o.ChunkB, nil)
 			case "memcpy":
 				copy(in, buf)
 				return nil
@@ -207,11 +233,20 @@ func Sweep(ctx context.Context, m *Member, o SweepOptions) ([]BenchRow, error) {
 			return rows, err
 		}
 		// Correctness: one more run on fresh data, checked element by element.
+		// The exchange keeps what arrives this time, to compare it with
+		// what the peer sent.
 		fillBench(o, m.Rank, buf, in)
-		if err := run(); err != nil {
+		var got []byte
+		if o.Coll == "exchange" {
+			got = make([]byte, len(buf))
+			err = exchange(ctx, m, buf, o.ChunkB, got)
+		} else {
+			err = run()
+		}
+		if err != nil {
 			return rows, err
 		}
-		wrong, err := checkBench(o, n, m.Rank, buf)
+		wrong, err := checkBench(o, n, m.Rank, buf, in, got)
 		if err != nil {
 			return rows, err
 		}
@@ -223,7 +258,7 @@ func Sweep(ctx context.Context, m *Member, o SweepOptions) ([]BenchRow, error) {
 		row := BenchRow{
 			Schema: BenchSchema, Collective: o.Coll, Members: n, Transport: m.Mesh.Describe(),
 			Size: size, Count: size / sz, Type: o.DType.String(), Redop: o.Op.String(),
-			TimeUS: slowest * 1e6, AlgBW: algbw, BusBW: algbw * BusFactor(o.Coll, n), Wrong: totalWrong,
+			TimeUS: slowest * 1e6, AlgBW: algbw, BusBW: algbw * BusFactor(o.Coll, n), Wrong: totalWrong, Checked: true,
 		}
 		switch o.Coll {
 		case "memcpy":
@@ -241,7 +276,7 @@ func Sweep(ctx context.Context, m *Member, o SweepOptions) ([]BenchRow, error) {
 
 func fillBench(o SweepOptions, me int, buf, in []byte) {
 	switch o.Coll {
-	case "all_reduce":
+	case "all_reduce", "exchange", "memcpy":
 		fillPattern(buf, o.DType, me, o.Op)
 	case "broadcast":
 		fillPattern(buf, o.DType, me, o.Op) // only the root's survives
@@ -252,12 +287,15 @@ func fillBench(o SweepOptions, me int, buf, in []byte) {
 	}
 }
 
-// checkBench counts wrong elements of this member's result.
-func checkBench(o SweepOptions, n, me int, buf []byte) (int, error) {
+// checkBench counts wrong elements of this member's result: buf (in for
+// memcpy, got for the exchange: what arrived from the peer).
+func checkBench(o SweepOptions, n, me int, buf, in, got []byte) (int, error) {
 	sz := o.DType.Size()
 	switch o.Coll {
-	case "exchange", "memcpy":
-		return 0, nil
+	case "exchange":
+		return countSentWrong(got, o.DType, 1-me, o.Op), nil
+	case "memcpy":
+		return countWrong(in, buf, sz), nil
 	case "all_reduce":
 		return countPatternWrong(buf, o.DType, o.Op, n, 0)
 	case "broadcast":

@@ -163,6 +163,21 @@ func countPatternWrong(b []byte, dt reduce.DType, op reduce.Op, n, first int) (i
 	return wrong, nil
 }
 
+// countSentWrong counts the elements of got that differ bit for bit from
+// member m's pattern: what m sends in an exchange.
+func countSentWrong(got []byte, dt reduce.DType, m int, op reduce.Op) int {
+	sz := dt.Size()
+	want := make([]byte, sz)
+	wrong := 0
+	for i := 0; i*sz+sz <= len(got); i++ {
+		putInt(want, dt, patternValue(m, i, op))
+		if string(want) != string(got[i*sz:i*sz+sz]) {
+			wrong++
+		}
+	}
+	return wrong
+}
+
 // countWrong counts the elements where got and want differ bit for bit.
 func countWrong(got, want []byte, size int) int {
 	wrong := 0

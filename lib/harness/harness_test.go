@@ -13,7 +13,9 @@ import (
 
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/transport"
+	"github.com/gpubridge/gpubridge/lib/wire"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -25,7 +27,7 @@ func memMembers(t *testing.T, n int) []*Member {
 	ms := make([]*Member, n)
 	for i := range ms {
 		ms[i] = &Member{Rank: i, Size: n, Mesh: meshes[i],
-			Comm: collective.New(meshes[i], collective.Options{ChunkBytes: 4096, Timeout: 30 * time.Second})}
+			Comm: collective.New(meshes[i], collective.Options{ChunkBytes: 4096, Timeout: testenv.Scale(30 * time.Second)})}
 	}
 	t.Cleanup(func() {
 		for _, m := range ms {
@@ -128,11 +130,79 @@ func TestSweepRowsAreExact(t *testing.T) {
 		require.Len(t, rows[0], 3)
 		for _, r := range rows[0] {
 			assert.Zero(t, r.Wrong, "%s %+v", coll, r)
+			assert.True(t, r.Checked, "%s %+v", coll, r)
 			assert.Positive(t, r.AlgBW)
 			assert.InDelta(t, r.AlgBW*BusFactor(coll, n), r.BusBW, 1e-9)
 			assert.Equal(t, BenchSchema, r.Schema)
 		}
 	}
+}
+
+// corruptMesh flips the first byte of every data frame a member sends.
+type corruptMesh struct{ transport.Mesh }
+
+func (c corruptMesh) Stream(peer, i int) transport.Stream {
+	return corruptStream{c.Mesh.Stream(peer, i)}
+}
+
+type corruptStream struct{ transport.Stream }
+
+func (s corruptStream) Send(ctx context.Context, hdr wire.Header, p []byte) error {
+	q := append([]byte(nil), p...)
+	q[0] ^= 0xff
+	return s.Stream.Send(ctx, hdr, q)
+}
+
+// The exchange rows are checked: what arrives is compared with what the
+// peer sent, so a damaged frame shows in wrong (it once always read 0).
+func TestExchangeRowsCountDamage(t *testing.T) {
+	ms := memMembers(t, 2)
+	ms[1].Mesh = corruptMesh{ms[1].Mesh} // the exchange's streams; the Comm keeps the clean mesh
+	const chunk = 4096
+	rows := make([][]BenchRow, 2)
+	errs := each(ms, func(m *Member) error {
+		r, err := Sweep(context.Background(), m, SweepOptions{Coll: "exchange", DType: reduce.Float32, Op: reduce.Sum,
+			Sizes: []int64{64 << 10}, Iters: 1, Warmup: 1, ChunkB: chunk})
+		rows[m.Rank] = r
+		return err
+	})
+	for i, err := range errs {
+		require.NoError(t, err, "member %d", i)
+	}
+	require.Len(t, rows[0], 1)
+	// Member 0 got (64 KiB / 4 KiB) frames from member 1, each with one bad element.
+	assert.Equal(t, int64(16), rows[0][0].Wrong)
+	assert.True(t, rows[0][0].Checked)
+}
+
+// A frame in the wrong place of the buffer is an error, not data.
+func TestExchangeRefusesMisplacedFrame(t *testing.T) {
+	ms := memMembers(t, 2)
+	buf := make([]byte, 8192)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(30*time.Second))
+	defer cancel()
+	errs := each(ms, func(m *Member) error {
+		if m.Rank == 1 { // sends chunk 1 first, on the stream where chunk 0 belongs
+			return m.Mesh.Stream(0, 0).Send(ctx, wire.Header{Kind: wire.KindData, Chunk: 1}, buf[:4096])
+		}
+		return exchange(ctx, m, buf, 4096, make([]byte, len(buf)))
+	})
+	require.Error(t, errs[0])
+	assert.Contains(t, errs[0].Error(), "got chunk 1 of 4096 bytes, want chunk 0 of 4096 bytes")
+}
+
+func TestMemcpyCheckCountsDifferences(t *testing.T) {
+	o := SweepOptions{Coll: "memcpy", DType: reduce.Float32, Op: reduce.Sum}
+	buf, in := make([]byte, 64), make([]byte, 64)
+	fillPattern(buf, o.DType, 0, o.Op)
+	copy(in, buf)
+	w, err := checkBench(o, 2, 0, buf, in, nil)
+	require.NoError(t, err)
+	assert.Zero(t, w)
+	in[9] ^= 1
+	w, err = checkBench(o, 2, 0, buf, in, nil)
+	require.NoError(t, err)
+	assert.Equal(t, 1, w)
 }
 
 func TestParseSizes(t *testing.T) {
