@@ -23,6 +23,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/feed"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/store"
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
@@ -32,7 +33,7 @@ import (
 // prints the round times in nanoseconds on one line.
 func bareMember() int {
 	member, _ := strconv.Atoi(os.Getenv("GBBRIDGE_BARE_MEMBER"))
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(30*time.Second))
 	defer cancel()
 	sc, err := store.Dial(ctx, os.Getenv("GBBRIDGE_BARE_STORE"))
 	if err != nil {
@@ -43,7 +44,7 @@ func bareMember() int {
 	infos := []transport.MemberInfo{{Rank: 0, Host: "host-a"}, {Rank: 2, Host: "host-b"}}
 	m, err := transport.Establish(ctx, transport.Config{
 		Store: sc.Prefix("gpubridge").Prefix("bare"), Self: member, Members: infos, Transport: "tcp",
-		Streams: 2, CRC: true, ListenHost: "127.0.0.1", Timeout: 20 * time.Second,
+		Streams: 2, CRC: true, ListenHost: "127.0.0.1", Timeout: testenv.Scale(20 * time.Second),
 	})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -244,70 +245,78 @@ func median(d []time.Duration) time.Duration {
 	return s[len(s)/2]
 }
 
-// ClientSpin is how long the feed clients of TestServeLatency spin before
-// they block, in the recommended variant (docs/FEED.md).
+// ClientSpin is how long the feed clients of BenchmarkServeLatency spin
+// before they block, in the recommended variant (docs/FEED.md).
 const ClientSpin = 100 * time.Microsecond
 
-// TestServeLatency measures, in one run, a 4-byte float32 all_reduce round
-// trip over the bare bridge (two processes calling Comm.AllReduce over TCP
-// loopback with serve's settings) and through two gbbridge serve processes,
-// each fed by a client process as the plugin feeds it (one client per
-// process, waiting for DONE blocked in the kernel), with the client blocking
-// at once and after a 100 µs spin; blocks of 500 round trips alternate. It
-// reports the numbers and a floor (a ping-pong between two processes over a
-// Unix socket), and checks the budget — at most 30 µs added at the
-// median — for the recommended client (the spin), on machines with 8 CPUs or
-// more: with fewer, the six processes of the test share them and the
-// numbers say more about the scheduler than about the feed.
+// BenchmarkServeLatency measures a 4-byte float32 all_reduce round trip over
+// the bare bridge (two processes calling Comm.AllReduce over TCP loopback
+// with serve's settings) and through two gbbridge serve processes, each fed
+// by a client process as the plugin feeds it (one client per process,
+// waiting for DONE blocked in the kernel), with the client blocking at once
+// and after a 100 µs spin; blocks of 500 round trips alternate. It reports
+// the medians as metrics, with a floor (a ping-pong between two processes
+// over a Unix socket), and judges the budget: the recommended client
+// (the spin) may add at most feed.LatencyBudget at the median; more fails
+// the benchmark. Every b.N iteration is one whole measurement, and the
+// budget is judged on all of them together (no retries).
+//
+// It is a benchmark, not a test: the six processes need CPUs of their own,
+// and with fewer than about 8 the numbers measure the scheduler (the 2-core
+// CI machine adds 200-270 µs), so make test does not run it. Run it with
+// make bench-latency, or:
+//
+//	go test -run '^$' -bench BenchmarkServeLatency -benchtime 1x ./tools/gbbridge/
+//
 // GPUBRIDGE_LATENCY_ITERS changes the round trips per variant (2000).
-func TestServeLatency(t *testing.T) {
-	if testing.Short() || raceEnabled {
-		t.Skip("timing test: not with -short or -race")
+func BenchmarkServeLatency(b *testing.B) {
+	if raceEnabled {
+		b.Skip("timing: the race detector distorts it (run without -race)")
 	}
 	iters := 2000
 	if v, err := strconv.Atoi(os.Getenv("GPUBRIDGE_LATENCY_ITERS")); err == nil && v > 0 {
 		iters = v
 	}
-	bare := startBare(t)
-	c := newCluster(t)
-	ps := startPair(t, c, "--streams", "2", "--crc")
-	fed := startFeedClients(t, ps)
-	bare.rounds(t, 100)
-	fed.rounds(t, 100)
+	bare := startBare(b)
+	c := newCluster(b)
+	ps := startPair(b, c, "--streams", "2", "--crc")
+	fed := startFeedClients(b, ps)
+	bare.rounds(b, 100)
+	fed.rounds(b, 100)
 	spin := ClientSpin.String()
-	var over time.Duration
-	for attempt := 1; attempt <= 3; attempt++ {
-		var bt, ft, st []time.Duration
-		for b := 0; b < max(1, iters/500); b++ {
-			bt = append(bt, bare.rounds(t, min(500, iters))...)
-			ft = append(ft, fed.rounds(t, min(500, iters), "0s")...)
-			st = append(st, fed.rounds(t, min(500, iters), spin)...)
+	var bt, ft, st, pp []time.Duration
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for k := 0; k < max(1, iters/500); k++ {
+			bt = append(bt, bare.rounds(b, min(500, iters))...)
+			ft = append(ft, fed.rounds(b, min(500, iters), "0s")...)
+			st = append(st, fed.rounds(b, min(500, iters), spin)...)
 		}
-		over = median(st) - median(bt)
-		pp := pingPong(t, 2000)
-		us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
-		t.Logf("4-byte float32 all_reduce, 2 members, tcp loopback (2 streams, crc32c), %d round trips each, %d CPUs (attempt %d):\n"+
-			"  bare: Comm.AllReduce in 2 processes:               %s\n"+
-			"  through 2 gbbridge serve, clients block at once:   %s  (+%.1f µs)\n"+
-			"  through 2 gbbridge serve, clients spin %s first: %s  (+%.1f µs, budget %s)\n"+
-			"  floor: 72-byte ping-pong between 2 processes over a Unix socket: %s",
-			len(bt), runtime.NumCPU(), attempt, quantiles(bt), quantiles(ft), us(median(ft)-median(bt)),
-			spin, quantiles(st), us(over), feed.LatencyBudget, quantiles(pp))
-		if over <= feed.LatencyBudget {
-			break
-		}
+		pp = append(pp, pingPong(b, 2000)...)
 	}
+	b.StopTimer()
 	for _, in := range fed.ins {
-		require.NoError(t, in.Close()) // the clients say BYE
+		require.NoError(b, in.Close()) // the clients say BYE
 	}
 	for _, p := range ps {
-		require.Equal(t, 0, p.wait(t), "stderr:\n%s", p.stderr.String())
+		require.Equal(b, 0, p.wait(b), "stderr:\n%s", p.stderr.String())
 	}
+	us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+	over := median(st) - median(bt)
+	b.Logf("4-byte float32 all_reduce, 2 members, tcp loopback (2 streams, crc32c), %d round trips each, %d CPUs:\n"+
+		"  bare: Comm.AllReduce in 2 processes:               %s\n"+
+		"  through 2 gbbridge serve, clients block at once:   %s  (+%.1f µs)\n"+
+		"  through 2 gbbridge serve, clients spin %s first: %s  (+%.1f µs, budget %s)\n"+
+		"  floor: 72-byte ping-pong between 2 processes over a Unix socket: %s",
+		len(bt), runtime.NumCPU(), quantiles(bt), quantiles(ft), us(median(ft)-median(bt)),
+		spin, quantiles(st), us(over), feed.LatencyBudget, quantiles(pp))
+	b.ReportMetric(us(median(bt)), "bare-µs")
+	b.ReportMetric(us(median(ft)), "serve-block-µs")
+	b.ReportMetric(us(median(st)), "serve-spin-µs")
+	b.ReportMetric(us(over), "added-µs")
+	b.ReportMetric(us(median(pp)), "floor-µs")
 	if over > feed.LatencyBudget {
-		if runtime.NumCPU() < 8 {
-			t.Logf("not judged: %d CPUs for the 6 processes of this test", runtime.NumCPU())
-			return
-		}
-		t.Errorf("the feed adds %s at the median, over the %s budget", over, feed.LatencyBudget)
+		b.Errorf("the feed adds %s at the median, over the %s budget (%d CPUs here; with fewer than about 8 the scheduler dominates)",
+			over, feed.LatencyBudget, runtime.NumCPU())
 	}
 }
