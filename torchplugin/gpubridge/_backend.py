@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import hashlib
 import itertools
 import logging
 import mmap
@@ -135,16 +136,46 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def check_calls_on() -> bool:
+    """GPUBRIDGE_CHECK_CALLS=1 (or torch's TORCH_DISTRIBUTED_DEBUG=DETAIL):
+    before each collective every rank's call (op, dtypes, sizes, reduce op,
+    root) is all-gathered and compared, so a mismatch is an error naming the
+    ranks instead of wrong data or a crash inside the native library. Costs
+    one all_gather of _SIG_BYTES per rank per collective."""
+    return (
+        os.environ.get("GPUBRIDGE_CHECK_CALLS", "") not in ("", "0")
+        or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    )
+
+
+_SIG_BYTES = 128
+
+
+def _signature(op: str, tensors: list[torch.Tensor], detail: str) -> bytes:
+    """What a call looks like to its peers, at most _SIG_BYTES bytes."""
+    shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
+    text = f"{op}({shapes}{', ' + detail if detail else ''})".encode()
+    if len(text) > _SIG_BYTES:
+        text = text[: _SIG_BYTES - 20] + b"...#" + hashlib.sha1(text).hexdigest()[:16].encode()
+    return text
+
+
 class _Task:
-    __slots__ = ("done", "entry", "event", "exc", "fn", "fut", "result")
+    __slots__ = ("done", "entry", "event", "exc", "fn", "fut", "result", "sig")
 
     def __init__(
-        self, entry: fl.Entry, fn: Callable[[fl.Entry], None], fut: Any, result: list[torch.Tensor]
+        self,
+        entry: fl.Entry,
+        fn: Callable[[fl.Entry], None],
+        fut: Any,
+        result: list[torch.Tensor],
+        sig: bytes = b"",
     ) -> None:
         self.entry = entry
         self.fn = fn
         self.fut = fut
         self.result = result
+        self.sig = sig  # set when calls are checked
         self.event: Any = None  # GPU: the caller's stream, then the work's end
         self.exc: BaseException | None = None
         self.done = threading.Event()  # the host's part is over (GPU work may still run)
@@ -254,6 +285,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self._dir = Path(tempfile.mkdtemp(prefix=f"gpubridge-{os.getpid()}-"))
         self.created = next(_CREATED)
         self._group_name = group
+        self._check_calls = check_calls_on()
         try:
             topo = self._discover(store, group, problems or [])
             failed: BaseException | None = None
@@ -529,6 +561,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         result: list[torch.Tensor],
         uses: list[torch.Tensor] | None = None,
         opts: Any = None,
+        detail: str = "",
     ) -> Any:
         """Runs fn after every collective submitted before it; returns the
         Work the caller gets (its future's value is result). A synchronous
@@ -546,6 +579,8 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self._seq += 1
             entry = fl.Entry(self._group, self._seq, op, nbytes, fl.QUEUED, threading.current_thread().name)
             task = _Task(entry, fn, fut, result)
+            if self._check_calls:
+                task.sig = _signature(op, [*result, *(uses or [])], detail)
             if gpu:
                 cur = torch.cuda.current_stream(self._device)
                 task.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -585,6 +620,8 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             if self._device.type == "cuda":
                 with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
                     self._stream.wait_event(task.event)
+                    if task.sig:
+                        self._compare_calls(e, task.sig)
                     task.fn(e)
                     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     done.record(self._stream)
@@ -592,6 +629,8 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 task.done.set()
                 self._done_q.put(task)
             else:
+                if task.sig:
+                    self._compare_calls(e, task.sig)
                 task.fn(e)
                 task.done.set()
                 task.fut.set_result(task.result)
@@ -611,6 +650,30 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 st["steps"][k] = st["steps"].get(k, 0.0) + v
             with self._submit_lock:
                 self._pending -= 1
+
+    def _compare_calls(self, e: fl.Entry, sig: bytes) -> None:
+        """Every rank's signature of this call, all-gathered through the group
+        itself; a difference is an error naming the ranks of each call (the
+        same text on every rank)."""
+        step = e.step
+        e.set_step(fl.CHECK)
+        mine = torch.zeros(_SIG_BYTES, dtype=torch.uint8)
+        mine[: len(sig)] = torch.frombuffer(bytearray(sig), dtype=torch.uint8)
+        mine = mine.to(self._device)
+        every = torch.empty(self._size * _SIG_BYTES, dtype=torch.uint8, device=self._device)
+        self._allgather(e, every, mine)
+        rows = every.cpu().view(self._size, _SIG_BYTES)
+        calls: dict[bytes, list[int]] = {}
+        for r in range(self._size):
+            calls.setdefault(bytes(rows[r].tolist()).rstrip(b"\0"), []).append(r)
+        if len(calls) > 1:
+            parts = [
+                f"{c.decode('utf-8', 'replace')} on {'ranks' if len(rs) > 1 else 'rank'} "
+                + ", ".join(map(str, rs))
+                for c, rs in sorted(calls.items(), key=lambda kv: kv[1][0])
+            ]
+            raise RuntimeError(f"mismatched calls: {'; '.join(parts)}")
+        e.set_step(step)
 
     def _complete(self) -> None:
         """Completes GPU Works once their work is done on the device."""
@@ -885,8 +948,9 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         t = self._one("allreduce", tensors)
         op = self._reduce_op("allreduce", opts, t.dtype)
         return self._submit(
-            "allreduce", t.numel() * t.element_size(), lambda e: self._allreduce(e, t, op), [t], opts=opts
-        )
+            "allreduce", t.numel() * t.element_size(), lambda e: self._allreduce(e, t, op), [t], opts=opts,
+            detail=op.name,
+        )  # fmt: skip
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         self._refusal("allreduce_coalesced")
@@ -907,7 +971,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
                 off += t.numel()
 
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        return self._submit("allreduce_coalesced", nbytes, run, list(tensors), opts=opts)
+        return self._submit("allreduce_coalesced", nbytes, run, list(tensors), opts=opts, detail=op.name)
 
     def _allreduce(self, e: fl.Entry, t: torch.Tensor, op: Op) -> None:
         if t.numel() == 0:
@@ -934,8 +998,9 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         if not 0 <= root < self._size:
             raise RuntimeError(f"gpubridge: broadcast: root {root} is not a rank of the group")
         return self._submit(
-            "broadcast", t.numel() * t.element_size(), lambda e: self._broadcast(e, t, root), [t], opts=opts
-        )
+            "broadcast", t.numel() * t.element_size(), lambda e: self._broadcast(e, t, root), [t], opts=opts,
+            detail=f"root {root}",
+        )  # fmt: skip
 
     def _broadcast(self, e: fl.Entry, t: torch.Tensor, root: int) -> None:
         if t.numel() == 0:
@@ -1117,8 +1182,9 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self._reduce_scatter(e, out.reshape(-1), torch.cat([i.reshape(-1) for i in ins]), op)
 
         return self._submit(
-            "reduce_scatter", out.numel() * out.element_size() * self._size, run, [out], list(ins), opts
-        )
+            "reduce_scatter", out.numel() * out.element_size() * self._size, run, [out], list(ins), opts,
+            op.name,
+        )  # fmt: skip
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         self._refusal("reduce_scatter_tensor")
@@ -1129,8 +1195,9 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self._reduce_scatter(e, output.reshape(-1), input.reshape(-1).clone(), op)
 
         return self._submit(
-            "reduce_scatter_tensor", input.numel() * input.element_size(), run, [output], [input], opts
-        )
+            "reduce_scatter_tensor", input.numel() * input.element_size(), run, [output], [input], opts,
+            op.name,
+        )  # fmt: skip
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -1143,20 +1210,17 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         ops = []
         for o, i in zip(outputs, inputs, strict=True):
             self._check_sizes("reduce_scatter_tensor_coalesced", i, o, ("input", "output"))
-            ops.append(
-                self._reduce_op(
-                    "reduce_scatter_tensor_coalesced",
-                    opts,
-                    o.dtype,
-                )
-            )
+            ops.append(self._reduce_op("reduce_scatter_tensor_coalesced", opts, o.dtype))
 
         def run(e: fl.Entry) -> None:
             for o, i, op in zip(outputs, inputs, ops, strict=True):
                 self._reduce_scatter(e, o.reshape(-1), i.reshape(-1).clone(), op)
 
         nbytes = sum(i.numel() * i.element_size() for i in inputs)
-        return self._submit("reduce_scatter_tensor_coalesced", nbytes, run, list(outputs), list(inputs))
+        return self._submit(
+            "reduce_scatter_tensor_coalesced", nbytes, run, list(outputs), list(inputs),
+            detail=",".join(o.name for o in ops),
+        )  # fmt: skip
 
     def _reduce_scatter(self, e: fl.Entry, out: torch.Tensor, full: torch.Tensor, op: Op) -> None:
         """out = this rank's segment of the reduction of every rank's full

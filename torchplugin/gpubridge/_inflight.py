@@ -21,6 +21,7 @@ __all__ = ["Entry", "in_flight"]
 # Steps of a collective, in the order an all_reduce goes through them.
 QUEUED = "queued"
 RUNNING = "running"  # started, before its first step
+CHECK = "check calls"  # GPUBRIDGE_CHECK_CALLS: every rank's call compared
 ISLAND_REDUCE = "island reduce"
 COPY = "copy"
 BRIDGE = "bridge"

@@ -5,7 +5,10 @@ argv: VENDORS OUTDIR [MODE]. VENDORS is a comma-separated vendor per rank
 (VENDOR:NAME puts the rank in the simulated island VENDOR-NAME)
 (GPUBRIDGE_VENDOR is set from RANK before gpubridge initialises). The rank
 writes OUTDIR/rank<R>.json: {"ok": true, "checks": n} or {"error": text}.
-MODE "badbridge": rank 1 asks for another bridge transport.
+MODE "badbridge": rank 1 asks for another bridge transport; "mismatch-op":
+rank 1 all-reduces with MAX while the others use SUM; "mismatch-size": rank 1
+all-reduces 5 elements, the others 4 (the job runs with
+GPUBRIDGE_CHECK_CALLS=1, which must catch both).
 """
 
 from __future__ import annotations
@@ -245,6 +248,15 @@ def main() -> int:
         return 3
     world = dist.get_world_size()
     assert dist.get_backend() == "gpubridge", dist.get_backend()
+    if mode.startswith("mismatch"):
+        x = torch.ones(5 if mode == "mismatch-size" and rank == 1 else 4)
+        op = dist.ReduceOp.MAX if mode == "mismatch-op" and rank == 1 else dist.ReduceOp.SUM
+        try:
+            dist.all_reduce(x, op=op)
+        except RuntimeError as e:
+            (outdir / f"rank{rank}.json").write_text(json.dumps({"error": str(e)}))
+            return 3
+        raise AssertionError(f"rank {rank}: the mismatched all_reduce passed: {x.tolist()}")
     pg = dist.distributed_c10d._get_default_group()
     assert isinstance(pg, gpubridge.GpubridgeProcessGroup), type(pg)
     info = {

@@ -41,8 +41,12 @@ def main() -> dict[str, object]:
     rs = torch.zeros(2)
     gpubridge.reduce_scatter_tensor(rs, torch.arange(2.0 * world), op="sum")
     assert torch.equal(rs, world * torch.arange(2.0 * rank, 2.0 * rank + 2))
-    w = gpubridge.all_reduce(torch.ones(3), async_op=True)
+    a = torch.full((3,), float(rank + 1))
+    w = gpubridge.all_reduce(a, async_op=True)
     w.wait()
+    assert torch.equal(a, torch.full((3,), float(world * (world + 1) // 2))), a
+    fut = w.get_future()
+    assert torch.equal(fut.wait()[0], a), "the async all_reduce's future holds another tensor"
     gpubridge.barrier()
     probe = gpubridge.probe()
     assert probe["schema"] == "gpubridge.probe/v1" and probe["simulated"], probe

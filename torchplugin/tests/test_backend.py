@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from testenv import scale
 
 from gpubridge._backend import find_tool, store_address
 
@@ -28,7 +29,7 @@ REPO = PKG.parent
 BIN = REPO / "bin"
 TOOLS = [BIN / "gbprobe", BIN / "gbdiscover", BIN / "gbbridge"]
 WORKER = HERE / "backend_worker.py"
-TIMEOUT = 120
+TIMEOUT = scale(120)
 
 needs_tools = pytest.mark.skipif(
     not all(os.access(t, os.X_OK) for t in TOOLS),
@@ -68,11 +69,12 @@ def alive(pid: int) -> bool:
 
 def job_env(tmp_path: Path) -> dict[str, str]:
     """The environment of a test job's ranks: the built tools, the package,
-    one thread each, a tag on their processes (see bridge_pids), and none of
-    the caller's gpubridge settings."""
+    one thread each, a tag on their processes (see bridge_pids), every call
+    compared between ranks (GPUBRIDGE_CHECK_CALLS), and none of the caller's
+    gpubridge settings."""
     env = dict(
         os.environ, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1",
-        GPUBRIDGE_TEST_TAG=str(tmp_path),
+        GPUBRIDGE_TEST_TAG=str(tmp_path), GPUBRIDGE_CHECK_CALLS="1",
     )  # fmt: skip
     for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_SIM_ISLAND", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE"):
         env.pop(k, None)
@@ -186,6 +188,32 @@ def test_mismatched_setting_fails_everywhere(tmp_path: Path) -> None:
     assert len(set(errors)) == 1, errors
     assert errors[0].startswith("gpubridge: discovery failed:"), errors[0]
     assert "bridge" in errors[0], errors[0]
+
+
+@needs_tools
+@pytest.mark.parametrize(
+    ("mode", "want"),
+    [
+        ("mismatch-op", "allreduce(float32[4], SUM) on ranks 0, 2, 3; allreduce(float32[4], MAX) on rank 1"),
+        (
+            "mismatch-size",
+            "allreduce(float32[4], SUM) on ranks 0, 2, 3; allreduce(float32[5], SUM) on rank 1",
+        ),
+    ],
+)
+def test_mismatched_calls_in_an_island(tmp_path: Path, mode: str, want: str) -> None:
+    """Rank 1 calls all_reduce differently from its island's leader: with
+    GPUBRIDGE_CHECK_CALLS every rank raises the same error naming both calls
+    and their ranks (without it, the result was a silent mix of both, or a
+    crash inside Gloo)."""
+    rc, results, out = launch(tmp_path, ["nvidia", "nvidia", "amd", "amd"], mode=mode)
+    assert rc != 0
+    roots = []
+    for r, res in enumerate(results):
+        err = res.get("error", "")
+        assert f"mismatched calls: {want}" in err, f"rank {r}: {err}\n{out[-3000:]}"
+        roots.append(err.split(" (on rank ")[0])
+    assert len(set(roots)) == 1, roots
 
 
 def test_missing_tool_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from testenv import scale
 
 from gpubridge._feed import (
     BridgeError,
@@ -41,7 +42,7 @@ from gpubridge._feed import (
 REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / "bin"
 TOOLS = [BIN / "gbprobe", BIN / "gbdiscover", BIN / "gbbridge"]
-TIMEOUT = 30.0
+TIMEOUT = scale(30.0)
 
 pytestmark = pytest.mark.skipif(
     not all(os.access(t, os.X_OK) for t in TOOLS),
@@ -122,7 +123,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             with topo.open("wb") as out:
                 d = subprocess.Popen(
                     [BIN / "gbdiscover", "--store", store, "--rank", str(rank), "--world-size", "2",
-                     "--namespace", ns, "--local-rank", str(rank), "--timeout", "30s"],
+                     "--namespace", ns, "--local-rank", str(rank), "--timeout", f"{TIMEOUT:.0f}s"],
                     stdin=probe.stdout, stdout=out, env=env,
                 )  # fmt: skip
             assert probe.stdout is not None
@@ -143,7 +144,8 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             bridges.append(
                 start_bridge(
                     topo, feed_dir / "feed.sock", gbbridge=BIN / "gbbridge", env=env,
-                    args=["--chunk", "64K", "--timeout", "20s", "--setup-timeout", "30s"],
+                    args=["--chunk", "64K", "--timeout", f"{scale(20):.0f}s",
+                          "--setup-timeout", f"{TIMEOUT:.0f}s"],
                 )
             )  # fmt: skip
         for rank, b in enumerate(bridges):

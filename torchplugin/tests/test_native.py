@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from test_backend import needs_tools, run_job  # (tests/ is on sys.path under pytest)
+from testenv import scale
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 
@@ -15,7 +16,7 @@ WORKER = Path(__file__).resolve().parent / "native_worker.py"
 def test_native_api_2_2(tmp_path: Path) -> None:
     vendors = ["nvidia", "nvidia", "amd", "amd"]
     rc, results, out = run_job(
-        tmp_path, WORKER, len(vendors), [",".join(vendors), str(tmp_path)], timeout=180
+        tmp_path, WORKER, len(vendors), [",".join(vendors), str(tmp_path)], timeout=scale(180)
     )
     for r, res in enumerate(results):
         assert res.get("ok"), f"rank {r}: {res.get('error')}\n{out[-4000:]}"

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from test_backend import needs_tools, run_job  # (tests/ is on sys.path under pytest)
+from testenv import scale
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "train_worker.py"
-TIMEOUT = 240
+TIMEOUT = scale(240)
 STEPS = 12
 
 
