@@ -69,13 +69,17 @@ func (b *budget) release(n int64) {
 }
 
 // decoder reads requests from one connection. Every size announced by the
-// peer is checked against the limits and the budget before anything is
-// allocated.
+// peer is checked against the limits before anything is read, and memory is
+// charged to the budget as the bytes arrive, not as announced: a peer that
+// announces an 8 MiB value and sends nothing holds nothing.
 type decoder struct {
 	r   *bufio.Reader
 	lim limits
 	mem *budget
 	req *request // request being decoded, for releasing its reservation on error
+	// begin and end, when set, bracket the decoding of one request after its
+	// command byte arrived (the server puts a deadline on it).
+	begin, end func()
 }
 
 func newDecoder(r *bufio.Reader, lim limits, mem *budget) *decoder {
@@ -93,12 +97,17 @@ func (d *decoder) charge(n int64) error {
 
 // next decodes one request. io.EOF means the peer closed the connection
 // cleanly between requests; io.ErrUnexpectedEOF a close inside a request; a
-// *protocolError or errOverBudget a refused request. On error nothing stays
-// reserved.
+// *protocolError or errOverBudget a refused request; a net.Error timeout a
+// request not completed within the server's request deadline. On error
+// nothing stays reserved.
 func (d *decoder) next() (*request, error) {
 	cmd, err := d.r.ReadByte()
 	if err != nil {
 		return nil, err
+	}
+	if d.begin != nil {
+		d.begin()
+		defer d.end()
 	}
 	d.req = &request{cmd: cmd}
 	if err := d.body(d.req); err != nil {
@@ -189,10 +198,10 @@ func (d *decoder) key(r *request) error {
 	if n > uint64(d.lim.maxKeyLen) {
 		return protoErrorf("%s key of %d bytes exceeds MaxKeyLen %d", cmdName(r.cmd), n, d.lim.maxKeyLen)
 	}
-	if err := d.charge(int64(n) + entryOverhead); err != nil {
+	if err := d.charge(entryOverhead); err != nil {
 		return err
 	}
-	b, err := readN(d.r, int(n))
+	b, err := d.bytes(int(n))
 	if err != nil {
 		return err
 	}
@@ -208,13 +217,46 @@ func (d *decoder) value(r *request) error {
 	if n > uint64(d.lim.maxValueLen) {
 		return protoErrorf("%s value of %d bytes exceeds MaxValueLen %d", cmdName(r.cmd), n, d.lim.maxValueLen)
 	}
-	if err := d.charge(int64(n) + entryOverhead); err != nil {
+	if err := d.charge(entryOverhead); err != nil {
 		return err
 	}
-	b, err := readN(d.r, int(n))
+	b, err := d.bytes(int(n))
 	if err != nil {
 		return err
 	}
 	r.values = append(r.values, b)
 	return nil
+}
+
+// firstGrowth is the smallest buffer bytes allocates for a blob.
+const firstGrowth = 512
+
+// bytes reads n bytes, growing the result only by what has arrived (at most
+// doubling it) and charging every growth to the budget before allocating
+// it. The result's capacity is exactly n, so what the store charges for a
+// stored value (its capacity) is what decoding charged.
+func (d *decoder) bytes(n int) ([]byte, error) {
+	b := []byte{}
+	for len(b) < n {
+		// Peek blocks until at least one byte arrived, without allocating.
+		if _, err := d.r.Peek(1); err != nil {
+			return nil, err
+		}
+		avail := min(d.r.Buffered(), n-len(b))
+		if len(b)+avail > cap(b) {
+			grown := min(n, max(2*cap(b), len(b)+avail, firstGrowth))
+			if err := d.charge(int64(grown - cap(b))); err != nil {
+				return nil, err
+			}
+			nb := make([]byte, len(b), grown)
+			copy(nb, b)
+			b = nb
+		}
+		m, err := d.r.Read(b[len(b) : len(b)+avail])
+		b = b[:len(b)+m]
+		if err != nil {
+			return nil, err
+		}
+	}
+	return b, nil
 }

@@ -36,7 +36,7 @@ func FuzzServerDecode(f *testing.F) {
 		a, b := net.Pipe()
 		defer a.Close()
 		defer b.Close()
-		sc := newServerConn(a)
+		sc := newServerConn(a, &s.out)
 
 		dec := newDecoder(bufio.NewReaderSize(bytes.NewReader(data), 16), s.lim, &s.mem)
 		var re enc
@@ -57,9 +57,10 @@ func FuzzServerDecode(f *testing.F) {
 			}
 			err = s.handle(sc, req)
 			// Discard replies: no writer runs here.
-			sc.out.mu.Lock()
-			sc.out.bufs, sc.out.pending = nil, 0
-			sc.out.mu.Unlock()
+			sc.out.drop()
+			if n := s.out.inUse(); n != 0 {
+				t.Fatalf("output budget holds %d bytes after the replies were dropped", n)
+			}
 			if err != nil {
 				var pe *protocolError
 				if !errors.As(err, &pe) && !errors.Is(err, errOverBudget) {

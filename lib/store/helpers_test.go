@@ -10,11 +10,14 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+
+	"github.com/gpubridge/gpubridge/lib/testenv"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -43,8 +46,9 @@ type testServer struct {
 	logs *syncBuffer
 }
 
-// startServer runs a Server on a loopback port until the test ends.
-func startServer(t *testing.T, opts ServerOptions) *testServer {
+// startServer runs a Server on a loopback port until the test ends; tweak,
+// if given, adjusts the server before it serves.
+func startServer(t *testing.T, opts ServerOptions, tweak ...func(*Server)) *testServer {
 	t.Helper()
 	logs := &syncBuffer{}
 	if opts.Logger == nil {
@@ -53,10 +57,13 @@ func startServer(t *testing.T, opts ServerOptions) *testServer {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	srv := NewServer(opts)
+	for _, f := range tweak {
+		f(srv)
+	}
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ln) }()
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(10*time.Second))
 		defer cancel()
 		require.NoError(t, srv.Shutdown(ctx))
 		require.NoError(t, <-done)
@@ -68,14 +75,14 @@ func startServer(t *testing.T, opts ServerOptions) *testServer {
 func (ts *testServer) waitLog(t *testing.T, substr string) {
 	t.Helper()
 	require.Eventually(t, func() bool { return strings.Contains(ts.logs.String(), substr) },
-		5*time.Second, 5*time.Millisecond, "log line %q not found in:\n%s", substr, ts.logs.String())
+		testenv.Scale(10*time.Second), 5*time.Millisecond, "log line %q not found in:\n%s", substr, ts.logs.String())
 }
 
 func dialT(t *testing.T, addr string, opts ...Option) *Client {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(20*time.Second))
 	defer cancel()
-	c, err := Dial(ctx, addr, append([]Option{WithConnectTimeout(10 * time.Second)}, opts...)...)
+	c, err := Dial(ctx, addr, append([]Option{WithConnectTimeout(testenv.Scale(20 * time.Second))}, opts...)...)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	return c
@@ -83,7 +90,7 @@ func dialT(t *testing.T, addr string, opts ...Option) *Client {
 
 func tctx(t *testing.T) context.Context {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	t.Cleanup(cancel)
 	return ctx
 }
@@ -96,7 +103,28 @@ type raw struct {
 
 func rawDial(t *testing.T, addr string, handshake bool) *raw {
 	t.Helper()
-	nc, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	return rawDialWith(t, &net.Dialer{}, addr, handshake)
+}
+
+// deafDial is rawDial for a client that will not read: its receive buffer
+// is small, so the kernel does not take megabytes of replies off the
+// server's hands (loopback buffers can grow to tens of MiB).
+func deafDial(t *testing.T, addr string) *raw {
+	t.Helper()
+	d := &net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) {
+			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+		})
+		return errors.Join(err, serr)
+	}}
+	return rawDialWith(t, d, addr, true)
+}
+
+func rawDialWith(t *testing.T, d *net.Dialer, addr string, handshake bool) *raw {
+	t.Helper()
+	d.Timeout = testenv.Scale(10 * time.Second)
+	nc, err := d.Dial("tcp", addr)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = nc.Close() })
 	r := &raw{t: t, nc: nc}
@@ -114,7 +142,7 @@ func rawDial(t *testing.T, addr string, handshake bool) *raw {
 
 func (r *raw) send(b []byte) {
 	r.t.Helper()
-	_ = r.nc.SetWriteDeadline(time.Now().Add(5 * time.Second))
+	_ = r.nc.SetWriteDeadline(time.Now().Add(testenv.Scale(10 * time.Second)))
 	_, err := r.nc.Write(b)
 	require.NoError(r.t, err)
 }
@@ -128,7 +156,7 @@ func (r *raw) req(q *request) {
 
 func (r *raw) read(n int) []byte {
 	r.t.Helper()
-	_ = r.nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_ = r.nc.SetReadDeadline(time.Now().Add(testenv.Scale(10 * time.Second)))
 	b := make([]byte, n)
 	_, err := io.ReadFull(r.nc, b)
 	require.NoError(r.t, err)
@@ -155,7 +183,7 @@ func (r *raw) nothingWithin(d time.Duration) {
 // closedByPeer asserts that the server closes the connection.
 func (r *raw) closedByPeer() {
 	r.t.Helper()
-	_ = r.nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_ = r.nc.SetReadDeadline(time.Now().Add(testenv.Scale(10 * time.Second)))
 	_, err := io.Copy(io.Discard, r.nc)
 	// EOF (nil from Copy) or a reset both mean closed; a timeout does not.
 	var ne net.Error

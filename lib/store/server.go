@@ -32,23 +32,51 @@ type ServerOptions struct {
 	// above it are closed at once.
 	MaxConns int
 	// MaxTotalBytes bounds the memory for stored keys, values and queue
-	// items plus the requests being decoded (default 1 GiB). A request that
-	// would exceed it closes its connection.
+	// items plus the requests being decoded, charged as their bytes arrive
+	// (default 1 GiB). A request that would exceed it closes its
+	// connection.
 	MaxTotalBytes int64
+	// MaxReplyBytes bounds one reply (default 64 MiB): a MULTI_GET,
+	// LIST_KEYS or GET whose reply would be larger closes its connection.
+	MaxReplyBytes int
+	// MaxOutputBytes bounds the replies queued and not yet written, over all
+	// connections (default 256 MiB). A reply that does not fit waits its
+	// turn for room (at most twice WriteTimeout, else its connection is
+	// closed).
+	MaxOutputBytes int64
 	// HandshakeTimeout bounds the wait for a new connection's VALIDATE
 	// (default 30s).
 	HandshakeTimeout time.Duration
+	// RequestTimeout bounds the time from a request's first byte to its
+	// last (default 30s); a client that starts a request and stalls is
+	// closed. Idle connections between requests have no deadline.
+	RequestTimeout time.Duration
+	// WriteTimeout bounds the writing of queued replies (default 30s): a
+	// client that does not read them is closed.
+	WriteTimeout time.Duration
 	// Logger receives one line per refused connection or request (default:
-	// discard).
+	// discard). Warnings are rate-limited: per kind, 5 lines in 10 s, then
+	// one line summing up the rest.
 	Logger *slog.Logger
 }
+
+// Defaults of the server's timeouts and output bounds.
+const (
+	DefaultMaxReplyBytes    = 64 << 20
+	DefaultMaxOutputBytes   = int64(256) << 20
+	DefaultHandshakeTimeout = 30 * time.Second
+	DefaultRequestTimeout   = 30 * time.Second
+	DefaultWriteTimeout     = 30 * time.Second
+)
 
 // Server is a c10d TCPStore server for torch >= 2.8 clients and Client.
 type Server struct {
 	opts ServerOptions
 	log  *slog.Logger
+	warn *logLimiter
 	lim  limits
 	mem  budget
+	out  outBudget
 	st   state
 
 	mu        sync.Mutex
@@ -62,7 +90,6 @@ type Server struct {
 const (
 	serverReadBuf   = 8 << 10
 	outHighWater    = 1 << 20 // reader stops decoding while this much reply data is queued
-	writeTimeout    = 60 * time.Second
 	maxWaitsPerConn = 1024
 	smallBlob       = 4 << 10 // blobs above this go out without copying
 )
@@ -84,8 +111,22 @@ func NewServer(opts ServerOptions) *Server {
 	if opts.MaxTotalBytes <= 0 {
 		opts.MaxTotalBytes = DefaultMaxTotalBytes
 	}
+	if opts.MaxReplyBytes <= 0 {
+		opts.MaxReplyBytes = DefaultMaxReplyBytes
+	}
+	if opts.MaxOutputBytes <= 0 {
+		opts.MaxOutputBytes = DefaultMaxOutputBytes
+	}
+	// A reply larger than the output bound could never be queued.
+	opts.MaxReplyBytes = int(min(int64(opts.MaxReplyBytes), opts.MaxOutputBytes))
 	if opts.HandshakeTimeout <= 0 {
-		opts.HandshakeTimeout = 30 * time.Second
+		opts.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if opts.RequestTimeout <= 0 {
+		opts.RequestTimeout = DefaultRequestTimeout
+	}
+	if opts.WriteTimeout <= 0 {
+		opts.WriteTimeout = DefaultWriteTimeout
 	}
 	log := opts.Logger
 	if log == nil {
@@ -94,10 +135,12 @@ func NewServer(opts ServerOptions) *Server {
 	s := &Server{
 		opts:      opts,
 		log:       log,
+		warn:      newLogLimiter(log, logBurst, logWindow),
 		lim:       limits{maxKeyLen: opts.MaxKeyLen, maxValueLen: opts.MaxValueLen, maxKeys: opts.MaxKeysPerRequest},
 		listeners: make(map[net.Listener]struct{}),
 		conns:     make(map[*serverConn]struct{}),
 	}
+	s.out.init(opts.MaxOutputBytes)
 	s.mem.max = opts.MaxTotalBytes
 	s.st.init(&s.mem)
 	return s
@@ -157,7 +200,7 @@ func (s *Server) Serve(ln net.Listener) error {
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
 				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-				s.log.Warn("store server accept failed; retrying", "err", err, "backoff", backoff)
+				s.warn.warn("store server accept failed; retrying", "err", err, "backoff", backoff)
 				time.Sleep(backoff)
 				continue
 			}
@@ -172,18 +215,18 @@ func (s *Server) Serve(ln net.Listener) error {
 		}
 		if len(s.conns) >= s.opts.MaxConns {
 			s.mu.Unlock()
-			s.log.Warn("store server refusing connection: MaxConns reached",
+			s.warn.warn("store server refusing connection: MaxConns reached",
 				"remote", nc.RemoteAddr().String(), "max_conns", s.opts.MaxConns)
 			_ = nc.Close()
 			continue
 		}
-		sc := newServerConn(nc)
+		sc := newServerConn(nc, &s.out)
 		s.conns[sc] = struct{}{}
 		s.wg.Add(2)
 		s.mu.Unlock()
 		go func() {
 			defer s.wg.Done()
-			sc.writeLoop()
+			s.writeLoop(sc)
 			s.mu.Lock()
 			delete(s.conns, sc)
 			s.mu.Unlock()
@@ -217,6 +260,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	}()
 	select {
 	case <-done:
+		s.warn.close()
 		return nil
 	case <-ctx.Done():
 		return fmt.Errorf("store server shutdown: %w", ctx.Err())
@@ -234,32 +278,51 @@ type serverConn struct {
 	waits  []*waiter // guarded by state.mu
 }
 
-func newServerConn(nc net.Conn) *serverConn {
+func newServerConn(nc net.Conn, ob *outBudget) *serverConn {
 	sc := &serverConn{nc: nc, remote: nc.RemoteAddr().String()}
 	sc.out.cond.L = &sc.out.mu
+	sc.out.budget = ob
+	sc.out.done = make(chan struct{})
 	return sc
 }
 
 var errConnClosed = errors.New("connection closed")
 
-// outQueue holds reply bytes not yet written.
+// errOutputFull: no room for a reply in MaxOutputBytes in time.
+var errOutputFull = errors.New("no room for the reply in the server's output bound (MaxOutputBytes) within twice the write timeout")
+
+// outQueue holds reply bytes not yet written. Every queued byte is charged
+// to the server's output budget until it is written or dropped.
 type outQueue struct {
 	mu      sync.Mutex
 	cond    sync.Cond
 	bufs    net.Buffers
 	pending int
 	closed  bool
+	done    chan struct{} // closed with the queue
+	budget  *outBudget
 }
 
-// send queues a reply, waiting while more than outHighWater bytes are
-// pending.
-func (q *outQueue) send(bufs [][]byte, n int) error {
+// send queues a reply: it waits while more than outHighWater bytes of this
+// connection are unwritten, then for room in the output budget until
+// deadline.
+func (q *outQueue) send(bufs [][]byte, n int, deadline time.Time) error {
 	q.mu.Lock()
-	defer q.mu.Unlock()
 	for q.pending > outHighWater && !q.closed {
 		q.cond.Wait()
 	}
+	closed := q.closed
+	q.mu.Unlock()
+	if closed {
+		return errConnClosed
+	}
+	if err := q.budget.acquire(int64(n), deadline, q.done); err != nil {
+		return err
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
 	if q.closed {
+		q.budget.release(int64(n))
 		return errConnClosed
 	}
 	q.bufs = append(q.bufs, bufs...)
@@ -268,13 +331,15 @@ func (q *outQueue) send(bufs [][]byte, n int) error {
 	return nil
 }
 
-// sendNow queues b without waiting (used with state.mu held).
+// sendNow queues b without waiting (used with state.mu held, for the
+// one-byte STOP_WAITING); it is charged even above the output bound.
 func (q *outQueue) sendNow(b []byte) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if q.closed {
 		return
 	}
+	q.budget.force(int64(len(b)))
 	q.bufs = append(q.bufs, b)
 	q.pending += len(b)
 	q.cond.Broadcast()
@@ -282,16 +347,34 @@ func (q *outQueue) sendNow(b []byte) {
 
 func (q *outQueue) close() {
 	q.mu.Lock()
-	q.closed = true
+	q.closeLocked()
+	q.mu.Unlock()
+}
+
+func (q *outQueue) closeLocked() {
+	if !q.closed {
+		q.closed = true
+		close(q.done)
+	}
+	q.cond.Broadcast()
+}
+
+// drop discards what is queued and releases its budget.
+func (q *outQueue) drop() {
+	q.mu.Lock()
+	q.budget.release(int64(q.pending))
+	q.bufs, q.pending = nil, 0
 	q.cond.Broadcast()
 	q.mu.Unlock()
 }
 
 // writeLoop writes queued replies until the queue is closed and drained or a
-// write fails, then closes the connection.
-func (sc *serverConn) writeLoop() {
+// write fails, then closes the connection. A batch not written within
+// WriteTimeout (a client that does not read) closes the connection.
+func (s *Server) writeLoop(sc *serverConn) {
 	defer sc.nc.Close()
 	q := &sc.out
+	defer q.drop()
 	for {
 		q.mu.Lock()
 		for len(q.bufs) == 0 && !q.closed {
@@ -301,23 +384,121 @@ func (sc *serverConn) writeLoop() {
 			q.mu.Unlock()
 			return
 		}
-		bufs := q.bufs
-		q.bufs, q.pending = nil, 0
+		bufs, n := q.bufs, q.pending
+		q.bufs = nil
 		q.mu.Unlock()
 
-		_ = sc.nc.SetWriteDeadline(time.Now().Add(writeTimeout))
+		_ = sc.nc.SetWriteDeadline(time.Now().Add(s.opts.WriteTimeout))
 		_, err := bufs.WriteTo(sc.nc)
 		q.mu.Lock()
+		q.pending -= n
+		q.budget.release(int64(n))
 		if err != nil {
-			q.closed = true
-			q.bufs, q.pending = nil, 0
+			q.closeLocked()
 		}
 		q.cond.Broadcast()
 		q.mu.Unlock()
 		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				s.warn.warn("store server closing connection: the client did not read its replies within the write timeout",
+					"remote", sc.remote, "write_timeout", s.opts.WriteTimeout, "unwritten_bytes", n)
+			} else {
+				s.log.Debug("store server write failed", "remote", sc.remote, "err", err)
+			}
 			return // the deferred Close wakes the reader
 		}
 	}
+}
+
+// outBudget bounds the reply bytes queued and not yet written over all
+// connections (ServerOptions.MaxOutputBytes). Replies that find no room are
+// served first come, first served, so a steady stream of clients that do not
+// read cannot starve one that does.
+type outBudget struct {
+	max     int64
+	mu      sync.Mutex
+	used    int64
+	waiters []*outWaiter
+}
+
+type outWaiter struct {
+	n       int64
+	granted chan struct{}
+}
+
+func (b *outBudget) init(max int64) { b.max = max }
+
+// acquire charges n bytes, waiting in line for room until deadline or until
+// cancel is closed.
+func (b *outBudget) acquire(n int64, deadline time.Time, cancel <-chan struct{}) error {
+	b.mu.Lock()
+	if len(b.waiters) == 0 && (b.used+n <= b.max || n == 0) {
+		b.used += n
+		b.mu.Unlock()
+		return nil
+	}
+	w := &outWaiter{n: n, granted: make(chan struct{})}
+	b.waiters = append(b.waiters, w)
+	b.mu.Unlock()
+
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	var err error
+	select {
+	case <-w.granted:
+		return nil
+	case <-timer.C:
+		err = errOutputFull
+	case <-cancel:
+		err = errConnClosed
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	select {
+	case <-w.granted: // granted meanwhile: give it back
+		b.used -= n
+	default:
+		b.waiters = slices.DeleteFunc(b.waiters, func(x *outWaiter) bool { return x == w })
+	}
+	b.grantLocked()
+	return err
+}
+
+// grantLocked serves the waiters in order while the first one fits.
+func (b *outBudget) grantLocked() {
+	for len(b.waiters) > 0 {
+		w := b.waiters[0]
+		if b.used+w.n > b.max && b.used > 0 {
+			return
+		}
+		b.used += w.n
+		close(w.granted)
+		b.waiters = b.waiters[1:]
+	}
+}
+
+// force charges n bytes even above the bound (a one-byte STOP_WAITING).
+func (b *outBudget) force(n int64) {
+	b.mu.Lock()
+	b.used += n
+	b.mu.Unlock()
+}
+
+func (b *outBudget) release(n int64) {
+	if n <= 0 {
+		return
+	}
+	b.mu.Lock()
+	b.used -= n
+	b.grantLocked()
+	b.mu.Unlock()
+}
+
+func (b *outBudget) inUse() int64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.used
 }
 
 // reply accumulates one reply: small fields are copied into a buffer, large
@@ -347,6 +528,35 @@ func (r *reply) blob(v []byte) {
 	r.n += len(v)
 }
 
+// connReader is the connection as the decoder reads it: while a request is
+// being decoded, the first read from the network sets the request's
+// deadline. Between requests there is none, so idle clients (a training job
+// between rendezvous) stay connected.
+type connReader struct {
+	nc      net.Conn
+	timeout time.Duration
+	dl      time.Time // deadline of the request being decoded; zero between requests
+	armed   bool      // dl is set on nc
+}
+
+func (r *connReader) Read(p []byte) (int, error) {
+	if !r.dl.IsZero() && !r.armed {
+		_ = r.nc.SetReadDeadline(r.dl)
+		r.armed = true
+	}
+	return r.nc.Read(p)
+}
+
+func (r *connReader) begin() { r.dl = time.Now().Add(r.timeout) }
+
+func (r *connReader) end() {
+	r.dl = time.Time{}
+	if r.armed {
+		_ = r.nc.SetReadDeadline(time.Time{})
+		r.armed = false
+	}
+}
+
 func (s *Server) serveConn(sc *serverConn) {
 	defer func() {
 		s.st.mu.Lock()
@@ -357,27 +567,36 @@ func (s *Server) serveConn(sc *serverConn) {
 		sc.out.close()
 	}()
 
-	br := bufio.NewReaderSize(sc.nc, serverReadBuf)
+	cr := &connReader{nc: sc.nc, timeout: s.opts.RequestTimeout}
+	br := bufio.NewReaderSize(cr, serverReadBuf)
 	if !s.handshake(sc, br) {
 		return
 	}
 	dec := newDecoder(br, s.lim, &s.mem)
+	dec.begin, dec.end = cr.begin, cr.end
 	for {
 		req, err := dec.next()
 		if err != nil {
+			var ne net.Error
 			switch {
 			case errors.Is(err, io.EOF):
 				s.log.Debug("store client disconnected", "remote", sc.remote)
 			case errors.Is(err, net.ErrClosed):
 				// Shutdown or failed write.
+			case errors.As(err, &ne) && ne.Timeout():
+				s.warn.warn("store server closing connection: a request was not completed within the request timeout (a stalled or hostile client?)",
+					"remote", sc.remote, "request_timeout", s.opts.RequestTimeout)
+			case errors.Is(err, errOverBudget):
+				s.warn.warn("store server closing connection: request refused, the memory budget (MaxTotalBytes) is exhausted",
+					"remote", sc.remote, "max_total_bytes", s.opts.MaxTotalBytes)
 			default:
-				s.log.Warn("store server closing connection: bad request", "remote", sc.remote, "reason", err.Error())
+				s.warn.warn("store server closing connection: bad request", "remote", sc.remote, "reason", err.Error())
 			}
 			return
 		}
 		if err := s.handle(sc, req); err != nil {
 			if !errors.Is(err, errConnClosed) {
-				s.log.Warn("store server closing connection", "remote", sc.remote,
+				s.warn.warn("store server closing connection: request refused", "remote", sc.remote,
 					"command", cmdName(req.cmd), "reason", err.Error())
 			}
 			return
@@ -401,25 +620,44 @@ func (s *Server) handshake(sc *serverConn, br *bufio.Reader) bool {
 	case n == 0 && errors.Is(err, io.EOF):
 		s.log.Debug("store client closed before handshake", "remote", sc.remote)
 	case errors.As(err, &ne) && ne.Timeout():
-		s.log.Warn("store server refusing connection: no TCPStore VALIDATE handshake within the handshake timeout (torch 1.x client?); gpubridge needs torch >= 2.8",
+		s.warn.warn("store server refusing connection: no TCPStore VALIDATE handshake within the handshake timeout (torch 1.x client?); gpubridge needs torch >= 2.8",
 			"remote", sc.remote, "timeout", s.opts.HandshakeTimeout, "first_bytes", hex.EncodeToString(hs[:n]))
 	default:
-		s.log.Warn("store server refusing connection: it does not start with TCPStore VALIDATE (torch 1.x client?); gpubridge needs torch >= 2.8",
+		s.warn.warn("store server refusing connection: it does not start with TCPStore VALIDATE (torch 1.x client?); gpubridge needs torch >= 2.8",
 			"remote", sc.remote, "first_bytes", hex.EncodeToString(hs[:n]))
 	}
 	return false
 }
 
-// handle executes one request and queues its reply.
+// replyTooLarge is the error of a request whose reply would exceed
+// MaxReplyBytes.
+func (s *Server) replyTooLarge(cmd byte, size int64) error {
+	return protoErrorf("%s reply of at least %d bytes exceeds MaxReplyBytes %d", cmdName(cmd), size, s.opts.MaxReplyBytes)
+}
+
+// handle executes one request and queues its reply. Only the state change
+// and the lookups happen under the state lock; the values a reply carries
+// are collected there as references (stored values are never modified in
+// place) and encoded after the lock is released, so a large MULTI_GET or
+// LIST_KEYS does not hold up other clients.
 func (s *Server) handle(sc *serverConn, r *request) error {
 	st := &s.st
-	var rep reply
+	var rep reply      // fixed-size fields, encoded under the lock
+	var blobs [][]byte // blobs that follow them, encoded after
+	var keys []string  // LIST_KEYS: keys that follow them, sorted and encoded after
+	size := int64(0)   // size of blobs and keys on the wire
+	limit := int64(s.opts.MaxReplyBytes)
 	var err error
 	st.mu.Lock()
 	if r.cmd != cmdWait {
 		// The request's bytes now either become stored data (charged again
 		// by state.put) or are garbage.
 		s.mem.release(r.cost)
+	}
+	addBlob := func(v []byte) bool {
+		size += 8 + int64(len(v))
+		blobs = append(blobs, v)
+		return size <= limit
 	}
 	switch r.cmd {
 	case cmdValidate:
@@ -430,9 +668,13 @@ func (s *Server) handle(sc *serverConn, r *request) error {
 	case cmdCompareSet:
 		var v []byte
 		v, err = st.compareSet(r.keys[0], r.values[0], r.values[1])
-		rep.blob(v)
+		if err == nil && !addBlob(v) {
+			err = s.replyTooLarge(r.cmd, size)
+		}
 	case cmdGet:
-		rep.blob(st.kv[r.keys[0]])
+		if !addBlob(st.kv[r.keys[0]]) {
+			err = s.replyTooLarge(r.cmd, size)
+		}
 	case cmdAdd:
 		var v int64
 		v, err = st.add(r.keys[0], r.delta)
@@ -464,8 +706,12 @@ func (s *Server) handle(sc *serverConn, r *request) error {
 	case cmdAppend:
 		err = st.append(r.keys[0], r.values[0])
 	case cmdMultiGet:
+		blobs = make([][]byte, 0, len(r.keys))
 		for _, k := range r.keys {
-			rep.blob(st.kv[k])
+			if !addBlob(st.kv[k]) {
+				err = s.replyTooLarge(r.cmd, size)
+				break
+			}
 		}
 	case cmdMultiSet:
 		for i, k := range r.keys {
@@ -479,23 +725,28 @@ func (s *Server) handle(sc *serverConn, r *request) error {
 	case cmdQueuePush:
 		err = st.queuePush(r.keys[0], r.values[0])
 	case cmdQueuePop:
+		// The item is popped only if its reply can be sent.
+		if v, ok := st.queuePeek(r.keys[0]); ok && 8+8+int64(len(v)) > limit {
+			err = s.replyTooLarge(r.cmd, 8+8+int64(len(v)))
+			break
+		}
 		n, v := st.queuePop(r.keys[0])
 		rep.e.i64(n)
 		if n > 0 {
-			rep.blob(v)
+			addBlob(v)
 		}
 	case cmdQueueLen:
 		rep.e.i64(st.queueLen(r.keys[0]))
 	case cmdListKeys:
-		keys := make([]string, 0, len(st.kv))
+		keys = make([]string, 0, len(st.kv))
 		for k := range st.kv {
 			keys = append(keys, k)
+			if size += 8 + int64(len(k)); size > limit {
+				err = s.replyTooLarge(r.cmd, size)
+				break
+			}
 		}
-		slices.Sort(keys)
 		rep.e.i64(int64(len(keys)))
-		for _, k := range keys {
-			rep.e.str(k)
-		}
 	default:
 		// The decoder refuses unknown commands; keep the invariant local.
 		err = protoErrorf("unknown command %d", r.cmd)
@@ -504,11 +755,28 @@ func (s *Server) handle(sc *serverConn, r *request) error {
 	if err != nil {
 		return err
 	}
+	for _, v := range blobs {
+		rep.blob(v)
+	}
+	if keys != nil {
+		slices.Sort(keys)
+		for _, k := range keys {
+			rep.e.str(k)
+		}
+	}
 	rep.flushSmall()
 	if rep.n == 0 {
 		return nil
 	}
-	return sc.out.send(rep.segs, rep.n)
+	// Every byte charged to the output bound is written or dropped within
+	// about WriteTimeout of its turn; twice that is a guard against hangs.
+	if err := sc.out.send(rep.segs, rep.n, time.Now().Add(2*s.opts.WriteTimeout)); err != nil {
+		if errors.Is(err, errOutputFull) {
+			return fmt.Errorf("%s reply of %d bytes: %w", cmdName(r.cmd), rep.n, err)
+		}
+		return err
+	}
+	return nil
 }
 
 // state is the key-value store shared by all connections.
@@ -739,6 +1007,15 @@ func (st *state) queuePush(k string, v []byte) error {
 	q.items = append(q.items, v)
 	st.wakeOne(k)
 	return nil
+}
+
+// queuePeek returns the item queuePop would pop.
+func (st *state) queuePeek(k string) ([]byte, bool) {
+	q := st.queues[k]
+	if q == nil || len(q.items) == q.head {
+		return nil, false
+	}
+	return q.items[q.head], true
 }
 
 // queuePop returns the queue length before the pop and the popped item.
