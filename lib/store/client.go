@@ -22,6 +22,77 @@ var (
 	ErrClosed = errors.New("store: client closed")
 )
 
+// LimitError is the error of a request the client does not send because it
+// exceeds the protocol's limits (those of torch's libuv TCPStore server and
+// of Server's defaults): the server would close the connection on it, and
+// the caller would see only "connection reset by peer".
+type LimitError struct {
+	Op    string // the operation: "set", "multi_set", ...
+	Key   string // the key concerned, as the caller named it; "" for a key count
+	What  string // "value", "key" or "key count"
+	Size  int
+	Limit int
+}
+
+func (e *LimitError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "store %s: ", e.Op)
+	key := e.Key
+	if len(key) > 64 {
+		key = key[:61] + "..."
+	}
+	switch e.What {
+	case "key count":
+		fmt.Fprintf(&b, "%d keys in one request, over the store's limit of %d", e.Size, e.Limit)
+	case "key":
+		fmt.Fprintf(&b, "the key %q is %d bytes with its prefixes, over the store's %s limit", key, e.Size, sizeWords(e.Limit))
+	default:
+		fmt.Fprintf(&b, "the %s of key %q is %d bytes, over the store's %s limit", e.What, key, e.Size, sizeWords(e.Limit))
+	}
+	b.WriteString(" (torch's TCPStore has the same limit)")
+	return b.String()
+}
+
+// sizeWords writes a byte count the way people say it: "8 MiB", "8 KiB".
+func sizeWords(n int) string {
+	switch {
+	case n >= 1<<20 && n%(1<<20) == 0:
+		return fmt.Sprintf("%d MiB", n>>20)
+	case n >= 1<<10 && n%(1<<10) == 0:
+		return fmt.Sprintf("%d KiB", n>>10)
+	}
+	return fmt.Sprintf("%d-byte", n)
+}
+
+// checkLimits returns a *LimitError when req exceeds the limits; names are
+// the caller's names of req's keys.
+func (cc *clientConn) checkLimits(op string, req *request, names []string) error {
+	name := func(i int) string {
+		if i < len(names) {
+			return names[i]
+		}
+		return ""
+	}
+	if len(req.keys) > DefaultMaxKeysPerRequest && (req.cmd == cmdMultiGet || req.cmd == cmdMultiSet || req.cmd == cmdCheck) {
+		return &LimitError{Op: op, What: "key count", Size: len(req.keys), Limit: DefaultMaxKeysPerRequest}
+	}
+	for i, k := range req.keys {
+		if len(k) > DefaultMaxKeyLen {
+			return &LimitError{Op: op, Key: name(i), What: "key", Size: len(k), Limit: DefaultMaxKeyLen}
+		}
+	}
+	for i, v := range req.values {
+		if len(v) > cc.opts.maxValueLen {
+			ki := i
+			if req.cmd == cmdCompareSet {
+				ki = 0
+			}
+			return &LimitError{Op: op, Key: name(ki), What: "value", Size: len(v), Limit: cc.opts.maxValueLen}
+		}
+	}
+	return nil
+}
+
 // Defaults of the client options.
 const (
 	DefaultConnectTimeout = 60 * time.Second
@@ -39,6 +110,7 @@ const (
 type options struct {
 	connectTimeout time.Duration
 	timeout        time.Duration
+	maxValueLen    int
 	log            *slog.Logger
 }
 
@@ -62,6 +134,18 @@ func WithTimeout(d time.Duration) Option {
 	return func(o *options) {
 		if d > 0 {
 			o.timeout = d
+		}
+	}
+}
+
+// WithMaxValueLen sets the largest value the client sends (default
+// DefaultMaxValueLen, 8 MiB: the limit of torch's libuv TCPStore server and
+// of Server's default). Raise it only for a Server configured with a larger
+// ServerOptions.MaxValueLen.
+func WithMaxValueLen(n int) Option {
+	return func(o *options) {
+		if n > 0 {
+			o.maxValueLen = n
 		}
 	}
 }
@@ -107,11 +191,16 @@ type clientConn struct {
 // Dial connects to a c10d store server at addr ("host:port"), retrying with
 // backoff until ctx's deadline or the connect timeout (default 60s),
 // whichever comes first. It performs the VALIDATE+PING handshake of torch
-// 2.x clients.
+// 2.x clients. An address without a host or port, or with port 0, fails at
+// once with an *AddrError.
 func Dial(ctx context.Context, addr string, opts ...Option) (*Client, error) {
-	o := options{connectTimeout: DefaultConnectTimeout, timeout: DefaultTimeout, log: slog.New(slog.DiscardHandler)}
+	o := options{connectTimeout: DefaultConnectTimeout, timeout: DefaultTimeout, maxValueLen: DefaultMaxValueLen,
+		log: slog.New(slog.DiscardHandler)}
 	for _, opt := range opts {
 		opt(&o)
+	}
+	if err := CheckAddr(addr); err != nil {
+		return nil, fmt.Errorf("store dial: %w", err)
 	}
 	start := time.Now()
 	dctx, cancel := context.WithTimeout(ctx, o.connectTimeout)
@@ -336,8 +425,22 @@ func (cc *clientConn) closedErr(err error) error {
 	return err
 }
 
-// do runs a non-blocking request with the default deadline.
-func (c *Client) do(ctx context.Context, req *request, read func(r *bufio.Reader) error) error {
+// opErr wraps an operation's error with its name and key; a *LimitError
+// names them already.
+func opErr(err error, format string, args ...any) error {
+	var le *LimitError
+	if errors.As(err, &le) {
+		return err
+	}
+	return fmt.Errorf(format+": %w", append(args, err)...)
+}
+
+// do runs a non-blocking request with the default deadline; names are the
+// caller's names of req's keys (for a *LimitError).
+func (c *Client) do(ctx context.Context, op string, names []string, req *request, read func(r *bufio.Reader) error) error {
+	if err := c.cc.checkLimits(op, req, names); err != nil {
+		return err
+	}
 	var e enc
 	encodeRequest(&e, req)
 	return c.cc.roundTrip(ctx, c.cc.deadline(ctx, c.cc.opts.timeout), e.b, read)
@@ -345,9 +448,9 @@ func (c *Client) do(ctx context.Context, req *request, read func(r *bufio.Reader
 
 // Set stores value under key.
 func (c *Client) Set(ctx context.Context, key string, value []byte) error {
-	err := c.do(ctx, &request{cmd: cmdSet, keys: []string{c.key(key)}, values: [][]byte{value}}, nil)
+	err := c.do(ctx, "set", []string{key}, &request{cmd: cmdSet, keys: []string{c.key(key)}, values: [][]byte{value}}, nil)
 	if err != nil {
-		return fmt.Errorf("store set %q: %w", key, err)
+		return opErr(err, "store set %q", key)
 	}
 	return nil
 }
@@ -357,6 +460,9 @@ func (c *Client) Set(ctx context.Context, key string, value []byte) error {
 // after the client timeout with an error wrapping ErrTimeout.
 func (c *Client) Get(ctx context.Context, key string) ([]byte, error) {
 	wk := c.key(key)
+	if err := c.cc.checkLimits("get", &request{cmd: cmdGet, keys: []string{wk}}, []string{key}); err != nil {
+		return nil, err
+	}
 	dl := c.cc.deadline(ctx, c.cc.opts.timeout)
 	if err := c.cc.awaitKeys(ctx, dl, []string{key}, []string{wk}); err != nil {
 		return nil, fmt.Errorf("store get %q: %w", key, err)
@@ -383,6 +489,9 @@ func (c *Client) get(ctx context.Context, dl time.Time, wk string) ([]byte, erro
 // not exist (CHECK, then GET).
 func (c *Client) TryGet(ctx context.Context, key string) (value []byte, ok bool, err error) {
 	wk := c.key(key)
+	if err := c.cc.checkLimits("tryget", &request{cmd: cmdGet, keys: []string{wk}}, []string{key}); err != nil {
+		return nil, false, err
+	}
 	dl := c.cc.deadline(ctx, c.cc.opts.timeout)
 	ready, err := c.cc.check(ctx, dl, []string{wk})
 	if err != nil {
@@ -404,12 +513,12 @@ func (c *Client) TryGet(ctx context.Context, key string) (value []byte, ok bool,
 // connection. Never ADD torch's internal "init/" key with a raw client.
 func (c *Client) Add(ctx context.Context, key string, delta int64) (int64, error) {
 	var n int64
-	err := c.do(ctx, &request{cmd: cmdAdd, keys: []string{c.key(key)}, delta: delta}, func(r *bufio.Reader) (err error) {
+	err := c.do(ctx, "add", []string{key}, &request{cmd: cmdAdd, keys: []string{c.key(key)}, delta: delta}, func(r *bufio.Reader) (err error) {
 		n, err = readI64(r)
 		return err
 	})
 	if err != nil {
-		return 0, fmt.Errorf("store add %q: %w", key, err)
+		return 0, opErr(err, "store add %q", key)
 	}
 	return n, nil
 }
@@ -420,20 +529,24 @@ func (c *Client) Add(ctx context.Context, key string, delta int64) (int64, error
 // is returned); a non-empty expected stores nothing and returns expected.
 func (c *Client) CompareSet(ctx context.Context, key string, expected, desired []byte) ([]byte, error) {
 	var v []byte
-	err := c.do(ctx, &request{cmd: cmdCompareSet, keys: []string{c.key(key)}, values: [][]byte{expected, desired}},
+	err := c.do(ctx, "compare_set", []string{key}, &request{cmd: cmdCompareSet, keys: []string{c.key(key)}, values: [][]byte{expected, desired}},
 		func(r *bufio.Reader) (err error) {
 			v, err = readBlob(r, maxReplyBlob)
 			return err
 		})
 	if err != nil {
-		return nil, fmt.Errorf("store compare_set %q: %w", key, err)
+		return nil, opErr(err, "store compare_set %q", key)
 	}
 	return v, nil
 }
 
 // Check reports whether all keys exist (without waiting).
 func (c *Client) Check(ctx context.Context, keys ...string) (bool, error) {
-	ok, err := c.cc.check(ctx, c.cc.deadline(ctx, c.cc.opts.timeout), c.keys(keys))
+	wkeys := c.keys(keys)
+	if err := c.cc.checkLimits("check", &request{cmd: cmdCheck, keys: wkeys}, keys); err != nil {
+		return false, err
+	}
+	ok, err := c.cc.check(ctx, c.cc.deadline(ctx, c.cc.opts.timeout), wkeys)
 	if err != nil {
 		return false, fmt.Errorf("store check %q: %w", keys, err)
 	}
@@ -468,8 +581,13 @@ func (c *Client) Wait(ctx context.Context, keys []string, timeout time.Duration)
 	if timeout <= 0 {
 		timeout = c.cc.opts.timeout
 	}
+	wkeys := c.keys(keys)
+	// Wait sends one CHECK per key: only the key lengths matter.
+	if err := c.cc.checkLimits("wait", &request{cmd: cmdWait, keys: wkeys}, keys); err != nil {
+		return err
+	}
 	dl := c.cc.deadline(ctx, timeout)
-	if err := c.cc.awaitKeys(ctx, dl, keys, c.keys(keys)); err != nil {
+	if err := c.cc.awaitKeys(ctx, dl, keys, wkeys); err != nil {
 		return fmt.Errorf("store wait %q: %w", keys, err)
 	}
 	return nil
@@ -574,6 +692,9 @@ func (c *Client) MultiGet(ctx context.Context, keys []string) ([][]byte, error) 
 		return [][]byte{}, nil
 	}
 	wkeys := c.keys(keys)
+	if err := c.cc.checkLimits("multi_get", &request{cmd: cmdMultiGet, keys: wkeys}, keys); err != nil {
+		return nil, err
+	}
 	dl := c.cc.deadline(ctx, c.cc.opts.timeout)
 	if err := c.cc.awaitKeys(ctx, dl, keys, wkeys); err != nil {
 		return nil, fmt.Errorf("store multi_get %q: %w", keys, err)
@@ -603,8 +724,8 @@ func (c *Client) MultiSet(ctx context.Context, keys []string, values [][]byte) e
 	if len(keys) == 0 {
 		return nil
 	}
-	if err := c.do(ctx, &request{cmd: cmdMultiSet, keys: c.keys(keys), values: values}, nil); err != nil {
-		return fmt.Errorf("store multi_set %q: %w", keys, err)
+	if err := c.do(ctx, "multi_set", keys, &request{cmd: cmdMultiSet, keys: c.keys(keys), values: values}, nil); err != nil {
+		return opErr(err, "store multi_set %q", keys)
 	}
 	return nil
 }
@@ -612,12 +733,12 @@ func (c *Client) MultiSet(ctx context.Context, keys []string, values [][]byte) e
 // Delete removes key and reports whether it existed.
 func (c *Client) Delete(ctx context.Context, key string) (bool, error) {
 	var n int64
-	err := c.do(ctx, &request{cmd: cmdDeleteKey, keys: []string{c.key(key)}}, func(r *bufio.Reader) (err error) {
+	err := c.do(ctx, "delete", []string{key}, &request{cmd: cmdDeleteKey, keys: []string{c.key(key)}}, func(r *bufio.Reader) (err error) {
 		n, err = readI64(r)
 		return err
 	})
 	if err != nil {
-		return false, fmt.Errorf("store delete %q: %w", key, err)
+		return false, opErr(err, "store delete %q", key)
 	}
 	return n == 1, nil
 }
@@ -626,7 +747,7 @@ func (c *Client) Delete(ctx context.Context, key string) (bool, error) {
 // (torch counts its own "init/" key too).
 func (c *Client) NumKeys(ctx context.Context) (int64, error) {
 	var n int64
-	err := c.do(ctx, &request{cmd: cmdGetNumKeys}, func(r *bufio.Reader) (err error) {
+	err := c.do(ctx, "num_keys", nil, &request{cmd: cmdGetNumKeys}, func(r *bufio.Reader) (err error) {
 		n, err = readI64(r)
 		return err
 	})
@@ -638,9 +759,9 @@ func (c *Client) NumKeys(ctx context.Context) (int64, error) {
 
 // Append appends value to key's value (creating the key when missing).
 func (c *Client) Append(ctx context.Context, key string, value []byte) error {
-	err := c.do(ctx, &request{cmd: cmdAppend, keys: []string{c.key(key)}, values: [][]byte{value}}, nil)
+	err := c.do(ctx, "append", []string{key}, &request{cmd: cmdAppend, keys: []string{c.key(key)}, values: [][]byte{value}}, nil)
 	if err != nil {
-		return fmt.Errorf("store append %q: %w", key, err)
+		return opErr(err, "store append %q", key)
 	}
 	return nil
 }
@@ -651,7 +772,7 @@ func (c *Client) Append(ctx context.Context, key string, value []byte) error {
 // servers close the connection.
 func (c *Client) ListKeys(ctx context.Context) ([]string, error) {
 	var keys []string
-	err := c.do(ctx, &request{cmd: cmdListKeys}, func(r *bufio.Reader) error {
+	err := c.do(ctx, "list_keys", nil, &request{cmd: cmdListKeys}, func(r *bufio.Reader) error {
 		n, err := readI64(r)
 		if err != nil {
 			return err
@@ -678,7 +799,7 @@ func (c *Client) ListKeys(ctx context.Context) ([]string, error) {
 // Ping checks that the server answers.
 func (c *Client) Ping(ctx context.Context) error {
 	nonce := rand.Uint32()
-	err := c.do(ctx, &request{cmd: cmdPing, nonce: nonce}, func(r *bufio.Reader) error {
+	err := c.do(ctx, "ping", nil, &request{cmd: cmdPing, nonce: nonce}, func(r *bufio.Reader) error {
 		echo, err := readU32(r)
 		if err != nil {
 			return err

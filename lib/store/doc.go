@@ -59,7 +59,11 @@
 // earlier; it is also the connection's I/O deadline. Waiting operations that
 // time out return an error wrapping ErrTimeout that names the missing keys.
 // After an I/O error the connection is dropped and the next operation
-// reconnects once.
+// reconnects once. Requests over the protocol's limits (a value above 8 MiB,
+// a key above 8 KiB, more than 131072 keys) are not sent: they fail with a
+// *LimitError naming the limit, where the server would only have closed the
+// connection. An address without host or port, or with port 0, fails Dial
+// at once with an *AddrError (CheckAddr, ResolveAddr).
 //
 // # Server
 //
@@ -71,7 +75,9 @@
 // torch's client expects. GET of a missing key answers an empty value (like
 // torch's libuv server). Connections are served concurrently; each has a
 // reader that executes requests in order and a writer, so a client that does
-// not read cannot stall the store.
+// not read cannot stall the store. Only the state change and the lookups of
+// a request hold the store's lock: the values of a reply are referenced
+// there and encoded after it is released.
 //
 // A connection that does not start with VALIDATE and the magic number (torch
 // 1.13 clients, which send SET/ADD/GET directly or open an idle second
@@ -81,13 +87,27 @@
 // # Limits
 //
 // Every length and count is checked before memory is allocated for it, and
-// memory grows with the bytes actually received. A request with a key above
-// MaxKeyLen (8 KiB), a value above MaxValueLen (8 MiB), more than
-// MaxKeysPerRequest keys (131072), an unknown command, an ADD on a
-// non-numeric value, or one that would take the server's memory
+// memory is charged to the budget as the bytes arrive, not as announced: a
+// client that announces an 8 MiB value and sends nothing holds nothing. A
+// request with a key above MaxKeyLen (8 KiB), a value above MaxValueLen
+// (8 MiB), more than MaxKeysPerRequest keys (131072), an unknown command, an
+// ADD on a non-numeric value, or one that would take the server's memory
 // (stored keys, values and queue items plus requests being decoded) over
 // MaxTotalBytes (1 GiB) closes only that connection, with the reason logged.
-// Connections above MaxConns (16384) are closed at once. Per connection the
-// server also holds an 8 KiB read buffer and at most about 1 MiB of queued
-// replies.
+// So does a request not complete within RequestTimeout (30 s) of its first
+// byte; idle connections between requests have no deadline.
+//
+// Replies: one reply may not exceed MaxReplyBytes (64 MiB; a larger MULTI_GET,
+// LIST_KEYS or GET closes its connection), a connection's reader stops while
+// 1 MiB of its replies is unwritten, and the replies queued over all
+// connections are bounded by MaxOutputBytes (256 MiB); a reply that finds no
+// room waits its turn, first come first served. A client that does not read
+// its replies within WriteTimeout (30 s) is closed. Connections above
+// MaxConns (16384) are closed at once; a connection that does not send the
+// handshake within HandshakeTimeout (30 s) is closed. Per connection the
+// server also holds an 8 KiB read buffer and two goroutines.
+//
+// Warnings a peer can trigger (refused connections and requests, timeouts)
+// are rate-limited per kind: 5 lines in 10 s, then one line "... and N more
+// like this in the last 10s".
 package store
