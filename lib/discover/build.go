@@ -28,7 +28,10 @@ func ReadProbe(in io.Reader) (*probe.Report, error) {
 	}
 	var rep probe.Report
 	if err := json.Unmarshal(b, &rep); err != nil {
-		return nil, fmt.Errorf("probe report is not JSON: %w", err)
+		return nil, fmt.Errorf("%w (want gbprobe --json output, an object with schema %q)", JSONError("probe report", err), probe.Schema)
+	}
+	if rep.Schema == "" {
+		return nil, fmt.Errorf("probe report has no schema field (want gbprobe --json output, an object with schema %q)", probe.Schema)
 	}
 	if rep.Schema != probe.Schema {
 		return nil, fmt.Errorf("probe report has schema %q, want %q", rep.Schema, probe.Schema)

@@ -80,3 +80,26 @@ func TestBuildRecordSimIsland(t *testing.T) {
 		})
 	}
 }
+
+// TestReadProbeShapes: valid JSON of the wrong shape says what shape was
+// expected instead of "is not JSON" (issue 9).
+func TestReadProbeShapes(t *testing.T) {
+	const want = ` (want gbprobe --json output, an object with schema "gpubridge.probe/v1")`
+	tests := []struct{ in, err string }{
+		{"{", "probe report is not JSON: unexpected end of JSON input" + want},
+		{"[1, 2]", "probe report is a JSON array, want an object" + want},
+		{`"gbprobe"`, "probe report is a JSON string, want an object" + want},
+		{`{"schema": "gpubridge.probe/v1", "gpus": "none"}`, `probe report is JSON of the wrong shape: field "gpus" is a JSON string, want an array` + want},
+		{`{"schema": "gpubridge.probe/v1", "hostname": 5}`, `field "hostname" is a JSON number, want a string`},
+		{`null`, `probe report has no schema field` + want},
+		{`{"hostname": "h"}`, `probe report has no schema field` + want},
+		{`{"schema": "other/v1"}`, `probe report has schema "other/v1", want "gpubridge.probe/v1"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.in, func(t *testing.T) {
+			_, err := ReadProbe(strings.NewReader(tt.in))
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), tt.err)
+		})
+	}
+}

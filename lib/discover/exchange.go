@@ -1,10 +1,12 @@
 package discover
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -40,7 +42,11 @@ type Options struct {
 	// Timeout bounds the whole exchange, from the call to the verdict (or
 	// less, when ctx's deadline comes first); messages name it.
 	Timeout time.Duration
-	Log     *slog.Logger
+	// Claim names the rank's process (default: this process, NewClaim of
+	// os.Getpid()). It is compared and set in the store before anything
+	// else; the record carries it.
+	Claim *Claim
+	Log   *slog.Logger
 }
 
 // KeyPrefix is where gpubridge keeps its keys in a job's store; the wire key
@@ -52,6 +58,13 @@ const gatherComplete = "complete"
 // Exchange writes rec into the store, gathers every rank's record and
 // decides. It returns the topology, or a *Failure whose message is the same
 // on every rank; any other error means the store itself failed this rank.
+//
+// First of all the rank claims its rank (see Claim). A rank already claimed
+// by another process (a second job on the same store and namespace) fails
+// this rank with a *Failure naming that process; if the exchange has not
+// decided yet, that becomes its outcome, so no rank of either job starts
+// with a stranger among its peers. A record whose writer does not hold its
+// rank's claim fails the exchange the same way.
 //
 // The exchange ends in one agreed outcome even when a rank reports late: the
 // first rank to finish gathering, or to give up waiting, compare-and-sets the
@@ -75,7 +88,14 @@ func Exchange(ctx context.Context, c *store.Client, rec *Record, o Options) (*To
 	gatherDeadline := deadline.Add(-grace)
 
 	kv := c.Prefix(KeyPrefix).Prefix(o.Namespace)
-	body, err := rec.Encode()
+	if o.Claim == nil {
+		o.Claim = NewClaim(os.Getpid())
+	}
+	if err := claim(ctx, kv, o); err != nil {
+		return nil, err
+	}
+	rec.Claim = o.Claim
+	body, err := rec.encodeFit(MaxRecordBytes)
 	if err != nil {
 		return nil, fmt.Errorf("encode record: %w", err)
 	}
@@ -109,6 +129,29 @@ func Exchange(ctx context.Context, c *store.Client, rec *Record, o Options) (*To
 }
 
 func recordKey(rank int) string { return "record/" + strconv.Itoa(rank) }
+
+// claim compare-and-sets this rank's claim. When another process holds it,
+// the exchange's outcome becomes the conflict (unless it was decided
+// already) and this rank fails naming the holder.
+func claim(ctx context.Context, kv *store.Client, o Options) error {
+	mine := o.Claim.encode()
+	held, err := kv.CompareSet(ctx, claimKey(o.Rank), nil, mine)
+	if err != nil {
+		return fmt.Errorf("claim rank %d: %w", o.Rank, err)
+	}
+	if bytes.Equal(held, mine) {
+		return nil
+	}
+	if other, err := decodeClaim(held); err == nil && other.Same(o.Claim) {
+		return nil // this rank's process runs discovery again
+	}
+	msg := claimConflict(o.Namespace, o.Rank, held, o.Claim)
+	o.Log.Warn("rank already claimed by another process", "namespace", o.Namespace, "rank", o.Rank, "problem", msg)
+	if _, err := agree(ctx, kv, msg); err != nil {
+		o.Log.Warn("could not tell the other ranks", "err", err)
+	}
+	return &Failure{Namespace: o.Namespace, Problems: []string{msg}}
+}
 
 // gather waits until every rank has reported or the gather deadline passes,
 // then agrees with the other ranks on the outcome.
@@ -195,6 +238,11 @@ func decideFromStore(ctx context.Context, kv *store.Client, o Options) (*Topolog
 		}
 		recs[r] = rec
 	}
+	claims, err := readClaims(ctx, kv, recs)
+	if err != nil {
+		return nil, err
+	}
+	problems = append(problems, claimProblems(o.Namespace, recs, claims)...)
 	if len(problems) > 0 {
 		return nil, &Failure{Namespace: o.Namespace, Problems: problems}
 	}
@@ -203,6 +251,61 @@ func decideFromStore(ctx context.Context, kv *store.Client, o Options) (*Topolog
 		return nil, &Failure{Namespace: o.Namespace, Problems: problems}
 	}
 	return sh.ForRank(o.Rank), nil
+}
+
+// readClaims returns the stored claim of every rank whose record decoded
+// (nil where there is none). A record that carries a claim was written after
+// its claim was set, so those are read in one request; the others (records
+// of the torch plugin's publish_failure) are checked one by one.
+func readClaims(ctx context.Context, kv *store.Client, recs []*Record) ([][]byte, error) {
+	claims := make([][]byte, len(recs))
+	var ranks []int
+	var keys []string
+	for r, rec := range recs {
+		switch {
+		case rec == nil:
+		case rec.Claim != nil:
+			ranks = append(ranks, r)
+			keys = append(keys, claimKey(r))
+		default:
+			v, ok, err := kv.TryGet(ctx, claimKey(r))
+			if err != nil {
+				return nil, fmt.Errorf("read claim of rank %d: %w", r, err)
+			}
+			if ok {
+				claims[r] = v
+			}
+		}
+	}
+	if len(keys) == 0 {
+		return claims, nil
+	}
+	// They exist unless a record was written without claiming (a forged
+	// or foreign record): then look at each, rather than wait for them.
+	all, err := kv.Check(ctx, keys...)
+	if err != nil {
+		return nil, fmt.Errorf("check claims: %w", err)
+	}
+	if !all {
+		for _, r := range ranks {
+			v, ok, err := kv.TryGet(ctx, claimKey(r))
+			if err != nil {
+				return nil, fmt.Errorf("read claim of rank %d: %w", r, err)
+			}
+			if ok {
+				claims[r] = v
+			}
+		}
+		return claims, nil
+	}
+	vals, err := kv.MultiGet(ctx, keys)
+	if err != nil {
+		return nil, fmt.Errorf("read claims: %w", err)
+	}
+	for i, r := range ranks {
+		claims[r] = vals[i]
+	}
+	return claims, nil
 }
 
 // waitForReaders keeps rank 0 (and the store it may host) alive until every

@@ -86,6 +86,9 @@ type Record struct {
 	Probe ProbeSummary `json:"probe"`
 	// Problems are this rank's own reasons the job cannot run.
 	Problems []string `json:"problems,omitempty"`
+	// Claim names the process that wrote the record; it must hold the
+	// rank's claim in the store (see Claim).
+	Claim *Claim `json:"claim,omitempty"`
 }
 
 // ProbeSummary is the part of gbprobe's report a record carries.
@@ -105,6 +108,32 @@ func (r *Record) Encode() ([]byte, error) {
 // MaxRecordBytes bounds a record read from the store.
 const MaxRecordBytes = 1 << 20
 
+// encodeFit returns the record's JSON in at most max bytes. A record that is
+// larger (a probe report with huge fields or problem lists) is replaced by a
+// small one that keeps the rank's identity, its first problems and one
+// naming the cause, so that every rank fails naming it rather than on a
+// store limit.
+func (r *Record) encodeFit(max int) ([]byte, error) {
+	b, err := r.Encode()
+	if err != nil || len(b) <= max {
+		return b, err
+	}
+	const keep, textMax = 16, 512
+	small := &Record{
+		Schema: r.Schema, Rank: r.Rank, WorldSize: r.WorldSize, LocalRank: r.LocalRank,
+		Hostname: truncateText(r.Hostname, 255), ToolVersion: truncateText(r.ToolVersion, 64),
+		Vendor: truncateText(r.Vendor, 64), Simulated: r.Simulated, Mode: truncateText(r.Mode, 16),
+		Bridge: truncateText(r.Bridge, 16), Claim: r.Claim,
+	}
+	for _, p := range r.Problems[:min(keep, len(r.Problems))] {
+		small.Problems = append(small.Problems, truncateText(p, textMax))
+	}
+	small.Problems = append(small.Problems, fmt.Sprintf(
+		"this rank's record is %d bytes, over the %d-byte limit of a record (a probe report with very large fields?); it was cut down to its first %d problems (of %d)",
+		len(b), max, len(small.Problems), len(r.Problems)))
+	return small.Encode()
+}
+
 // DecodeRecord parses a record read from the store for rank, checking that it
 // is of this schema and names that rank.
 func DecodeRecord(rank int, b []byte) (*Record, error) {
@@ -113,7 +142,7 @@ func DecodeRecord(rank int, b []byte) (*Record, error) {
 	}
 	var r Record
 	if err := json.Unmarshal(b, &r); err != nil {
-		return nil, fmt.Errorf("record of rank %d is not valid JSON: %w", rank, err)
+		return nil, JSONError(fmt.Sprintf("record of rank %d", rank), err)
 	}
 	if r.Schema != RecordSchema {
 		return nil, fmt.Errorf("record of rank %d has schema %q, want %q (different gpubridge versions?)", rank, r.Schema, RecordSchema)

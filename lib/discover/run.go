@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
+	"math"
 	"os"
 	"time"
 
@@ -18,12 +18,18 @@ import (
 // FailureSchema is the schema of the JSON a failed discovery prints.
 const FailureSchema = "gpubridge.discover-failure/v1"
 
+// Unset marks RunOptions.Rank and WorldSize that were not given.
+const Unset = math.MinInt
+
 // RunOptions are one rank's settings for RunCLI.
 type RunOptions struct {
-	Store       string // HOST:PORT; empty: MASTER_ADDR:MASTER_PORT
-	Rank        int
-	WorldSize   int
-	LocalRank   int // -1: unknown
+	Store     string // HOST:PORT; empty: MASTER_ADDR:MASTER_PORT
+	Rank      int    // Unset: not given
+	WorldSize int    // Unset: not given
+	LocalRank int    // -1: unknown
+	// PID is the rank's process, whose claim on the rank gbdiscover sets in
+	// the store (see Claim); 0: gbdiscover's parent.
+	PID         int
 	Namespace   string
 	Timeout     time.Duration
 	Bridge      string
@@ -68,24 +74,25 @@ func DefaultNamespace(getenv func(string) string) string {
 }
 
 func (o *RunOptions) resolve() error {
-	if o.Rank < 0 {
+	switch {
+	case o.Rank == Unset:
 		return errors.New("--rank is required (or RANK / GPUBRIDGE_RANK)")
-	}
-	if o.WorldSize < 1 {
+	case o.WorldSize == Unset:
 		return errors.New("--world-size is required (or WORLD_SIZE / GPUBRIDGE_WORLD_SIZE)")
+	case o.WorldSize < 1:
+		return fmt.Errorf("--world-size %d: the world size must be at least 1", o.WorldSize)
+	case o.Rank < 0 || o.Rank >= o.WorldSize:
+		return fmt.Errorf("--rank %d: a rank must be >= 0 and < the world size (%d)", o.Rank, o.WorldSize)
+	case o.PID < 0:
+		return fmt.Errorf("--pid %d: a pid must be positive", o.PID)
 	}
-	if o.Rank >= o.WorldSize {
-		return fmt.Errorf("--rank %d is not below --world-size %d", o.Rank, o.WorldSize)
+	addr, err := store.ResolveAddr(o.Store, o.getenv)
+	if err != nil {
+		return err
 	}
-	if o.Store == "" {
-		host, port := o.getenv("MASTER_ADDR"), o.getenv("MASTER_PORT")
-		if host == "" || port == "" {
-			return errors.New("--store is required (or GPUBRIDGE_STORE, or MASTER_ADDR and MASTER_PORT)")
-		}
-		o.Store = net.JoinHostPort(host, port)
-	}
-	if _, _, err := net.SplitHostPort(o.Store); err != nil {
-		return fmt.Errorf("--store %q: %w", o.Store, err)
+	o.Store = addr
+	if o.PID == 0 {
+		o.PID = os.Getppid()
 	}
 	if o.Namespace == "" {
 		o.Namespace = DefaultNamespace(o.getenv)
@@ -116,7 +123,7 @@ func RunCLI(ctx context.Context, o RunOptions, probeIn io.Reader, stdout, stderr
 	defer c.Close()
 	topo, err := Exchange(ctx, c, rec, Options{
 		Namespace: o.Namespace, Rank: o.Rank, WorldSize: o.WorldSize,
-		Timeout: o.Timeout, Log: o.Log,
+		Timeout: o.Timeout, Claim: NewClaim(o.PID), Log: o.Log,
 	})
 	var failure *Failure
 	switch {

@@ -252,8 +252,17 @@ func TestDecodeRecord(t *testing.T) {
 
 	_, err = DecodeRecord(0, b)
 	assert.ErrorContains(t, err, "record stored for rank 0 names rank 1")
-	_, err = DecodeRecord(1, []byte("{"))
-	assert.ErrorContains(t, err, "not valid JSON")
+	for _, tt := range []struct{ in, want string }{
+		{"{", "record of rank 1 is not JSON: unexpected end of JSON input"},
+		{"[1,2]", "record of rank 1 is a JSON array, want an object"},
+		{`"text"`, "record of rank 1 is a JSON string, want an object"},
+		{`{"schema":"gpubridge.record/v1","rank":"1"}`, `record of rank 1 is JSON of the wrong shape: field "rank" is a JSON string, want an integer`},
+		{`{"schema":"gpubridge.record/v1","rank":1,"problems":"x"}`, `record of rank 1 is JSON of the wrong shape: field "problems" is a JSON string, want an array`},
+		{`{"schema":"gpubridge.record/v1","rank":1,"gpu":{"index":true}}`, `record of rank 1 is JSON of the wrong shape: field "gpu.index" is a JSON bool, want an integer`},
+	} {
+		_, err = DecodeRecord(1, []byte(tt.in))
+		assert.EqualError(t, err, tt.want, tt.in)
+	}
 	_, err = DecodeRecord(1, []byte(`{"schema":"gpubridge.record/v0","rank":1}`))
 	assert.ErrorContains(t, err, `has schema "gpubridge.record/v0"`)
 	_, err = DecodeRecord(1, make([]byte, MaxRecordBytes+1))
