@@ -1,24 +1,26 @@
 """The Go tools a rank runs, the job's store, and discovery.
 
-Finding the tools (:func:`find_tool`), in this order:
+Finding the tools (:func:`find_tool`, :func:`find_tools`), in this order:
 
 1. ``GPUBRIDGE_BIN_DIR``, the directory holding gbprobe, gbdiscover and
    gbbridge;
-2. ``PATH``;
-3. the ``bin/`` of the gpubridge source checkout this package sits in
-   (``make build`` puts the tools there);
-4. built on first use: when the package sits in a source checkout and ``go``
-   is on PATH, all the tools are built once with ``go build`` into
+2. the package's own ``bin/`` (``gpubridge/bin``): an installed wheel carries
+   the tools there (torchplugin/setup.py builds them into it);
+3. ``PATH``;
+4. in a source checkout (the package sits in ``torchplugin/`` of one), the
+   checkout's ``bin/`` (``make build`` puts the tools there);
+5. in a source checkout, built on first use: when ``go`` is on PATH, all the
+   tools are built once with ``go build`` into
    ``$XDG_CACHE_HOME/gpubridge/bin-<digest of the sources>`` (default
    ``~/.cache``). Ranks on one host that start together build once: a file
    lock serialises them, and the tools are built into a temporary directory
-   that is renamed into place.
+   that is renamed into place. An installed package never builds.
 
-``GPUBRIDGE_BIN_STRICT=1`` looks in ``GPUBRIDGE_BIN_DIR`` only (steps 2 to 4
+``GPUBRIDGE_BIN_STRICT=1`` looks in ``GPUBRIDGE_BIN_DIR`` only (steps 2 to 5
 off), for jobs that must run exactly the tools they were given;
-``GPUBRIDGE_NO_BUILD=1`` turns off step 4 alone. A tool that is not found
-raises :class:`ToolNotFoundError`, naming every place looked in and how to
-fix it.
+``GPUBRIDGE_NO_BUILD=1`` turns off step 5 alone. Tools that are not found
+raise one :class:`ToolNotFoundError` naming them all, every place looked in
+and how to fix it.
 
 Discovery (:func:`discover`) runs ``gbprobe --json | gbdiscover run``
 against the job's TCPStore and returns the topology, or raises the same
@@ -56,6 +58,7 @@ __all__ = [
     "ToolNotFoundError",
     "discover",
     "find_tool",
+    "find_tools",
     "namespace",
     "publish_failure",
     "rank_problems",
@@ -82,12 +85,14 @@ _TRUE_OFF = ("", "0", "false", "no", "off")
 
 
 class ToolNotFoundError(RuntimeError):
-    """A gpubridge tool is missing. ``problem`` is the message without the
-    ``gpubridge:`` prefix, as it goes into a discovery record."""
+    """gpubridge tools are missing (``tools``: their names). ``problem`` is
+    the message without the ``gpubridge:`` prefix, as it goes into a
+    discovery record: one sentence, however many tools are missing."""
 
-    def __init__(self, problem: str) -> None:
+    def __init__(self, problem: str, tools: tuple[str, ...] = ()) -> None:
         super().__init__(f"gpubridge: {problem}")
         self.problem = problem
+        self.tools = tools
 
 
 def _flag(name: str) -> bool:
@@ -100,9 +105,17 @@ def _source_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def _package_bin() -> Path:
+    """The tools an installed package carries (setup.py builds them into
+    gpubridge/bin of the wheel)."""
+    return Path(__file__).resolve().parent / "bin"
+
+
 def _repo_bin() -> Path | None:
-    """The checkout's bin/ (where ``make build`` writes the tools)."""
-    return _source_root() / "bin"
+    """The checkout's bin/ (where ``make build`` writes the tools), or None
+    when the package is not in a checkout."""
+    root, _ = _checkout()
+    return None if root is None else root / "bin"
 
 
 def _checkout() -> tuple[Path | None, str]:
@@ -238,56 +251,109 @@ def _build_locked(root: Path, go: str, cache: Path, final: Path, what: str) -> N
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _executable(p: Path) -> bool:
+    return p.is_file() and os.access(p, os.X_OK)
+
+
+def _the_tools(names: list[str]) -> str:
+    """'the tool X was' or 'the tools X, Y were'."""
+    if len(names) == 1:
+        return f"the tool {names[0]} was"
+    return f"the tools {', '.join(names)} were"
+
+
+def _places(root: Path | None) -> list[tuple[str, Path | None]]:
+    """Where the tools are looked for, in order: (how the place is named,
+    the directory; None for PATH)."""
+    places: list[tuple[str, Path | None]] = []
+    d = os.environ.get("GPUBRIDGE_BIN_DIR")
+    if d:
+        places.append((f"GPUBRIDGE_BIN_DIR={d}", Path(d)))
+    if _flag("GPUBRIDGE_BIN_STRICT"):
+        return places
+    pkg = _package_bin()
+    if root is None or pkg.is_dir():  # a checkout has none unless someone put it there
+        places.append((f"{pkg} (this installation's own)", pkg))
+    places.append(("PATH", None))
+    rb = _repo_bin()
+    if rb is not None:
+        places.append((str(rb), rb))
+    return places
+
+
+def _lookup(names: list[str]) -> tuple[dict[str, str], ToolNotFoundError | None]:
+    """The paths of the tools found, and one error naming every tool that
+    was not (None when all were found)."""
+    root, why = _checkout()
+    places = _places(root)
+    strict = _flag("GPUBRIDGE_BIN_STRICT")
+    found: dict[str, str] = {}
+    for name in names:
+        for _, place in places:
+            hit = place / name if place is not None else shutil.which(name)
+            if hit is not None and _executable(Path(hit)):
+                found[name] = str(hit)
+                break
+    missing = [n for n in names if n not in found]
+    if not missing:
+        return found, None
+    tried = [label for label, _ in places]
+    if strict and not os.environ.get("GPUBRIDGE_BIN_DIR"):
+        tried.append("GPUBRIDGE_BIN_DIR (not set)")
+    looked = f"{_the_tools(missing)} not found (looked in {', '.join(tried)}"
+    every = ", ".join(TOOLS)
+    go = shutil.which("go")
+    unknown = [n for n in missing if n not in TOOLS]
+    if strict:
+        problem = (
+            f"{looked} only: GPUBRIDGE_BIN_STRICT is set); put {every} into GPUBRIDGE_BIN_DIR "
+            "(`make build` in the gpubridge repository writes them into its bin/)"
+        )
+    elif unknown:
+        verb = "is" if len(unknown) == 1 else "are"
+        problem = f"{looked}): {', '.join(unknown)} {verb} not one of the tools gpubridge builds: {every}"
+    elif root is None:  # an installed package (or a copy of the sources): it never builds
+        problem = (
+            f"{looked}): this gpubridge ({_package_bin().parent}) is neither a wheel that carries its "
+            f"tools nor in a source checkout ({why}); install it with pip from a gpubridge checkout "
+            "(`pip install ./torchplugin` builds the tools into the package; it needs Go 1.21 or later "
+            f"on PATH), or set GPUBRIDGE_BIN_DIR to a directory holding {every} (`make build` in a "
+            "checkout writes them into its bin/)"
+        )
+    elif _flag("GPUBRIDGE_NO_BUILD") or go is None:
+        why, fix = "GPUBRIDGE_NO_BUILD is set", ""
+        if go is None and not _flag("GPUBRIDGE_NO_BUILD"):
+            why = "go is not on PATH"
+            fix = ", or put Go (1.21 or later) on PATH so that gpubridge builds them from this checkout"
+        problem = (
+            f"{looked}) and {'was' if len(missing) == 1 else 'were'} not built on first use ({why}); "
+            f"run `make build` in the gpubridge checkout {root}, set GPUBRIDGE_BIN_DIR to the directory "
+            f"of {every}{fix}"
+        )
+    else:
+        try:
+            built = _build(root, go)
+        except ToolNotFoundError as e:
+            return found, ToolNotFoundError(f"{looked}), and {e.problem}", tuple(missing))
+        found.update((n, str(built / n)) for n in missing)
+        return found, None
+    return found, ToolNotFoundError(problem, tuple(missing))
+
+
+def find_tools(names: list[str] | tuple[str, ...] = TOOLS) -> dict[str, str]:
+    """Paths of gpubridge tools, by name (see the module's docstring for
+    where it looks). Raises one ToolNotFoundError naming every tool not
+    found and every place looked in."""
+    found, err = _lookup(list(dict.fromkeys(names)))
+    if err is not None:
+        raise err
+    return found
+
+
 def find_tool(name: str) -> str:
     """Path of a gpubridge tool (see the module's docstring for where it
     looks). Raises ToolNotFoundError naming every place looked in."""
-    tried: list[str] = []
-    d = os.environ.get("GPUBRIDGE_BIN_DIR")
-    if d:
-        p = Path(d) / name
-        if os.access(p, os.X_OK):
-            return str(p)
-        tried.append(f"GPUBRIDGE_BIN_DIR={d}")
-    if _flag("GPUBRIDGE_BIN_STRICT"):
-        if not d:
-            tried.append("GPUBRIDGE_BIN_DIR (not set)")
-        raise ToolNotFoundError(
-            f"the tool {name} was not found (looked in {', '.join(tried)} only: "
-            "GPUBRIDGE_BIN_STRICT is set); "
-            f"put {', '.join(TOOLS)} into GPUBRIDGE_BIN_DIR (`make build` in the gpubridge repository "
-            "writes them into its bin/)"
-        )
-    w = shutil.which(name)
-    if w:
-        return w
-    tried.append("PATH")
-    rb = _repo_bin()
-    if rb is not None:
-        p = rb / name
-        if os.access(p, os.X_OK):
-            return str(p)
-        tried.append(str(rb))
-    root, why = _checkout()
-    go = shutil.which("go")
-    if name not in TOOLS:
-        why = f"{name} is not one of the tools gpubridge builds: {', '.join(TOOLS)}"
-    elif _flag("GPUBRIDGE_NO_BUILD"):
-        why = "GPUBRIDGE_NO_BUILD is set"
-    elif root is not None and go is None:
-        why = "go is not on PATH"
-    elif root is not None and go is not None:
-        try:
-            return str(_build(root, go) / name)
-        except ToolNotFoundError as e:
-            raise ToolNotFoundError(
-                f"the tool {name} was not found (looked in {', '.join(tried)}), and {e.problem}"
-            ) from e
-    raise ToolNotFoundError(
-        f"the tool {name} was not found (looked in {', '.join(tried)}) and was not built on first use "
-        f"({why}); run `make build` in the gpubridge repository, set GPUBRIDGE_BIN_DIR to the "
-        f"directory of {', '.join(TOOLS)}, or install Go (1.21 or later) so that gpubridge builds "
-        "them from its source checkout"
-    )
+    return find_tools([name])[name]
 
 
 def store_address(store: Any) -> tuple[str, int]:
@@ -341,14 +407,13 @@ def _local_rank() -> tuple[int, list[str]]:
 def rank_problems() -> list[str]:
     """What is wrong with this rank before discovery, one sentence each
     (without the rank: gbdiscover names it): LOCAL_RANK (or SLURM_LOCALID)
-    not an integer, negative, or not below LOCAL_WORLD_SIZE; gbbridge not
-    found (any rank may lead an island). discover() checks these itself, and
-    gbprobe and gbdiscover."""
+    not an integer, negative, or not below LOCAL_WORLD_SIZE; tools not found
+    (one sentence naming them all: gbprobe, gbdiscover, and gbbridge, since
+    any rank may lead an island). discover() checks these itself."""
     _, problems = _local_rank()
-    try:
-        find_tool("gbbridge")
-    except ToolNotFoundError as e:
-        problems.append(e.problem)
+    _, missing = _lookup(list(TOOLS))
+    if missing is not None:
+        problems.append(missing.problem)
     return problems
 
 
@@ -408,33 +473,29 @@ def discover(
     seconds; returns the topology (also written to topo_path) or raises
     RuntimeError with gbdiscover's problems, the same on every rank.
 
-    This rank's own problems go to gbdiscover as --problem: rank_problems(),
-    always checked here, then the caller's extra problems (duplicates
-    dropped). A missing gbprobe is one more problem (gbdiscover then reads no
-    probe report). A missing gbdiscover raises here at once, after
-    publish_failure() told the other ranks."""
-    found = (p.strip() for p in [*rank_problems(), *(problems or [])])
+    This rank's own problems go to gbdiscover as --problem: those of
+    rank_problems() (the tools are looked up once, and all those missing
+    named in one sentence), then the caller's extra problems (duplicates
+    dropped). Without gbprobe, gbdiscover reads no probe report. A missing
+    gbdiscover raises here at once, after publish_failure() told the other
+    ranks."""
+    local, own = _local_rank()
+    tools, missing = _lookup(list(TOOLS))
+    found = (p.strip() for p in [*own, *([missing.problem] if missing else []), *(problems or [])])
     problems = list(dict.fromkeys(p for p in found if p))
-    local, _ = _local_rank()
     timeout = max(1.0, timeout)
-    try:
-        gbdiscover = find_tool("gbdiscover")
-    except ToolNotFoundError as e:
-        mine = [*problems, e.problem]
-        named = [f"rank {rank} ({_hostname()}): {p}" for p in mine]
+    gbdiscover = tools.get("gbdiscover")
+    if gbdiscover is None:
+        named = [f"rank {rank} ({_hostname()}): {p}" for p in problems]
         try:
-            publish_failure(host, port, rank, size, namespace, mine, timeout)
+            publish_failure(host, port, rank, size, namespace, problems, timeout)
         except Exception as pe:  # the store failed too: say so, keep the cause
             raise RuntimeError(
                 f"{_failure_message(named)} (and telling the other ranks through the store at "
                 f"{host}:{port} failed: {pe})"
-            ) from e
-        raise RuntimeError(_failure_message(named)) from e
-    try:
-        gbprobe: str | None = find_tool("gbprobe")
-    except ToolNotFoundError as e:
-        gbprobe = None
-        problems.append(e.problem)
+            ) from missing
+        raise RuntimeError(_failure_message(named)) from missing
+    gbprobe = tools.get("gbprobe")
     cmd = [
         gbdiscover, "run", "--store", f"{host}:{port}", "--rank", str(rank),
         "--world-size", str(size), f"--local-rank={local}", "--namespace", namespace,

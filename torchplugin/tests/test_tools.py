@@ -88,13 +88,19 @@ def test_bin_dir_then_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    ("env", "go", "checkout", "want"),
+    ("env", "go", "checkout", "want", "unwanted"),
     [
-        ({}, False, True, ["go is not on PATH", "install Go"]),
-        ({"GPUBRIDGE_NO_BUILD": "1"}, True, True, ["GPUBRIDGE_NO_BUILD is set"]),
-        ({"GPUBRIDGE_NO_BUILD": "0"}, False, False, ["not in a gpubridge source checkout"]),
+        ({}, False, True, ["go is not on PATH", "put Go (1.21 or later) on PATH", "make build"], []),
+        ({"GPUBRIDGE_NO_BUILD": "1"}, True, True, ["GPUBRIDGE_NO_BUILD is set", "make build"], ["Go (1.21"]),
+        (
+            {"GPUBRIDGE_NO_BUILD": "0"},
+            True,
+            False,
+            ["(this installation's own)", "not in a gpubridge source checkout", "pip install ./torchplugin"],
+            ["so that gpubridge builds them", "put Go", "not built on first use", "repobin"],
+        ),
     ],
-    ids=["no-go", "no-build", "not-a-checkout"],
+    ids=["no-go", "no-build", "installed"],
 )
 def test_not_found_names_every_place(
     monkeypatch: pytest.MonkeyPatch,
@@ -103,26 +109,109 @@ def test_not_found_names_every_place(
     go: bool,
     checkout: bool,
     want: list[str],
+    unwanted: list[str],
 ) -> None:
-    empty = [tmp_path / n for n in ("bindir", "path", "repobin")]
+    """The error names every place looked in and the fix that applies: in a
+    checkout, make build or Go; an installed package never builds (go on
+    PATH is not run) and says how to reinstall it, not to install Go."""
+    empty = [tmp_path / n for n in ("bindir", "path", "repobin", "pkgbin")]
     for d in empty:
         d.mkdir()
     if go:
         executable(empty[1] / "go", "#!/bin/sh\necho must not run >&2; exit 1\n")
     monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(empty[0]))
     monkeypatch.setenv("PATH", str(empty[1]))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(_tools, "_repo_bin", lambda: empty[2])
-    if not checkout:
+    monkeypatch.setattr(_tools, "_package_bin", lambda: empty[3])
+    places = [f"GPUBRIDGE_BIN_DIR={empty[0]}", "PATH"]
+    if checkout:
+        monkeypatch.setattr(_tools, "_repo_bin", lambda: empty[2])
+        places.append(str(empty[2]))
+    else:
         monkeypatch.setattr(_tools, "_source_root", lambda: tmp_path)
+        places.append(str(empty[3]))
     with pytest.raises(ToolNotFoundError) as e:
         find_tool("gbbridge")
     msg = str(e.value)
     assert msg.startswith("gpubridge: the tool gbbridge was not found (looked in "), msg
-    for s in [f"GPUBRIDGE_BIN_DIR={empty[0]}", "PATH", str(empty[2]), "make build", *want]:
+    for s in [*places, *want]:
         assert s in msg, (s, msg)
+    for s in unwanted:
+        assert s not in msg, (s, msg)
     assert e.value.problem == msg.removeprefix("gpubridge: ")
+    assert e.value.tools == ("gbbridge",)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_several_missing_tools_one_sentence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Tools missing together are named in one sentence, with the places
+    and the fix said once (not a sentence per tool)."""
+    executable(tmp_path / "bindir" / "gbdiscover")
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(tmp_path / "bindir"))
+    monkeypatch.setenv("GPUBRIDGE_NO_BUILD", "1")
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    monkeypatch.setattr(_tools, "_repo_bin", lambda: tmp_path / "repobin")
+    with pytest.raises(ToolNotFoundError) as e:
+        _tools.find_tools(_tools.TOOLS)
+    msg = e.value.problem
+    assert msg.startswith("the tools gbprobe, gbbridge were not found (looked in "), msg
+    assert e.value.tools == ("gbprobe", "gbbridge")
+    for once in ("not found", "make build", "GPUBRIDGE_NO_BUILD is set"):
+        assert msg.count(once) == 1, (once, msg)
+    assert rank_problems() == [msg]
+    assert _tools.find_tools(["gbdiscover"]) == {"gbdiscover": str(tmp_path / "bindir" / "gbdiscover")}
+
+
+def test_installed_package_uses_its_own_tools(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An installed package (not in a checkout) takes the tools its wheel
+    carries before PATH (where its console scripts, or older tools, may be);
+    GPUBRIDGE_BIN_DIR still comes first."""
+    pkg = tmp_path / "site" / "gpubridge" / "bin"
+    for t in _tools.TOOLS:
+        executable(pkg / t)
+        executable(tmp_path / "path" / t)
+    executable(tmp_path / "bindir" / "gbprobe")
+    monkeypatch.setattr(_tools, "_source_root", lambda: tmp_path / "site")
+    monkeypatch.setattr(_tools, "_package_bin", lambda: pkg)
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    assert _tools.find_tools() == {t: str(pkg / t) for t in _tools.TOOLS}
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(tmp_path / "bindir"))
+    assert find_tool("gbprobe") == str(tmp_path / "bindir" / "gbprobe")
+    assert find_tool("gbbridge") == str(pkg / "gbbridge")
+
+
+def test_tools_dir_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """python -m gpubridge --tools-dir prints the one directory of the tools,
+    and fails (1) naming the missing ones or the split."""
+    from gpubridge.__main__ import main  # noqa: PLC0415
+
+    for t in _tools.TOOLS:
+        executable(tmp_path / "a" / t)
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("GPUBRIDGE_BIN_STRICT", "1")
+    assert main(["--tools-dir"]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'a'}\n"
+    assert main(["--tools"]) == 0
+    assert capsys.readouterr().out == "".join(f"{t}\t{tmp_path / 'a' / t}\n" for t in _tools.TOOLS)
+
+    (tmp_path / "a" / "gbbridge").unlink()
+    (tmp_path / "a" / "gbprobe").unlink()
+    assert main(["--tools-dir"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gpubridge: the tools gbprobe, gbbridge were not found"), err
+
+    monkeypatch.delenv("GPUBRIDGE_BIN_STRICT")
+    monkeypatch.setenv("PATH", str(executable(tmp_path / "b" / "gbprobe").parent))
+    executable(tmp_path / "b" / "gbbridge")
+    assert main(["--tools-dir"]) == 1
+    assert "the tools are in more than one directory: gbprobe in " in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
 
 
 def test_strict_looks_only_in_bin_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -312,6 +401,32 @@ def test_discover_single_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     want = f"gpubridge: discovery failed: rank 0 ({host}): the tool gbprobe was not found"
     assert msg.startswith(want), msg
     assert "probe report is empty" in msg
+
+
+@needs_tools
+@pytest.mark.parametrize("present", [["gbdiscover"], []], ids=["with-gbdiscover", "none"])
+def test_discover_names_missing_tools_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, present: list[str]
+) -> None:
+    """Several tools missing on a rank: discovery fails naming them all in
+    one sentence, whether gbdiscover runs (it gets one --problem) or not (the
+    rank's failure record holds one problem)."""
+    d = tmp_path / "some"
+    d.mkdir()
+    for t in present:
+        (d / t).symlink_to(BIN / t)
+    monkeypatch.setenv("GPUBRIDGE_BIN_DIR", str(d))
+    monkeypatch.setenv("GPUBRIDGE_BIN_STRICT", "1")
+    monkeypatch.setenv("GPUBRIDGE_VENDOR", "nvidia")
+    store = master()
+    with pytest.raises(RuntimeError) as e:
+        discover("127.0.0.1", store.port, 0, 1, f"some{len(present)}", tmp_path / "t.json", timeout=20)
+    msg = str(e.value)
+    missing = [t for t in _tools.TOOLS if t not in present]
+    host = socket.gethostname()
+    want = f"gpubridge: discovery failed: rank 0 ({host}): the tools {', '.join(missing)} were not found"
+    assert msg.startswith(want), msg
+    assert msg.count("not found") == 1 and msg.count("GPUBRIDGE_BIN_STRICT is set") == 1, msg
 
 
 def cli_rank(port: int, rank: int, size: int, ns: str, vendor: str) -> subprocess.Popen[bytes]:
