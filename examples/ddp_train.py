@@ -21,6 +21,7 @@ every other rank's (exit status 1 otherwise).
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the command line is parsed before torch is imported
 import argparse
 import hashlib
 import json
@@ -28,15 +29,6 @@ import os
 import sys
 import time
 from typing import Any
-
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
-
-import gpubridge  # gpubridge: registers the torch.distributed backend "gpubridge"
 
 SCHEMA = "gpubridge.demo/v1"
 
@@ -54,6 +46,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--json", action="store_true", help="rank 0 writes JSON lines on stdout")
     return p.parse_args()
+
+
+if __name__ == "__main__":
+    # First: --help (or a wrong argument) answers at once, with neither torch
+    # nor gpubridge installed or on PYTHONPATH.
+    ARGS = parse_args()
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import gpubridge  # gpubridge: registers the torch.distributed backend "gpubridge"
 
 
 def simulated_vendor() -> str | None:
@@ -106,8 +113,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def main() -> int:
-    args = parse_args()
+def main(args: argparse.Namespace) -> int:
     vendor = simulated_vendor()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available() and vendor is None:
@@ -202,4 +208,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

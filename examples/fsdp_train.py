@@ -22,20 +22,13 @@ they are identical, bit for bit, on every rank (exit status 1 otherwise).
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the command line is parsed before torch is imported
 import argparse
 import hashlib
 import math
 import os
 import sys
 import time
-
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-
-import gpubridge  # gpubridge: registers the torch.distributed backend "gpubridge"
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,6 +43,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--log-every", type=int, default=10)
     return p.parse_args()
+
+
+if __name__ == "__main__":
+    # First: --help (or a wrong argument) answers at once, with neither torch
+    # nor gpubridge installed or on PYTHONPATH.
+    ARGS = parse_args()
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import gpubridge  # gpubridge: registers the torch.distributed backend "gpubridge"
 
 
 def simulated_vendor() -> str | None:
@@ -103,8 +110,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def main() -> int:
-    args = parse_args()
+def main(args: argparse.Namespace) -> int:
     vendor = simulated_vendor()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available() and vendor is None:
@@ -118,8 +124,11 @@ def main() -> int:
     lead = rank == 0
     mesh = init_device_mesh(device.type, (world,))
     if lead:
-        for i in gpubridge.get_topology()["islands"]:
+        topo = gpubridge.get_topology()
+        for i in topo["islands"]:
             log(f"island {i['label']}: ranks {i['ranks']}, leader {i['leader']}, {i['backend']}")
+        b = topo["bridge"]
+        log(f"bridge: leaders {b.get('members')} over {b.get('transport')} ({b.get('reason')})")
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq_len).to(device)
@@ -169,4 +178,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

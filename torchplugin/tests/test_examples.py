@@ -1,0 +1,53 @@
+"""examples/ as a new user meets them: ``--help`` answers without torch or
+gpubridge importable, and the FSDP example reports its bridge as the DDP
+one does (ci/demo.sh runs the DDP example in full)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from testenv import scale
+
+HERE = Path(__file__).resolve().parent
+PKG = HERE.parent
+REPO = PKG.parent
+EXAMPLES = REPO / "examples"
+BIN = REPO / "bin"
+TOOLS = [BIN / t for t in ("gbprobe", "gbdiscover", "gbbridge")]
+
+needs_tools = pytest.mark.skipif(
+    not all(os.access(t, os.X_OK) for t in TOOLS),
+    reason=f"needs bin/gbprobe, bin/gbdiscover and bin/gbbridge: run `make build` in {REPO}",
+)
+
+
+@pytest.mark.parametrize("example", ["ddp_train.py", "fsdp_train.py"])
+def test_help_needs_neither_torch_nor_gpubridge(tmp_path: Path, example: str) -> None:
+    """python -S -I: no site-packages (so no torch) and no PYTHONPATH."""
+    cmd = [sys.executable, "-S", "-I", str(EXAMPLES / example)]
+    p = subprocess.run([*cmd, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=scale(30))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"usage: {example} [-h]"), p.stdout
+    p = subprocess.run([*cmd, "--bogus"], cwd=tmp_path, capture_output=True, text=True, timeout=scale(30))
+    assert p.returncode == 2 and "unrecognized arguments: --bogus" in p.stderr, p.stderr
+
+
+@needs_tools
+def test_fsdp_example_reports_the_bridge(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(PKG), GPUBRIDGE_BIN_DIR=str(BIN), OMP_NUM_THREADS="1")
+    env["GPUBRIDGE_SIM_VENDORS"] = "nvidia,amd"
+    for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(EXAMPLES / "fsdp_train.py"), "--steps", "2", "--layers", "1", "--dim", "32"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scale(180))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    lines = p.stderr.splitlines()
+    assert "island nvidia: ranks [0], leader 0, gloo" in lines, p.stderr[-3000:]
+    bridge = [ln for ln in lines if ln.startswith("bridge: ")]
+    assert len(bridge) == 1 and bridge[0].startswith("bridge: leaders [0, 1] over "), p.stderr[-3000:]
+    assert any(ln.endswith("parameters identical on every rank") for ln in lines), p.stderr[-3000:]
