@@ -19,8 +19,9 @@ type grammar struct {
 
 type runCmd struct {
 	Store     string            `help:"The job's c10d store as HOST:PORT. Default: MASTER_ADDR:MASTER_PORT." env:"GPUBRIDGE_STORE" placeholder:"HOST:PORT"`
-	Rank      int               `help:"This rank's global rank." env:"GPUBRIDGE_RANK,RANK" default:"-1"`
-	WorldSize int               `help:"Number of ranks in the job." env:"GPUBRIDGE_WORLD_SIZE,WORLD_SIZE" default:"-1"`
+	Rank      *int              `help:"This rank's global rank, from 0 to the world size - 1." env:"GPUBRIDGE_RANK,RANK"`
+	WorldSize *int              `help:"Number of ranks in the job." env:"GPUBRIDGE_WORLD_SIZE,WORLD_SIZE"`
+	PID       int               `help:"The rank's process: gbdiscover claims the rank in the store for it, and a second process claiming the same rank (another job on the same store) fails naming it. Default: gbdiscover's parent process." env:"GPUBRIDGE_RANK_PID" placeholder:"PID"`
 	LocalRank int               `help:"This rank's index on its node; picks its GPU. -1: unknown." env:"LOCAL_RANK,SLURM_LOCALID" default:"-1"`
 	Namespace string            `help:"Key namespace of this job and attempt. Default: job-<TORCHELASTIC_RUN_ID or SLURM_JOB_ID or default>/attempt-<TORCHELASTIC_RESTART_COUNT or 0>." env:"GPUBRIDGE_NAMESPACE"`
 	Timeout   time.Duration     `help:"Deadline of the whole discovery, store connection included." env:"GPUBRIDGE_DISCOVER_TIMEOUT" default:"60s"`
@@ -37,7 +38,7 @@ type runCmd struct {
 
 func (c *runCmd) Run(env *cli.Env) error {
 	o := discover.RunOptions{
-		Store: c.Store, Rank: c.Rank, WorldSize: c.WorldSize, LocalRank: c.LocalRank,
+		Store: c.Store, Rank: orUnset(c.Rank), WorldSize: orUnset(c.WorldSize), LocalRank: c.LocalRank, PID: c.PID,
 		Namespace: c.Namespace, Timeout: c.Timeout, Bridge: c.Bridge, Vendor: c.Vendor,
 		CPUOnly: c.CPUOnly, SplitTest: c.SplitTest, Settings: c.Setting, SimHostname: c.Hostname, SimIsland: c.SimIsland,
 		Problems: c.Problem, Log: env.Log,
@@ -52,6 +53,13 @@ func (c *runCmd) Run(env *cli.Env) error {
 		in = f
 	}
 	return discover.RunCLI(env.Ctx, o, in, env.Stdout, env.Stderr)
+}
+
+func orUnset(p *int) int {
+	if p == nil {
+		return discover.Unset
+	}
+	return *p
 }
 
 type serveCmd struct {
@@ -77,7 +85,7 @@ The decision is a pure function of the records, so every rank computes the same 
 
 Any problem on any rank (a probe problem, a CPU/GPU mix, different bridge requests or settings, two ranks of one island on one GPU, no detectable vendor) gives every rank the same error listing every problem, naming ranks and hosts. A rank that never reports is named when the timeout passes. On failure rank 0, whose process may host the store, waits for the other ranks to read the verdict before it exits, within the same deadline.
 
-The namespace must be fresh for every job and restart attempt: by default it is made from TORCHELASTIC_RUN_ID (or SLURM_JOB_ID) and TORCHELASTIC_RESTART_COUNT.`,
+The namespace must be fresh for every job and restart attempt: by default it is made from TORCHELASTIC_RUN_ID (or SLURM_JOB_ID) and TORCHELASTIC_RESTART_COUNT. Before anything else each rank claims its rank in the namespace for its process (--pid: host, pid and the process's start time). A second process claiming a rank another one holds (a second job that reached this job's store through the same MASTER_PORT, without a run id) fails naming the pid and host holding it; if the exchange has not decided yet, every rank fails with that message rather than start with a stranger among its peers. The same process may run discovery again.`,
 	Output: `run: on success one JSON object, schema "gpubridge.topology/v1": namespace, world_size, run_kind, mode (gpu or cpu), simulated, split_test, version, settings, islands[] (label, vendor, backend, ranks, leader, hosts), bridge (members, hosts, requested, transport, reason), ranks[] (rank, local_rank, hostname, island, role, gpu), digest (equal on every rank for the same job), self (this rank's entry). On failure one JSON object {"schema": "gpubridge.discover-failure/v1", "namespace", "problems": [...]}, and the same problems on stderr.
 
 serve: one JSON line {"schema": "gpubridge.store-serve/v1", "listen": "HOST:PORT"} once the store listens; logs on stderr.`,
