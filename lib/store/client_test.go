@@ -13,6 +13,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/gpubridge/gpubridge/lib/testenv"
 )
 
 func TestWireKey(t *testing.T) {
@@ -206,7 +208,7 @@ func TestClientBlockingTimeouts(t *testing.T) {
 			err := tt.run(ctx)
 			require.ErrorIs(t, err, ErrTimeout)
 			assert.Contains(t, err.Error(), tt.missing)
-			assert.Less(t, time.Since(start), tt.max)
+			assert.Less(t, time.Since(start), testenv.Scale(tt.max))
 			if tt.ctxTO > 0 {
 				assert.ErrorIs(t, err, context.DeadlineExceeded)
 			}
@@ -226,7 +228,7 @@ func TestClientWaitWakesUp(t *testing.T) {
 		_ = c2.Set(ctx, "late", []byte("x"))
 		_, _ = c2.Add(ctx, "later", 1)
 	}()
-	require.NoError(t, c1.Wait(ctx, []string{"late", "later"}, 5*time.Second))
+	require.NoError(t, c1.Wait(ctx, []string{"late", "later"}, testenv.Scale(30*time.Second)))
 	v, err := c1.Get(ctx, "later")
 	require.NoError(t, err)
 	assert.Equal(t, "1", string(v))
@@ -244,7 +246,7 @@ func TestClientCancel(t *testing.T) {
 	_, err := c.Get(ctx, "never")
 	require.ErrorIs(t, err, context.Canceled)
 	assert.NotErrorIs(t, err, ErrTimeout)
-	assert.Less(t, time.Since(start), 2*time.Second)
+	assert.Less(t, time.Since(start), testenv.Scale(2*time.Second))
 	require.NoError(t, c.Ping(context.Background()))
 }
 
@@ -284,7 +286,7 @@ func TestClientConcurrent(t *testing.T) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		if err := waiter.Wait(ctx, []string{"done"}, 10*time.Second); err != nil {
+		if err := waiter.Wait(ctx, []string{"done"}, testenv.Scale(60*time.Second)); err != nil {
 			errs <- err
 		}
 	}()
@@ -359,7 +361,7 @@ func TestClientClose(t *testing.T) {
 	select {
 	case err := <-done:
 		require.ErrorIs(t, err, ErrClosed)
-	case <-time.After(5 * time.Second):
+	case <-time.After(testenv.Scale(10 * time.Second)):
 		t.Fatal("Get did not return after Close")
 	}
 	require.ErrorIs(t, c.Set(ctx, "k", nil), ErrClosed)
@@ -377,7 +379,7 @@ func TestDialRetriesAndTimesOut(t *testing.T) {
 	start := time.Now()
 	_, err = Dial(context.Background(), addr, WithConnectTimeout(300*time.Millisecond))
 	require.ErrorIs(t, err, ErrTimeout)
-	assert.Less(t, time.Since(start), 3*time.Second)
+	assert.Less(t, time.Since(start), testenv.Scale(3*time.Second))
 
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
@@ -395,11 +397,11 @@ func TestDialRetriesAndTimesOut(t *testing.T) {
 		time.Sleep(200 * time.Millisecond)
 		served <- srv.ListenAndServe(addr2)
 	}()
-	c, err := Dial(context.Background(), addr2, WithConnectTimeout(10*time.Second))
+	c, err := Dial(context.Background(), addr2, WithConnectTimeout(testenv.Scale(20*time.Second)))
 	require.NoError(t, err)
 	require.NoError(t, c.Ping(context.Background()))
 	require.NoError(t, c.Close())
-	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+	sctx, scancel := context.WithTimeout(context.Background(), testenv.Scale(10*time.Second))
 	defer scancel()
 	require.NoError(t, srv.Shutdown(sctx))
 	require.NoError(t, <-served)
@@ -535,7 +537,7 @@ func TestClientIODeadline(t *testing.T) {
 			start := time.Now()
 			err := tt.op(ctx, c)
 			require.Error(t, err)
-			assert.Less(t, time.Since(start), 2*time.Second)
+			assert.Less(t, time.Since(start), testenv.Scale(2*time.Second))
 			var ne net.Error
 			if !errors.Is(err, ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
 				require.ErrorAs(t, err, &ne)

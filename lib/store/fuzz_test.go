@@ -15,6 +15,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/gpubridge/gpubridge/lib/testenv"
 )
 
 // Limits used by the fuzz target: small, so that the fuzzer reaches them.
@@ -30,7 +32,7 @@ func FuzzServerDecode(f *testing.F) {
 		f.Add(s.data)
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		hang := time.AfterFunc(10*time.Second, func() { panic(fmt.Sprintf("FuzzServerDecode hangs on %x", data)) })
+		hang := time.AfterFunc(testenv.Scale(60*time.Second), func() { panic(fmt.Sprintf("FuzzServerDecode hangs on %x", data)) })
 		defer hang.Stop()
 		s := NewServer(fuzzLimits)
 		a, b := net.Pipe()

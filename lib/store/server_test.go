@@ -13,6 +13,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/gpubridge/gpubridge/lib/testenv"
 )
 
 func le64(v uint64) []byte { return binary.LittleEndian.AppendUint64(nil, v) }
@@ -119,7 +121,7 @@ func TestServerRefusesLegacyClients(t *testing.T) {
 		r := rawDial(t, ts.addr, false)
 		start := time.Now()
 		r.closedByPeer()
-		assert.Less(t, time.Since(start), 3*time.Second)
+		assert.Less(t, time.Since(start), testenv.Scale(3*time.Second))
 		ts.waitLog(t, "gpubridge needs torch >= 2.8")
 	})
 }
@@ -211,10 +213,14 @@ func TestServerQueue(t *testing.T) {
 	// Two blocked poppers (WAIT on the queue): one push wakes exactly one.
 	w1 := rawDial(t, ts.addr, true)
 	w2 := rawDial(t, ts.addr, true)
+	// Requests on a connection are handled in order: once the PING after a
+	// WAIT is answered, the WAIT is registered. w1 registers first.
 	w1.req(&request{cmd: cmdWait, keys: []string{"/q2"}})
-	time.Sleep(20 * time.Millisecond) // w1 registers first
+	w1.req(&request{cmd: cmdPing, nonce: 1})
+	assert.EqualValues(t, 1, w1.u32())
 	w2.req(&request{cmd: cmdWait, keys: []string{"/q2"}})
-	time.Sleep(20 * time.Millisecond)
+	w2.req(&request{cmd: cmdPing, nonce: 2})
+	assert.EqualValues(t, 2, w2.u32())
 	r.req(&request{cmd: cmdQueuePush, keys: []string{"/q2"}, values: [][]byte{[]byte("x")}})
 	assert.Equal(t, waitStop, w1.u8())
 	w2.nothingWithin(100 * time.Millisecond)
@@ -332,7 +338,7 @@ func TestServerShutdownWithBlockedWaiters(t *testing.T) {
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
 	addr := ln.Addr().String()
-	require.Eventually(t, func() bool { return srv.Addr() != nil }, time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return srv.Addr() != nil }, testenv.Scale(10*time.Second), time.Millisecond)
 	assert.Equal(t, addr, srv.Addr().String())
 
 	// Server-side waiters (torch style) and a polling Get.
@@ -350,11 +356,11 @@ func TestServerShutdownWithBlockedWaiters(t *testing.T) {
 	}()
 	time.Sleep(50 * time.Millisecond)
 
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(10*time.Second))
 	defer cancel()
 	start := time.Now()
 	require.NoError(t, srv.Shutdown(ctx))
-	assert.Less(t, time.Since(start), 2*time.Second)
+	assert.Less(t, time.Since(start), testenv.Scale(2*time.Second))
 	require.NoError(t, <-served)
 	for _, w := range waiters {
 		w.closedByPeer()
@@ -362,7 +368,7 @@ func TestServerShutdownWithBlockedWaiters(t *testing.T) {
 	select {
 	case err := <-getErr:
 		require.Error(t, err)
-	case <-time.After(5 * time.Second):
+	case <-time.After(testenv.Scale(10 * time.Second)):
 		t.Fatal("Get still blocked after Shutdown")
 	}
 	// Serve after Shutdown returns at once.
