@@ -20,7 +20,7 @@ import (
 )
 
 // Limits used by the fuzz target: small, so that the fuzzer reaches them.
-var fuzzLimits = ServerOptions{MaxKeyLen: 64, MaxValueLen: 128, MaxKeysPerRequest: 16, MaxTotalBytes: 1 << 10}
+var fuzzLimits = ServerOptions{MaxKeyLen: 64, MaxValueLen: 128, MaxKeysPerRequest: 16, MaxTotalBytes: 1 << 10, MaxReplyBytes: 300}
 
 // FuzzServerDecode feeds arbitrary bytes (after the handshake) to the
 // server's request decoder and executes what it decodes against a server
@@ -211,6 +211,8 @@ func fuzzSeeds() []fuzzSeed {
 		{"too_many_keys", append([]byte{cmdMultiGet}, le64(17)...)},
 		{"unknown_command", []byte{18, 0, 0}},
 		{"bad_magic", []byte{cmdValidate, 0xce, 0xf7, 0x85, 0x3d}},
+		{"reply_over_limit", req(&request{cmd: cmdSet, keys: k("/v"), values: [][]byte{bytes.Repeat([]byte("v"), 120)}},
+			&request{cmd: cmdMultiGet, keys: k("/v", "/v", "/v")})},
 		{"over_budget", func() []byte {
 			var rs []*request
 			for i := range 6 {
