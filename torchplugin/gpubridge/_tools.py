@@ -284,7 +284,7 @@ def _places(root: Path | None) -> list[tuple[str, Path | None]]:
 def _lookup(names: list[str]) -> tuple[dict[str, str], ToolNotFoundError | None]:
     """The paths of the tools found, and one error naming every tool that
     was not (None when all were found)."""
-    root, why = _checkout()
+    root, _ = _checkout()
     places = _places(root)
     strict = _flag("GPUBRIDGE_BIN_STRICT")
     found: dict[str, str] = {}
@@ -314,11 +314,11 @@ def _lookup(names: list[str]) -> tuple[dict[str, str], ToolNotFoundError | None]
         problem = f"{looked}): {', '.join(unknown)} {verb} not one of the tools gpubridge builds: {every}"
     elif root is None:  # an installed package (or a copy of the sources): it never builds
         problem = (
-            f"{looked}): this gpubridge ({_package_bin().parent}) is neither a wheel that carries its "
-            f"tools nor in a source checkout ({why}); install it with pip from a gpubridge checkout "
-            "(`pip install ./torchplugin` builds the tools into the package; it needs Go 1.21 or later "
-            f"on PATH), or set GPUBRIDGE_BIN_DIR to a directory holding {every} (`make build` in a "
-            "checkout writes them into its bin/)"
+            f"{looked}): this gpubridge ({_package_bin().parent}) carries no tools and, not being in a "
+            "gpubridge source checkout, does not build them; reinstall it with pip from a checkout "
+            "(`pip install ./torchplugin` compiles the tools into the package; that needs Go 1.21 or "
+            f"later on PATH), or set GPUBRIDGE_BIN_DIR to a directory holding {every} (`make build` in "
+            "a checkout writes them into its bin/)"
         )
     elif _flag("GPUBRIDGE_NO_BUILD") or go is None:
         why, fix = "GPUBRIDGE_NO_BUILD is set", ""

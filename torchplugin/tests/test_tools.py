@@ -96,7 +96,7 @@ def test_bin_dir_then_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
             {"GPUBRIDGE_NO_BUILD": "0"},
             True,
             False,
-            ["(this installation's own)", "not in a gpubridge source checkout", "pip install ./torchplugin"],
+            ["(this installation's own)", "not being in a gpubridge source checkout", "pip install ./torch"],
             ["so that gpubridge builds them", "put Go", "not built on first use", "repobin"],
         ),
     ],
