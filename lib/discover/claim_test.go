@@ -226,3 +226,23 @@ func TestExchangeRecordTooLarge(t *testing.T) {
 		assert.LessOrEqual(t, len(p), 600)
 	}
 }
+
+func FuzzDecodeClaim(f *testing.F) {
+	f.Add((&Claim{Host: "node-a", PID: 1234, Start: 99}).encode())
+	f.Add([]byte(`{"host":"h","pid":0}`))
+	f.Add([]byte(`{"host":5}`))
+	f.Add([]byte(`[]`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, err := decodeClaim(data)
+		if err != nil {
+			return
+		}
+		// A decoded claim names a pid, re-encodes and decodes to itself.
+		require.Positive(t, c.PID)
+		again, err := decodeClaim(c.encode())
+		require.NoError(t, err)
+		require.Equal(t, c, again)
+		require.True(t, c.Same(again))
+		require.NotEmpty(t, claimConflict("ns", 1, data, &Claim{Host: "x", PID: 1}))
+	})
+}
