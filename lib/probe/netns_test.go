@@ -18,8 +18,8 @@ import (
 // namespaces made for the test (as root): A holds gbt0 (10.213.7.1/24, MTU
 // 1400, up) whose veth peer gbt1 (10.213.7.2/24) is in B, and a veth pair
 // gbd0/gbd1 left down. The probe runs in A by re-executing this test binary
-// under `ip netns exec`, which also mounts a sysfs of A (link speeds). The
-// 10.213.7.0/24 addresses exist only inside these namespaces.
+// under `ip netns exec` (see TestMain), which also mounts a sysfs of A (link
+// speeds). The 10.213.7.0/24 addresses exist only inside these namespaces.
 
 const (
 	netnsOutEnv    = "GBPROBE_TEST_NETNS_OUT"
@@ -64,7 +64,7 @@ func TestNetlinkInNamespace(t *testing.T) {
 	}
 
 	out := filepath.Join(t.TempDir(), "reports.json")
-	cmd := exec.Command(ipPath, "netns", "exec", nsA, os.Args[0], "-test.run=^TestNetnsChild$", "-test.count=1")
+	cmd := exec.Command(ipPath, "netns", "exec", nsA, os.Args[0])
 	cmd.Env = append(os.Environ(), netnsOutEnv+"="+out, netnsRoutesEnv+"=10.213.7.2,10.99.0.5,localhost")
 	b, err := cmd.CombinedOutput()
 	require.NoError(t, err, "child: %s", b)
@@ -113,23 +113,39 @@ func TestNetlinkInNamespace(t *testing.T) {
 	assert.Equal(t, &Route{To: "localhost", IP: "127.0.0.1", Interface: "lo", Source: "127.0.0.1"}, local.Route)
 }
 
-// TestNetnsChild is the probe inside namespace A; it runs only when
-// TestNetlinkInNamespace starts it.
-func TestNetnsChild(t *testing.T) {
-	out := os.Getenv(netnsOutEnv)
-	if out == "" {
-		t.Skip("run by TestNetlinkInNamespace inside a network namespace")
+// TestMain runs the probe inside namespace A when TestNetlinkInNamespace
+// re-executes the test binary there (a helper, not a test).
+func TestMain(m *testing.M) {
+	if out := os.Getenv(netnsOutEnv); out != "" {
+		if err := netnsChild(out); err != nil {
+			fmt.Fprintln(os.Stderr, "netns child:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
 	}
-	reqs := mustParse(t, "nic=gbt0,nic=gbd0,nic=eth0,route")
+	os.Exit(m.Run())
+}
+
+// netnsChild probes routes to every GBPROBE_TEST_NETNS_ROUTES host and
+// writes the reports to out.
+func netnsChild(out string) error {
+	reqs, err := ParseRequirements([]string{"nic=gbt0,nic=gbd0,nic=eth0,route"})
+	if err != nil {
+		return err
+	}
 	var reps []*Report
 	for _, to := range strings.Split(os.Getenv(netnsRoutesEnv), ",") {
 		rep, err := Run(context.Background(), Options{SysfsRoot: tree("bare"), RouteTo: to, Requirements: reqs})
-		require.NoError(t, err)
+		if err != nil {
+			return err
+		}
 		reps = append(reps, rep)
 	}
 	b, err := json.Marshal(reps)
-	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(out, b, 0o644))
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(out, b, 0o644)
 }
 
 // As root, a namespace that cannot be made must fail TestNetlinkInNamespace,
