@@ -64,6 +64,7 @@ def worker(rank: int, n: int, port: int, sizes: list[int], iters: int, warmup: i
                         "algbw_gbps": algbw,
                         "busbw_gbps": algbw * 2 * (n - 1) / n,
                         "wrong": wrong,
+                        "checked": True,
                     }
                 ),
                 flush=True,

@@ -1,15 +1,18 @@
 """Turns ci/bench/run.sh's rows.jsonl into the Markdown tables of
 docs/BENCHMARKS.md: algbw (GB/s) by size for each configuration, and the
-ratios the goals are stated in. Usage: report.py ROWS.jsonl [TITLE]"""
+ratios the goals are stated in. Usage: report.py ROWS.jsonl [TITLE]
+
+ci/bench/docs.py imports it (render) to check that the tables in
+docs/BENCHMARKS.md are what the rows in docs/bench/ give."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import defaultdict
+from typing import Any
 
-with open(sys.argv[1]) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
 # Names of configurations in runs made before the default became 8 streams.
 ALIASES = {
     "shm-allreduce": "shm-allreduce-s4",
@@ -18,17 +21,33 @@ ALIASES = {
     "tcp-allreduce-4m": "tcp-allreduce-4m-s4",
     "shm-allreduce-4m": "shm-allreduce-4m-s4",
 }
-for r in rows:
-    r["config"] = ALIASES.get(r["config"], r["config"])
-title = sys.argv[2] if len(sys.argv) > 2 else "run"
-bw: dict[str, dict[int, float]] = defaultdict(dict)
-wrong: dict[str, int] = defaultdict(int)
-desc: dict[str, str] = {}
-for r in rows:
-    bw[r["config"]][r.get("size", 0)] = r["algbw_gbps"]
-    wrong[r["config"]] += int(r.get("wrong", 0))
-    desc[r["config"]] = r.get("transport", "")
-sizes = sorted({s for c in bw for s in bw[c] if s})
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for r in rows:
+        r["config"] = ALIASES.get(r["config"], r["config"])
+    return rows
+
+
+def kind(r: dict[str, Any]) -> str:
+    """What a row measured, in words: the unit the check text speaks of."""
+    if r["collective"] == "iperf3":
+        return "iperf3"
+    if r.get("transport") == "torch gloo":
+        return "Gloo all_reduce"
+    return f"gbbridge {r['collective']}"
+
+
+def checked(r: dict[str, Any]) -> bool:
+    """Whether the row's "wrong" comes from a check. Rows carry "checked"
+    since gbbridge checks its exchange and memcpy rows too; older rows lack
+    it: their gbbridge exchange and memcpy rows were not checked, every other
+    gbbridge and Gloo row was; iperf3 is never checked."""
+    if "checked" in r:
+        return bool(r["checked"])
+    return r["collective"] not in ("exchange", "memcpy", "iperf3")
 
 
 def human(n: int) -> str:
@@ -38,95 +57,135 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
-def table(cols: list[tuple[str, str]], ratios: list[tuple[str, str, str]] = ()) -> None:
-    cols = [(h, c) for h, c in cols if c in bw]
-    ratios = [(h, a, b) for h, a, b in ratios if a in bw and b in bw]
-    print("| size | " + " | ".join(h for h, _ in cols) + "".join(f" | {h}" for h, _, _ in ratios) + " |")
-    print("|---" * (1 + len(cols) + len(ratios)) + "|")
-    for s in sizes:
-        cells = [f"{bw[c].get(s, float('nan')):.2f}" for _, c in cols]
-        cells += [
-            f"{bw[a].get(s, float('nan')) / bw[b].get(s, float('nan')):.2f}\u00d7"
-            if bw[b].get(s)
-            else "\u2013"
-            for _, a, b in ratios
-        ]
-        print(f"| {human(s)} | " + " | ".join(cells) + " |")
-    print()
+def iperf3_note(rows: list[dict[str, Any]]) -> str:
+    versions = sorted({str(r["iperf3_version"]) for r in rows if r.get("iperf3_version")})
+    one_thread = "iperf3 before 3.16 runs both directions of --bidir in one thread"
+    if not versions:
+        return f"(iperf3's version was not recorded in these rows; {one_thread}.)"
+    return f"({', '.join(versions)}, as recorded in the rows; {one_thread}.)"
 
 
-print(f"### {title}\n")
-print(
-    "algbw in GB/s (bytes of the buffer / time per call; nccl-tests' definition). "
-    "Every gbbridge row was checked element by element after timing; wrong elements in total: "
-    + ", ".join(f"{c} {w}" for c, w in sorted(wrong.items()) if w)
-    + (" none." if not any(wrong.values()) else ".")
-    + "\n"
-)
-print("#### 2 members, the default 8 streams: gbbridge vs Gloo and the ceilings\n")
-table(
-    [
-        ("Gloo", "gloo-2"),
-        ("TCP exchange (ceiling)", "tcp-exchange-s8"),
-        ("gbbridge TCP", "tcp-allreduce-s8"),
-        ("shm exchange", "shm-exchange-s8"),
-        ("gbbridge shm", "shm-allreduce-s8"),
-        ("memcpy, 1 core", "memcpy"),
-    ],
-    [
-        ("TCP / Gloo", "tcp-allreduce-s8", "gloo-2"),
-        ("TCP / ceiling", "tcp-allreduce-s8", "tcp-exchange-s8"),
-        ("shm / Gloo", "shm-allreduce-s8", "gloo-2"),
-    ],
-)
-print("#### TCP streams (2 members)\n")
-table(
-    [(f"exchange {s}", f"tcp-exchange-s{s}") for s in (1, 2, 4, 8, 16)]
-    + [(f"all_reduce {s}", f"tcp-allreduce-s{s}") for s in (1, 2, 4, 8, 16)]
-)
-print("#### shm streams (2 members)\n")
-table(
-    [(f"exchange {s}", f"shm-exchange-s{s}") for s in (4, 8, 16)]
-    + [(f"all_reduce {s}", f"shm-allreduce-s{s}") for s in (4, 8, 16)]
-)
-print("#### CRC32C per frame on and off (2 members, 4 streams)\n")
-table(
-    [
-        ("TCP, no CRC", "tcp-allreduce-s4"),
-        ("TCP, CRC", "tcp-allreduce-s4-crc"),
-        ("exchange, no CRC", "tcp-exchange-s4"),
-        ("exchange, CRC", "tcp-exchange-s4-crc"),
-        ("shm, no CRC", "shm-allreduce-s4"),
-        ("shm, CRC", "shm-allreduce-s4-crc"),
-    ],
-    [
-        ("TCP with CRC / without", "tcp-allreduce-s4-crc", "tcp-allreduce-s4"),
-        ("shm with CRC / without", "shm-allreduce-s4-crc", "shm-allreduce-s4"),
-    ],
-)
-print("#### 4 members (ring)\n")
-table(
-    [
-        ("Gloo, 4 ranks", "gloo-4"),
-        ("gbbridge TCP 4 streams", "tcp-allreduce-4m-s4"),
-        ("gbbridge TCP 8 streams", "tcp-allreduce-4m-s8"),
-        ("gbbridge shm 4 streams", "shm-allreduce-4m-s4"),
-        ("gbbridge shm 8 streams", "shm-allreduce-4m-s8"),
-    ],
-    [("TCP 8 / Gloo", "tcp-allreduce-4m-s8", "gloo-4"), ("shm 8 / Gloo", "shm-allreduce-4m-s8", "gloo-4")],
-)
-for r in rows:
-    if r["collective"] == "iperf3":
-        print(
-            f"- {r['transport']}: {r['forward_gbps']:.2f} GB/s one way, "
-            f"{r['reverse_gbps']:.2f} GB/s the other"
-            " (iperf3 3.12 runs both directions of --bidir in one thread)"
-        )
-print()
-print(
-    "Transports as the members described them: "
-    + "; ".join(
-        f"`{c}`: {desc[c]}" for c in sorted(desc) if c.startswith(("tcp-allreduce-s8", "shm-allreduce-s8"))
+def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
+    out: list[str] = []
+    p = out.append
+    bw: dict[str, dict[int, float]] = defaultdict(dict)
+    desc: dict[str, str] = {}
+    for r in rows:
+        bw[r["config"]][r.get("size", 0)] = r["algbw_gbps"]
+        desc[r["config"]] = r.get("transport", "")
+    sizes = sorted({s for c in bw for s in bw[c] if s})
+    kinds_checked = sorted({kind(r) for r in rows if checked(r)})
+    kinds_unchecked = sorted({kind(r) for r in rows if not checked(r)})
+    wrong = sum(int(r.get("wrong", 0)) for r in rows if checked(r))
+
+    def table(cols: list[tuple[str, str]], ratios: list[tuple[str, str, str]] | None = None) -> None:
+        cols = [(h, c) for h, c in cols if c in bw]
+        ratios = [(h, a, b) for h, a, b in ratios or [] if a in bw and b in bw]
+        p("| size | " + " | ".join(h for h, _ in cols) + "".join(f" | {h}" for h, _, _ in ratios) + " |")
+        p("|---" * (1 + len(cols) + len(ratios)) + "|")
+        for s in sizes:
+            cells = [f"{bw[c].get(s, math.nan):.2f}" for _, c in cols]
+            cells += [
+                f"{bw[a].get(s, math.nan) / bw[b].get(s, math.nan):.2f}\u00d7" if bw[b].get(s) else "\u2013"
+                for _, a, b in ratios
+            ]
+            p(f"| {human(s)} | " + " | ".join(cells) + " |")
+        p("")
+
+    if title is not None:
+        p(f"### {title}\n")
+    unchecked = ""
+    if kinds_unchecked:
+        why = []
+        if any(k.startswith("gbbridge") for k in kinds_unchecked):
+            why.append("these gbbridge rows were made before gbbridge checked them")
+        if "iperf3" in kinds_unchecked:
+            why.append("iperf3 moves bytes and has nothing to check")
+        unchecked = f" Not checked: {', '.join(kinds_unchecked)} ({'; '.join(why)})."
+    p(
+        "algbw in GB/s (bytes of the buffer / time per call; nccl-tests' definition). "
+        "Checked after timing, with one more call on fresh data whose every element is compared "
+        "with the exact result (gbbridge bit for bit, Gloo by value): "
+        f"{', '.join(kinds_checked)}; wrong elements in them: "
+        + (f"{wrong}." if wrong else "none.")
+        + unchecked
+        + "\n"
     )
-    + "."
-)
+    p("#### 2 members, the default 8 streams: gbbridge vs Gloo and the ceilings\n")
+    table(
+        [
+            ("Gloo", "gloo-2"),
+            ("TCP exchange (ceiling)", "tcp-exchange-s8"),
+            ("gbbridge TCP", "tcp-allreduce-s8"),
+            ("shm exchange", "shm-exchange-s8"),
+            ("gbbridge shm", "shm-allreduce-s8"),
+            ("memcpy, 1 core", "memcpy"),
+        ],
+        [
+            ("TCP / Gloo", "tcp-allreduce-s8", "gloo-2"),
+            ("TCP / ceiling", "tcp-allreduce-s8", "tcp-exchange-s8"),
+            ("shm / Gloo", "shm-allreduce-s8", "gloo-2"),
+        ],
+    )
+    p("#### TCP streams (2 members)\n")
+    table(
+        [(f"exchange {s}", f"tcp-exchange-s{s}") for s in (1, 2, 4, 8, 16)]
+        + [(f"all_reduce {s}", f"tcp-allreduce-s{s}") for s in (1, 2, 4, 8, 16)]
+    )
+    p("#### shm streams (2 members)\n")
+    table(
+        [(f"exchange {s}", f"shm-exchange-s{s}") for s in (4, 8, 16)]
+        + [(f"all_reduce {s}", f"shm-allreduce-s{s}") for s in (4, 8, 16)]
+    )
+    p("#### CRC32C per frame on and off (2 members, 4 streams)\n")
+    table(
+        [
+            ("TCP, no CRC", "tcp-allreduce-s4"),
+            ("TCP, CRC", "tcp-allreduce-s4-crc"),
+            ("exchange, no CRC", "tcp-exchange-s4"),
+            ("exchange, CRC", "tcp-exchange-s4-crc"),
+            ("shm, no CRC", "shm-allreduce-s4"),
+            ("shm, CRC", "shm-allreduce-s4-crc"),
+        ],
+        [
+            ("TCP with CRC / without", "tcp-allreduce-s4-crc", "tcp-allreduce-s4"),
+            ("shm with CRC / without", "shm-allreduce-s4-crc", "shm-allreduce-s4"),
+        ],
+    )
+    p("#### 4 members (ring)\n")
+    table(
+        [
+            ("Gloo, 4 ranks", "gloo-4"),
+            ("gbbridge TCP 4 streams", "tcp-allreduce-4m-s4"),
+            ("gbbridge TCP 8 streams", "tcp-allreduce-4m-s8"),
+            ("gbbridge shm 4 streams", "shm-allreduce-4m-s4"),
+            ("gbbridge shm 8 streams", "shm-allreduce-4m-s8"),
+        ],
+        [
+            ("TCP 8 / Gloo", "tcp-allreduce-4m-s8", "gloo-4"),
+            ("shm 8 / Gloo", "shm-allreduce-4m-s8", "gloo-4"),
+        ],
+    )
+    iperf = [r for r in rows if r["collective"] == "iperf3"]
+    for r in iperf:
+        p(f"- {r['transport']}: {r['forward_gbps']:.2f} GB/s one way, {r['reverse_gbps']:.2f} GB/s the other")
+    if iperf:
+        p("")
+        p(iperf3_note(iperf))
+    p("")
+    shown = [c for c in sorted(desc) if c.startswith(("tcp-allreduce-s8", "shm-allreduce-s8"))]
+    p("Transports as the members described them: " + "; ".join(f"`{c}`: {desc[c]}" for c in shown) + ".")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    if len(sys.argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    title = sys.argv[2] if len(sys.argv) > 2 else "run"
+    sys.stdout.write(render(read_rows(sys.argv[1]), title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,8 +12,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=4
 out=${OUT:-/tmp/gpubridge-out}/profile; mkdir -p "$out"
 exec > >(tee -a "$out/profile.log") 2>&1
+# run's own lines go to the log (fd 3), never into the JSON lines a command's
+# stdout is redirected to (they once landed in profile.jsonl).
+exec 3>&1
 echo "== $(date -u +%FT%TZ) commit ${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-run() { local s; s=$(date +%s); echo "== $*"; timeout -k 5 "$@"; echo "   rc=$? in $(( $(date +%s) - s ))s"; }
+run() { local s; s=$(date +%s); echo "== $*" >&3; timeout -k 5 "$@"; echo "   rc=$? in $(( $(date +%s) - s ))s" >&3; }
 tr=(python3 -m torch.distributed.run --standalone --max-restarts 0 --nproc-per-node)
 for c in 8388608 33554432; do
   GPUBRIDGE_SPLIT_TEST=half GPUBRIDGE_COPY_CHUNK=$c run 120 "${tr[@]}" 2 ci/gpu/plugin_profile.py >> "$out/profile.jsonl" 2> "$out/profile-$c.log"

@@ -25,6 +25,10 @@ import torch.distributed as dist
 
 import gpubridge
 
+# A torchrun worker: --help is the only thing it does outside torchrun.
+if __name__ == "__main__" and sys.argv[1:2] in (["-h"], ["--help"]):
+    print(__doc__)
+    sys.exit(0)
 rank = int(os.environ["RANK"])
 outdir = Path(sys.argv[1])
 reference = sys.argv[2]

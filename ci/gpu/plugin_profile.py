@@ -28,6 +28,10 @@ import torch.distributed as dist
 import gpubridge
 from gpubridge._feed import DType, Op
 
+# A torchrun worker: --help is the only thing it does outside torchrun.
+if __name__ == "__main__" and sys.argv[1:2] in (["-h"], ["--help"]):
+    print(__doc__)
+    sys.exit(0)
 rank = int(os.environ["RANK"])
 SIZES = [1 << 20, 4 << 20, 16 << 20, 25 << 20, 64 << 20, 256 << 20]
 

@@ -17,8 +17,10 @@ optimiser AdamW; every rank draws its own synthetic tokens from a seeded
 generator. --comm-hook registers gpubridge.ddp_comm_hook when the package has
 it (the row says whether it was used). After warm-up, the timed steps run
 back to back; tokens/s per rank = batch * seq * steps / time, and the row
-holds every rank's rate and their sum. At the end the ranks compare a checksum
-of their parameters (DDP must keep them identical).
+holds every rank's rate and their sum. At the end every rank hashes the bytes
+of all its parameters (SHA-256, whole tensors) and the ranks compare the
+digests: "params_in_sync" is true only when every byte of every parameter is
+the same on every rank (DDP must keep them identical).
 
 Rank 0 appends one JSON line (schema gpubridge.plugin-train/v1) to OUT.jsonl
 and prints a summary on stderr.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import importlib
 import itertools
 import json
@@ -229,19 +232,18 @@ def train(args: argparse.Namespace, gb: Any, rank: int, world: int, device: torc
 
     tokens = args.batch * cfg.seq * args.steps
     rate = tokens / elapsed
-    # Every rank's rate (a SUM of one-hot vectors needs only all_reduce), and a
-    # parameter checksum: MAX of (c, -c) gives max and -min, equal iff every
-    # rank holds the same c.
+    # Every rank's rate (a SUM of one-hot vectors needs only all_reduce), and
+    # the digest of its parameters' bytes.
     # FSDP/HSDP parameters are DTensor shards: compare the whole tensors.
     full = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
-    checksum = float(sum(p.double().sum().item() for p in full))
+    digest = param_digest(full)
     vec = torch.zeros(world, dtype=torch.float64, device=device)
     vec[rank] = rate
     dist.all_reduce(vec)
     rates = [float(x) for x in vec.tolist()]
-    cs = torch.tensor([checksum, -checksum, float(loss.float().item())], dtype=torch.float64, device=device)
-    dist.all_reduce(cs, op=dist.ReduceOp.MAX)
-    in_sync = float(cs[0].item()) == -float(cs[1].item())
+    in_sync = same_on_every_rank(digest, device)
+    last_loss = torch.tensor([float(loss.float().item())], dtype=torch.float64, device=device)
+    dist.all_reduce(last_loss, op=dist.ReduceOp.MAX)
 
     # Model FLOPs per token: 6 per parameter (forward + backward) plus attention's
     # 12 * layers * seq * dim (causal: half of that is wasted, counted anyway).
@@ -269,9 +271,10 @@ def train(args: argparse.Namespace, gb: Any, rank: int, world: int, device: torc
         "tokens_per_s_ranks": rates,
         "tokens_per_s_total": sum(rates),
         "model_tflops_per_rank": min(rates) * flops_per_token / 1e12,
-        "last_loss_max": float(cs[2].item()),
+        "last_loss_max": float(last_loss[0].item()),
         "params_in_sync": in_sync,
-        "param_checksum": checksum,
+        "params_compared": "sha256 of every parameter's bytes, on every rank",
+        "param_sha256": digest.hex(),
     }
     if stats_after is not None:
         # the backend's host-side time per step over the timed steps
@@ -280,6 +283,27 @@ def train(args: argparse.Namespace, gb: Any, rank: int, world: int, device: torc
         row["gpu"] = torch.cuda.get_device_name(device)
         row["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return row
+
+
+def param_digest(params: list[torch.Tensor]) -> bytes:
+    """SHA-256 of the parameters' bytes, in order (with each one's dtype and
+    shape, so that a reshaped tensor cannot match)."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(f"{p.dtype} {tuple(p.shape)};".encode())
+        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.digest()
+
+
+def same_on_every_rank(digest: bytes, device: torch.device) -> bool:
+    """Whether every rank holds this digest: the digest as 56-bit words d, and
+    MAX over the ranks of (d, -d) gives the largest and minus the smallest of
+    each word; they agree iff every rank's word is the same."""
+    words = [int.from_bytes(digest[i : i + 7], "little") for i in range(0, len(digest), 7)]
+    t = torch.tensor(words + [-w for w in words], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    v = [int(x) for x in t.tolist()]
+    return v[: len(words)] == [-x for x in v[len(words) :]]
 
 
 if __name__ == "__main__":
