@@ -11,11 +11,22 @@ export CGO_ENABLED := 1
 # go-nvml's headers use deprecated declarations; the warnings are noise.
 export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 
-.PHONY: help deps venv build lint golint pylint gotest pytest man man-check slurm-test test demo clean
+# What each test step records for the list of skipped tests that ends make
+# test (ci/testreport): go test -json streams, pytest's JUnit XML, make's own
+# skips (NAME<TAB>REASON lines).
+TESTOUT := $(CURDIR)/out/test
+REPORT := $(TESTOUT)/testreport
+# How long test-long fuzzes each fuzz target.
+FUZZTIME ?= 30s
+
+.PHONY: help deps venv build lint golint pylint gotest pytest man man-check slurm-test bench-docs test test-long bench-latency demo clean
 
 help:
 	@echo "make demo   run the main job (4 simulated ranks, 2 NVIDIA + 2 AMD, train a model with DDP over the gpubridge backend on CPU)"
-	@echo "make test   run every test (lint, go tests with -race, torch interop, CLI scripts, man pages, Slurm)"
+	@echo "make test   run every test (lint, go tests with -race, torch interop, CLI scripts, man pages, Slurm, benchmark docs);"
+	@echo "            it ends with the list of skipped tests and fails, run as root, if a test that needs root was skipped"
+	@echo "make test-long      fuzz every fuzz target for FUZZTIME each (default 30s; minutes in all, not run by make test)"
+	@echo "make bench-latency  BenchmarkServeLatency: the feed's 4-byte all_reduce latency against its 30 us budget (needs ~8 CPUs)"
 	@echo "make build  build the tools into bin/"
 	@echo "make man    regenerate man/*.1 from the CLI models"
 
@@ -25,9 +36,11 @@ deps:
 venv: deps
 	@ci/venv.sh
 
+# The command is echoed on stderr: stdout is data (make demo prints JSON).
 build: deps
 	@mkdir -p $(BIN)
-	$(GO) build -trimpath -o $(BIN)/ $(addprefix ./tools/,$(TOOLS))
+	@echo "$(GO) build -trimpath -o $(BIN)/ $(addprefix ./tools/,$(TOOLS))" >&2
+	@$(GO) build -trimpath -o $(BIN)/ $(addprefix ./tools/,$(TOOLS))
 
 lint: golint pylint
 
@@ -42,17 +55,25 @@ pylint: venv
 	$(CURDIR)/.venv/bin/ruff check --config torchplugin/pyproject.toml examples ci
 	$(CURDIR)/.venv/bin/ruff format --check --config torchplugin/pyproject.toml examples ci
 
+$(REPORT): ci/testreport/main.go
+	@mkdir -p $(TESTOUT)
+	$(GO) build -o $@ ./ci/testreport
+
 # The Go tests, with the race detector; GPUBRIDGE_PYTHON turns on the torch
-# interop tests and GPUBRIDGE_BIN the tests of built binaries.
-gotest: venv build
-	GPUBRIDGE_PYTHON=$(PY) GPUBRIDGE_BIN=$(BIN) $(GO) test -race -count=1 -timeout 20m ./...
+# interop tests and GPUBRIDGE_BIN the tests of built binaries. The console
+# shows what plain go test shows; $(TESTOUT) keeps the -json streams.
+gotest: venv build $(REPORT)
+	GPUBRIDGE_PYTHON=$(PY) GPUBRIDGE_BIN=$(BIN) $(GO) test -race -count=1 -timeout 20m -json ./... | $(REPORT) tee $(TESTOUT)/go-race.json
 	@# The race detector allocates and slows everything: the tests that count
-	@# allocations or time the feed run once more without it.
-	$(GO) test -count=1 -timeout 10m -run 'TestNoAllocs|TestLatencyInProcess|TestServeLatency' ./lib/transport ./lib/feed ./tools/gbbridge
+	@# allocations or time the feed, and the check of every float32 against
+	@# the half-precision references (~80 CPU-s), run once more without it.
+	GPUBRIDGE_EXHAUSTIVE=1 $(GO) test -count=1 -timeout 10m -json -run 'TestNoAllocs|TestLatencyInProcess|TestF32ToHalfAllFloat32' \
+	  ./lib/transport ./lib/feed ./lib/reduce | $(REPORT) tee $(TESTOUT)/go-norace.json
 
 # The Python tests: the feed client against real gbbridge serve processes.
 pytest: venv build
-	cd torchplugin && GPUBRIDGE_BIN=$(BIN) $(PY) -m pytest -q tests
+	@mkdir -p $(TESTOUT)
+	cd torchplugin && GPUBRIDGE_BIN=$(BIN) $(PY) -m pytest -q --junitxml=$(TESTOUT)/pytest.xml tests
 
 man: build
 	@mkdir -p man
@@ -68,11 +89,35 @@ man-check: build
 # A real one-node Slurm with a gbprobe prolog; needs root (it installs
 # slurm-wlm and munge and starts their daemons).
 slurm-test: build
+	@mkdir -p $(TESTOUT); rm -f $(TESTOUT)/slurm.skip
 	@if [ "$$(id -u)" -ne 0 ]; then echo "slurm-test: skipped: needs root to install and start Slurm"; \
+	  printf 'slurm-test\tneeds root: installs and starts Slurm (make test as root runs it)\n' > $(TESTOUT)/slurm.skip; \
 	else GBPROBE=$(BIN)/gbprobe ci/slurm/prolog-test.sh; fi
 
-test: lint gotest pytest man-check slurm-test
+# Every table of docs/BENCHMARKS.md is regenerated from docs/bench/ and
+# must match.
+bench-docs: venv
+	$(PY) ci/bench/docs.py check
+
+test: lint gotest pytest man-check slurm-test bench-docs $(REPORT)
+	@$(REPORT) skips $(TESTOUT)
 	@echo "make test: all passed"
+
+# Longer than CI's time: fuzz every fuzz target for FUZZTIME.
+test-long: deps
+	@set -e; for pkg in $$($(GO) list ./...); do \
+	  dir=$$($(GO) list -f '{{.Dir}}' $$pkg); \
+	  for f in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$dir/*_test.go 2>/dev/null | cut -c6-); do \
+	    echo "== $$pkg $$f ($(FUZZTIME))" >&2; \
+	    $(GO) test -run '^$$' -fuzz "^$$f\$$" -fuzztime $(FUZZTIME) $$pkg; \
+	  done; \
+	done
+	@echo "make test-long: every fuzz target ran $(FUZZTIME) without a failure"
+
+# The feed's latency budget (docs/BENCHMARKS.md, "Feed latency"). It fails
+# when the budget is missed, which it is on machines with few CPUs.
+bench-latency: build
+	GPUBRIDGE_BIN=$(BIN) $(GO) test -count=1 -run '^$$' -bench BenchmarkServeLatency -benchtime 1x ./tools/gbbridge/
 
 demo: venv build
 	@ci/demo.sh $(BIN)
