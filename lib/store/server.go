@@ -433,14 +433,15 @@ func (b *outBudget) init(max int64) { b.max = max }
 // cancel is closed.
 func (b *outBudget) acquire(n int64, deadline time.Time, cancel <-chan struct{}) error {
 	b.mu.Lock()
-	if len(b.waiters) == 0 && (b.used+n <= b.max || n == 0) {
-		b.used += n
-		b.mu.Unlock()
-		return nil
-	}
 	w := &outWaiter{n: n, granted: make(chan struct{})}
 	b.waiters = append(b.waiters, w)
+	b.grantLocked()
 	b.mu.Unlock()
+	select {
+	case <-w.granted:
+		return nil
+	default:
+	}
 
 	timer := time.NewTimer(time.Until(deadline))
 	defer timer.Stop()
@@ -465,7 +466,9 @@ func (b *outBudget) acquire(n int64, deadline time.Time, cancel <-chan struct{})
 	return err
 }
 
-// grantLocked serves the waiters in order while the first one fits.
+// grantLocked serves the waiters in order while the first one fits; with
+// nothing in use the first one is served whatever its size (a reply may
+// exceed the bound by its few bytes of counts).
 func (b *outBudget) grantLocked() {
 	for len(b.waiters) > 0 {
 		w := b.waiters[0]

@@ -310,3 +310,45 @@ func TestLogLimiter(t *testing.T) {
 	l2.warn("flood")
 	assert.Equal(t, 2, strings.Count(logs2.String(), `msg=flood`+"\n"), logs2.String())
 }
+
+func TestOutBudget(t *testing.T) {
+	var b outBudget
+	b.init(100)
+	never := make(chan struct{})
+	soon := func() time.Time { return time.Now().Add(testenv.Scale(10 * time.Second)) }
+	// More than the bound, with nothing in use: granted at once.
+	require.NoError(t, b.acquire(108, soon(), never))
+	b.release(108)
+	require.NoError(t, b.acquire(60, soon(), never))
+
+	// First come, first served: 50 waits behind 60; 10 waits behind 50 even
+	// though it would fit now.
+	got := make(chan int64, 2)
+	for _, n := range []int64{50, 10} {
+		go func() {
+			if err := b.acquire(n, soon(), never); err == nil {
+				got <- n
+			}
+		}()
+		require.Eventually(t, func() bool {
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			return len(b.waiters) > 0 && b.waiters[len(b.waiters)-1].n == n
+		}, testenv.Scale(10*time.Second), time.Millisecond)
+	}
+	b.release(60)
+	assert.Equal(t, int64(50), <-got)
+	assert.Equal(t, int64(10), <-got)
+	assert.Equal(t, int64(60), b.inUse())
+
+	// A waiter gives up at its deadline or when its connection closes, and
+	// leaves nothing behind.
+	err := b.acquire(80, time.Now().Add(10*time.Millisecond), never)
+	require.ErrorIs(t, err, errOutputFull)
+	closed := make(chan struct{})
+	close(closed)
+	require.ErrorIs(t, b.acquire(80, soon(), closed), errConnClosed)
+	b.release(60)
+	assert.Zero(t, b.inUse())
+	assert.Empty(t, b.waiters)
+}
