@@ -336,9 +336,22 @@ func TestOutBudget(t *testing.T) {
 			return len(b.waiters) > 0 && b.waiters[len(b.waiters)-1].n == n
 		}, testenv.Scale(10*time.Second), time.Millisecond)
 	}
-	b.release(60)
-	assert.Equal(t, int64(50), <-got)
-	assert.Equal(t, int64(10), <-got)
+	waiting := func() []int64 {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		var ns []int64
+		for _, w := range b.waiters {
+			ns = append(ns, w.n)
+		}
+		return ns
+	}
+	// 5 freed: 10 would fit (65), but it stays behind 50 (which does not).
+	b.release(5)
+	assert.Equal(t, []int64{50, 10}, waiting())
+	assert.Empty(t, got)
+	b.release(55)
+	assert.ElementsMatch(t, []int64{50, 10}, []int64{<-got, <-got})
+	assert.Empty(t, waiting())
 	assert.Equal(t, int64(60), b.inUse())
 
 	// A waiter gives up at its deadline or when its connection closes, and
