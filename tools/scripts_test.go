@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/rogpeppe/go-internal/testscript"
 	"github.com/stretchr/testify/require"
 )
@@ -84,6 +85,7 @@ func TestScripts(t *testing.T) {
 		Setup: func(env *testscript.Env) error {
 			env.Setenv("PATH", binDir+string(os.PathListSeparator)+env.Getenv("PATH"))
 			env.Setenv("PYTHON", os.Getenv("GPUBRIDGE_PYTHON"))
+			env.Setenv(testenv.ScaleVar, os.Getenv(testenv.ScaleVar))
 			return nil
 		},
 		Cmds: map[string]func(ts *testscript.TestScript, neg bool, args []string){
@@ -103,15 +105,18 @@ func TestScripts(t *testing.T) {
 	})
 }
 
-// cmdStoreAddr waits (10 s at most) for the JSON line `gbdiscover serve` (or
-// a torch store script) writes into a file and sets $STORE to its address.
+// cmdStoreAddr waits for the JSON line `gbdiscover serve` (or a torch store
+// script) writes into a file and sets $STORE to its address. Its deadline
+// catches a hang: a torch store script imports torch first, which takes
+// many seconds on a loaded machine.
 //
 //	storeaddr FILE
 func cmdStoreAddr(ts *testscript.TestScript, neg bool, args []string) {
 	if neg || len(args) != 1 {
 		ts.Fatalf("usage: storeaddr FILE")
 	}
-	deadline := time.Now().Add(10 * time.Second)
+	wait := testenv.Scale(60 * time.Second)
+	deadline := time.Now().Add(wait)
 	for {
 		b, _ := os.ReadFile(ts.MkAbs(args[0]))
 		if i := bytes.IndexByte(b, '\n'); i > 0 {
@@ -123,7 +128,7 @@ func cmdStoreAddr(ts *testscript.TestScript, neg bool, args []string) {
 			return
 		}
 		if time.Now().After(deadline) {
-			ts.Fatalf("%s: no listen line within 10s", args[0])
+			ts.Fatalf("%s: no listen line within %v", args[0], wait)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -159,8 +164,8 @@ func cmdAgree(ts *testscript.TestScript, neg bool, args []string) {
 	}
 }
 
-// cmdPar runs bash command lines concurrently and waits for all of them (60 s
-// at most). A line that starts with "! " must fail, any other must succeed.
+// cmdPar runs bash command lines concurrently and waits for all of them (a
+// scaled 90 s at most, a hang guard). A line that starts with "! " must fail, any other must succeed.
 // Unlike testscript's own background commands it leaves other background
 // processes (a store server) running.
 //
@@ -169,7 +174,8 @@ func cmdPar(ts *testscript.TestScript, neg bool, args []string) {
 	if neg || len(args) == 0 {
 		ts.Fatalf("usage: par 'LINE'...")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	limit := testenv.Scale(90 * time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
 	defer cancel()
 	type result struct {
 		line string
@@ -202,7 +208,7 @@ func cmdPar(ts *testscript.TestScript, neg bool, args []string) {
 		}
 		switch {
 		case ctx.Err() != nil:
-			ts.Fatalf("par: %s: still running after 60s", r.line)
+			ts.Fatalf("par: %s: still running after %v", r.line, limit)
 		case r.fail && r.err == nil:
 			ts.Fatalf("par: %s: succeeded, want failure", r.line)
 		case !r.fail && r.err != nil:
@@ -220,7 +226,7 @@ func scriptEnv(ts *testscript.TestScript) []string {
 			env = append(env, k+"="+v)
 		}
 	}
-	for _, k := range []string{"STORE", "PYTHON", "WORK", "HOME", "TMPDIR", "GPUBRIDGE_SPLIT_TEST", "GPUBRIDGE_VENDOR"} {
+	for _, k := range []string{"STORE", "PYTHON", "WORK", "HOME", "TMPDIR", "GPUBRIDGE_SPLIT_TEST", "GPUBRIDGE_VENDOR", testenv.ScaleVar} {
 		if v := ts.Getenv(k); v != "" {
 			env = append(env, k+"="+v)
 		}
