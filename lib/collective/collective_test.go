@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/testenv"
 )
 
 const testChunk = 1 << 10
@@ -408,7 +409,7 @@ func TestReadyStreamsNotHeldBack(t *testing.T) {
 	for m := range bufs {
 		release(m, 0, half)
 	}
-	assert.Eventually(t, func() bool { return covered(0) == half && covered(1) == half }, 5*time.Second, time.Millisecond,
+	assert.Eventually(t, func() bool { return covered(0) == half && covered(1) == half }, testenv.Scale(20*time.Second), time.Millisecond,
 		"the first half was not finished while the second half was held back")
 	for m := range bufs {
 		release(m, half, n)
@@ -514,7 +515,7 @@ func TestReady(t *testing.T) {
 
 // TestReadyError: an error from Ready fails the collective with it.
 func TestReadyError(t *testing.T) {
-	cl := newCluster(t, 2, 1, Options{ChunkBytes: testChunk, Timeout: 5 * time.Second})
+	cl := newCluster(t, 2, 1, Options{ChunkBytes: testChunk, Timeout: testenv.Scale(20 * time.Second)})
 	errs := cl.each(func(m int, c *Comm) error {
 		buf := make([]byte, 4096)
 		var p *Progress

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/wire"
 )
 
@@ -273,7 +274,7 @@ func TestP2PUnexpectedLimit(t *testing.T) {
 	require.ErrorIs(t, err, ErrBroken)
 	require.ErrorContains(t, err, "wait for a matching Recv, over the limit of 16 KiB")
 	// The sender learns it too.
-	require.Eventually(t, func() bool { return cl.comms[0].state() != nil }, time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return cl.comms[0].state() != nil }, testenv.Scale(10*time.Second), time.Millisecond)
 }
 
 // TestRecvTimeout: a Recv with nothing to receive times out without
@@ -324,7 +325,7 @@ func TestRecvCancelMidMessage(t *testing.T) {
 						return len(pr.posted[4]) > 0
 					}
 					return in != nil && in.req != nil && in.req.state == want
-				}, time.Second, time.Millisecond)
+				}, testenv.Scale(10*time.Second), time.Millisecond)
 			}
 			waitState(posted)
 			frame(0, false)
@@ -342,7 +343,7 @@ func TestRecvCancelMidMessage(t *testing.T) {
 					pr.mu.Lock()
 					defer pr.mu.Unlock()
 					return len(pr.posted[4]) == 1
-				}, time.Second, time.Millisecond)
+				}, testenv.Scale(10*time.Second), time.Millisecond)
 			}
 			cancel()
 			require.ErrorIs(t, <-first, context.Canceled)

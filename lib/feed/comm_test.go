@@ -14,6 +14,7 @@ import (
 
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/transport"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -198,7 +199,7 @@ func TestP2PBehindCollective(t *testing.T) {
 	for _, delay := range []time.Duration{-1, DefaultHandoffDelay, 20 * time.Millisecond} {
 		t.Run(delay.String(), func(t *testing.T) {
 			e := startFeeds(t, commBridges(t, 2, 4096), func(o *ServerOptions) { o.HandoffDelay = delay })
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(20*time.Second))
 			defer cancel()
 			regs := mapRegions(t, e.clients, 4096)
 			copy(regs[0].Mem[100:], "ping")

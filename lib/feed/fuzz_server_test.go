@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"golang.org/x/sys/unix"
 )
 
@@ -67,7 +68,7 @@ func FuzzServerInput(f *testing.F) {
 		_ = a.CloseWrite()
 		select {
 		case <-errc:
-		case <-time.After(10 * time.Second):
+		case <-time.After(testenv.Scale(20 * time.Second)):
 			t.Fatal("the server did not stop")
 		}
 		a.Close()

@@ -15,6 +15,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/store"
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/transport"
 	"github.com/stretchr/testify/require"
 )
@@ -24,7 +25,7 @@ import (
 func tcpComms(t testing.TB, n, streams int) []*collective.Comm {
 	t.Helper()
 	addr := storetest.Start(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	infos := make([]transport.MemberInfo, n)
 	for i := range infos {
@@ -42,7 +43,7 @@ func tcpComms(t testing.TB, n, streams int) []*collective.Comm {
 			defer wg.Done()
 			m, err := transport.Establish(ctx, transport.Config{
 				Store: sc.Prefix("gpubridge").Prefix("latency"), Self: i, Members: infos, Transport: "tcp",
-				Streams: streams, CRC: true, ListenHost: "127.0.0.1", Timeout: 20 * time.Second,
+				Streams: streams, CRC: true, ListenHost: "127.0.0.1", Timeout: testenv.Scale(30 * time.Second),
 			})
 			if err != nil {
 				errs[i] = err

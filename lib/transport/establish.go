@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"bytes"
 	"context"
 	"crypto/hmac"
 	"crypto/rand"
@@ -167,19 +168,38 @@ func parseEndpoint(b []byte) (endpoint, error) {
 // store.
 const maxFailureText = 4 << 10
 
-// remoteFailure is another member's setup failure, read from the store.
-type remoteFailure struct{ msg string }
+// failTimeout starts a failure recorded in the store that was the set-up
+// timeout, so that a member that reads it instead of noticing the timeout
+// itself (they all run out at about the same instant) returns an error
+// that is context.DeadlineExceeded too.
+const failTimeout = "timeout\x00"
 
-// newRemoteFailure makes the failure text read from the store safe to
-// show: at most maxFailureText bytes, printable.
+// remoteFailure is another member's setup failure, read from the store.
+type remoteFailure struct {
+	msg     string
+	timeout bool // the failure was the set-up timeout
+}
+
+// newRemoteFailure makes the failure read from the store safe to show:
+// at most maxFailureText bytes, printable.
 func newRemoteFailure(v []byte) *remoteFailure {
+	timeout := bytes.HasPrefix(v, []byte(failTimeout))
+	v = bytes.TrimPrefix(v, []byte(failTimeout))
 	if len(v) > maxFailureText {
 		v = v[:maxFailureText]
 	}
-	return &remoteFailure{msg: printable(string(v))}
+	return &remoteFailure{msg: printable(string(v)), timeout: timeout}
 }
 
 func (e *remoteFailure) Error() string { return e.msg }
+
+// Unwrap makes a remote timeout errors.Is(err, context.DeadlineExceeded).
+func (e *remoteFailure) Unwrap() error {
+	if e.timeout {
+		return context.DeadlineExceeded
+	}
+	return nil
+}
 
 // sharedError is a failure every member computes the same from what they
 // all read (a settings disagreement, a member missing at the deadline). It
@@ -372,6 +392,9 @@ func (s *setup) fail(ctx context.Context, err error) {
 	var se *sharedError
 	if errors.As(err, &se) {
 		msg = se.Error()
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		msg = failTimeout + msg
 	}
 	if _, e := s.st.CompareSet(ctx, keyFailed, nil, []byte(msg)); e != nil {
 		s.log.Warn("could not record the setup failure in the store", "err", e)

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -85,8 +86,8 @@ func TestHandshake(t *testing.T) {
 		a, b := net.Pipe()
 		defer a.Close()
 		defer b.Close()
-		_ = a.SetDeadline(time.Now().Add(5 * time.Second))
-		_ = b.SetDeadline(time.Now().Add(5 * time.Second))
+		_ = a.SetDeadline(time.Now().Add(testenv.Scale(10 * time.Second)))
+		_ = b.SetDeadline(time.Now().Add(testenv.Scale(10 * time.Second)))
 		var r result
 		var wg sync.WaitGroup
 		wg.Go(func() {
@@ -164,7 +165,7 @@ func TestHandshakeLimits(t *testing.T) {
 	start := time.Now()
 	_, _, err := serverHandshake(b, testParams(0), serverHooks{})
 	require.Error(t, err)
-	assert.Less(t, time.Since(start), time.Second)
+	assert.Less(t, time.Since(start), testenv.Scale(5*time.Second))
 
 	r := &countingReader{r: io.MultiReader(bytes.NewReader([]byte("GBHS\x01\x00\x00\x04")), zeroReader{})}
 	_, err = readHS(r)

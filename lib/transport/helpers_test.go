@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/store"
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/wire"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
@@ -34,9 +35,9 @@ func TestMain(m *testing.M) {
 // dialStore returns a client of the store at addr, prefixed to ns.
 func dialStore(t testing.TB, addr, ns string) *store.Client {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(20*time.Second))
 	defer cancel()
-	c, err := store.Dial(ctx, addr, store.WithConnectTimeout(10*time.Second))
+	c, err := store.Dial(ctx, addr, store.WithConnectTimeout(testenv.Scale(20*time.Second)))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	return c.Prefix(ns)
@@ -75,7 +76,7 @@ func newBridge(t testing.TB, transport string, n, streams int, crc bool) *bridge
 	for i := range b.cfgs {
 		b.cfgs[i] = Config{
 			Store: dialStore(t, addr, b.ns), Self: i, Members: ms, Transport: transport,
-			Streams: streams, CRC: crc, ListenHost: "127.0.0.1", Timeout: 20 * time.Second,
+			Streams: streams, CRC: crc, ListenHost: "127.0.0.1", Timeout: testenv.Scale(30 * time.Second),
 		}
 	}
 	return b
@@ -147,7 +148,7 @@ func streamOf(m Mesh, peer, i int) Stream {
 // their content, headers and order.
 func exchange(t *testing.T, meshes []Mesh, sizes []int) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	n := len(meshes)
 	var wg sync.WaitGroup
@@ -226,7 +227,7 @@ func childMain(spec string) int {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 2
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	c, err := store.Dial(ctx, cs.Store)
 	if err != nil {
@@ -234,7 +235,7 @@ func childMain(spec string) int {
 		return 2
 	}
 	m, err := Establish(ctx, Config{Store: c.Prefix(cs.NS), Self: cs.Self, Members: cs.Members, Transport: cs.Transport,
-		Streams: cs.Streams, ListenHost: "127.0.0.1", Timeout: 20 * time.Second,
+		Streams: cs.Streams, ListenHost: "127.0.0.1", Timeout: testenv.Scale(30 * time.Second),
 		Log: slog.New(slog.NewTextHandler(os.Stderr, nil))})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "child:", err)

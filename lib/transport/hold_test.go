@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/wire"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -54,7 +55,7 @@ func sendFrames(t *testing.T, out Stream, sizes []int) func() {
 		select {
 		case err := <-errc:
 			require.NoError(t, err)
-		case <-time.After(20 * time.Second):
+		case <-time.After(testenv.Scale(30 * time.Second)):
 			t.Fatal("sender stuck")
 		}
 	}
@@ -118,7 +119,7 @@ func TestRecvHold(t *testing.T) {
 			var h2 held
 			select {
 			case h2 = <-got:
-			case <-time.After(10 * time.Second):
+			case <-time.After(testenv.Scale(20 * time.Second)):
 				t.Fatal("release did not let the third hold through")
 			}
 			require.NoError(t, h2.err)
@@ -220,7 +221,7 @@ func TestRecvHoldCloseAndAbort(t *testing.T) {
 			select {
 			case err := <-errc:
 				assert.ErrorIs(t, err, ErrClosed)
-			case <-time.After(5 * time.Second):
+			case <-time.After(testenv.Scale(10 * time.Second)):
 				t.Fatal("a blocked RecvHold did not return after Close")
 			}
 			r1()
@@ -229,7 +230,7 @@ func TestRecvHoldCloseAndAbort(t *testing.T) {
 		t.Run(tr+"/abort", func(t *testing.T) {
 			ms := holdMeshes(t, tr, true)
 			ms[0].Abort(errors.New("reduce failed"))
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(10*time.Second))
 			defer cancel()
 			_, _, r, err := ms[1].Stream(0, 0).(Holder).RecvHold(ctx)
 			var pe *PeerError

@@ -128,12 +128,12 @@ type serveProc struct {
 	err    error
 }
 
-// wait returns the exit code, failing the test after 15 s.
+// wait returns the exit code, failing the test after 30 s (scaled).
 func (p *serveProc) wait(t testing.TB) int {
 	t.Helper()
 	select {
 	case <-p.done:
-	case <-time.After(15 * time.Second):
+	case <-time.After(testenv.Scale(30 * time.Second)):
 		t.Fatalf("gbbridge serve did not exit; stderr:\n%s", p.stderr.String())
 	}
 	return p.cmd.ProcessState.ExitCode()
@@ -169,7 +169,7 @@ func (c *cluster) args(t testing.TB, rank int, extra ...string) []string {
 	}
 	return append([]string{"serve", "--topology", c.topoFile(t, rank, tr), "--store", c.store,
 		"--feed", filepath.Join(c.dir, fmt.Sprintf("feed%d.sock", rank)), "--listen-host", "127.0.0.1",
-		"--setup-timeout", "20s", "--timeout", "10s", "--streams", "2"}, extra...)
+		"--setup-timeout", testenv.Scale(30 * time.Second).String(), "--timeout", testenv.Scale(20 * time.Second).String(), "--streams", "2"}, extra...)
 }
 
 // start runs gbbridge with args; with ready it waits for the ready line.
@@ -212,7 +212,7 @@ func startEnv(t testing.TB, args, env []string, ready bool) *serveProc {
 		require.NoError(t, json.Unmarshal([]byte(l), &p.ready), "ready line %q", l)
 	case <-p.done:
 		t.Fatalf("gbbridge serve exited before it was ready (%v); stderr:\n%s", p.err, p.stderr.String())
-	case <-time.After(30 * time.Second):
+	case <-time.After(testenv.Scale(60 * time.Second)):
 		t.Fatalf("gbbridge serve not ready; stderr:\n%s", p.stderr.String())
 	}
 	return p
@@ -239,7 +239,7 @@ func startPair(t testing.TB, c *cluster, extra ...string) []*serveProc {
 
 func dial(t testing.TB, p *serveProc) *feed.Client {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(20*time.Second))
 	defer cancel()
 	c, err := feed.Dial(ctx, p.ready.Feed)
 	require.NoError(t, err)
@@ -260,7 +260,7 @@ func TestServeAllReduce(t *testing.T) {
 		assert.Equal(t, feed.Version, p.ready.Version)
 	}
 	clients := []*feed.Client{dial(t, ps[0]), dial(t, ps[1])}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	const n = 3<<20 + 4 // not a multiple of the chunk
 	regs := make([]*feed.Region, 2)
@@ -364,7 +364,7 @@ func TestServeParentDies(t *testing.T) {
 
 	// Member 1's client starts an all_reduce member 0 never joins.
 	cl1 := dial(t, member1)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	reg, err := cl1.Map(ctx, 64)
 	require.NoError(t, err)
@@ -375,7 +375,7 @@ func TestServeParentDies(t *testing.T) {
 	killed := time.Now()
 	require.NoError(t, sh.Process.Kill())
 	<-shDone
-	require.Eventually(t, func() bool { return gone(pid) }, 10*time.Second, 10*time.Millisecond, "gbbridge serve outlived its parent")
+	require.Eventually(t, func() bool { return gone(pid) }, testenv.Scale(20*time.Second), 10*time.Millisecond, "gbbridge serve outlived its parent")
 	t.Logf("serve exited %s after its parent was killed", time.Since(killed).Round(time.Millisecond))
 
 	_, err = call.Wait(ctx)
@@ -383,7 +383,7 @@ func TestServeParentDies(t *testing.T) {
 	require.ErrorAs(t, err, &re)
 	assert.Equal(t, feed.StatusBridgeError, re.Status)
 	assert.Contains(t, re.Msg, "member 0")
-	assert.Less(t, time.Since(killed), 5*time.Second, "the peer learned late: %v", err)
+	assert.Less(t, time.Since(killed), testenv.Scale(10*time.Second), "the peer learned late (not at once, at its timeout): %v", err)
 	t.Logf("member 1 got: %s", re.Msg)
 	require.NoError(t, cl1.Close(ctx))
 	assert.Equal(t, 1, member1.wait(t), "a bridge failure during the session is exit 1")
@@ -413,7 +413,9 @@ func TestServeKilled(t *testing.T) {
 			_, err = call.Wait(ctx)
 			var re *feed.RequestError
 			require.ErrorAs(t, err, &re)
-			assert.Equal(t, feed.StatusBridgeError, re.Status)
+			// The collective fails, or, when member 1 noticed the death
+			// before it started, is refused with that cause.
+			assert.Contains(t, []feed.Status{feed.StatusBridgeError, feed.StatusBroken}, re.Status)
 			t.Logf("member 1 got: %s", re.Msg)
 			assert.NotContains(t, re.Msg, fmt.Sprintf("rank 0, pid %d", pid), "the pid is gbbridge's, not the rank's")
 			if tr == discover.BridgeSHM {
@@ -450,7 +452,7 @@ func TestServeSIGTERM(t *testing.T) {
 	c := newCluster(t)
 	ps := startPair(t, c)
 	cls := []*feed.Client{dial(t, ps[0]), dial(t, ps[1])}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	call, err := cls[1].Start(feed.Request{Kind: feed.MsgBarrier, Peer: -1}, nil)
 	require.NoError(t, err)
@@ -475,7 +477,7 @@ func TestServeFeedLost(t *testing.T) {
 	c := newCluster(t)
 	ps := startPair(t, c)
 	cls := []*feed.Client{dial(t, ps[0]), dial(t, ps[1])}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	_, err := cls[0].Start(feed.Request{Kind: feed.MsgBarrier, Peer: -1}, nil)
 	require.NoError(t, err)
@@ -540,14 +542,17 @@ func TestServeRefuses(t *testing.T) {
 			"--listen-host", "127.0.0.1", "--setup-timeout", "2s")
 		assert.Equal(t, 2, code)
 		assert.Contains(t, stderr, "bridge setup")
-		assert.Less(t, time.Since(start), 10*time.Second)
+		assert.Contains(t, stderr, "member 1 (rank 2 on host-b) did not publish its endpoint within 2s")
+		assert.Less(t, time.Since(start), testenv.Scale(20*time.Second), "bounded by the set-up timeout")
 	})
 }
 
 // TestServeNoFeedConnection: nobody connects within the setup timeout.
 func TestServeNoFeedConnection(t *testing.T) {
 	c := newCluster(t)
-	ps := startPair(t, c, "--setup-timeout", "3s")
+	// The bridge set-up must finish within the setup timeout too, and
+	// then nobody connects within it.
+	ps := startPair(t, c, "--setup-timeout", testenv.Scale(5*time.Second).String())
 	for _, p := range ps {
 		assert.Equal(t, 2, p.wait(t))
 		assert.Contains(t, p.stderr.String(), "no client connected")
