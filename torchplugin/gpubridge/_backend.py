@@ -311,7 +311,6 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
     def _discover(self, store: Any, group: str, problems: list[str]) -> dict[str, Any]:
         """gbprobe | gbdiscover: the topology, or the same error on every rank."""
         host, port = _tools.store_address(store)
-        store.set(f"gpubridge/pid/{self._rank}", f"{socket.gethostname()} {os.getpid()}")
         secs = max(1.0, self._timeout.total_seconds())
         return _tools.discover(
             host, port, self._rank, self._size, _tools.namespace(group), self._dir / "topology.json",
@@ -379,6 +378,9 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         store = self._store
         host, port = _tools.store_address(store)
         secs = max(1.0, self._timeout.total_seconds())
+        # Only now: discovery made sure this process holds its rank (a
+        # second job on the same store fails there, before it writes here).
+        store.set(f"gpubridge/pid/{self._rank}", f"{socket.gethostname()} {os.getpid()}")
         self.topology: dict[str, Any] = topo
         me = topo["self"]
         islands = topo["islands"]

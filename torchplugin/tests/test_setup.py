@@ -12,8 +12,10 @@ import datetime
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,73 @@ def test_dev_shm_full_on_one_leader(tmp_path: Path) -> None:
     err = same_error(run(tmp_path, {2: wrap}, {}))
     assert err.startswith("gpubridge: set-up failed: rank 2:"), err
     assert "/dev/shm" in err, err
+
+
+def start_job(outdir: Path, port: int, hold: Path | None = None) -> list[subprocess.Popen[bytes]]:
+    """A 2+2 env:// job whose rank 0 hosts the store on port (as a plain
+    env:// launch does), with no run id: the default namespace."""
+    outdir.mkdir()
+    procs = []
+    for r, v in enumerate(VENDORS):
+        env = dict(
+            job_env(outdir), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(VENDORS)),
+            LOCAL_WORLD_SIZE=str(len(VENDORS)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            GPUBRIDGE_VENDOR=v, SETUP_TEST_TIMEOUT=str(TIMEOUT_S),
+        )  # fmt: skip
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        cmd = [sys.executable, str(HERE / "setup_worker.py"), str(outdir), *([str(hold)] if hold else [])]
+        log = (outdir / f"rank{r}.log").open("wb")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=outdir))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[bytes]], outdir: Path) -> list[dict]:
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S * 4 + scale(60))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    out = []
+    for r in range(len(procs)):
+        f = outdir / f"rank{r}.json"
+        log = (outdir / f"rank{r}.log").read_text(errors="replace")
+        assert f.exists(), f"{outdir.name} rank {r} wrote no result:\n{log[-4000:]}"
+        out.append(json.loads(f.read_text()))
+    return out
+
+
+@needs_tools
+def test_second_job_on_the_same_port(tmp_path: Path) -> None:
+    """Two env:// jobs with the same MASTER_PORT and no run id: job B's rank 0
+    cannot listen, its ranks 1-3 reach job A's store. They must fail naming
+    the processes that hold their ranks, in bounded time, and job A must not
+    notice (they used to adopt A's outcome and fail three ways or hang)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hold = tmp_path / "hold"
+    a = start_job(tmp_path / "a", port, hold)
+    try:
+        end = time.monotonic() + scale(120)
+        while not all((tmp_path / "a" / f"rank{r}.ready").exists() for r in range(4)):
+            assert time.monotonic() < end, "job A did not start"
+            assert all(p.poll() is None for p in a), "a rank of job A ended early"
+            time.sleep(0.1)
+        b_res = finish(start_job(tmp_path / "b", port), tmp_path / "b")
+    finally:
+        hold.touch()
+    a_res = finish(a, tmp_path / "a")
+    assert all(res.get("ok") and res["sum"] == [4.0] * 4 for res in a_res), a_res
+    assert "EADDRINUSE" in b_res[0].get("error", "") or "in use" in b_res[0].get("error", ""), b_res[0]
+    for r in (1, 2, 3):
+        err = b_res[r].get("error", "")
+        assert f"rank {r} is already claimed" in err and "another job" in err, (r, err)
+        assert f"pid {a[r].pid}" in err, (r, a[r].pid, err)
+        assert b_res[r]["elapsed"] < TIMEOUT_S + scale(30), b_res[r]
+    assert not bridge_pids(str(tmp_path / "a")) and not bridge_pids(str(tmp_path / "b"))
 
 
 def test_stale_private_dirs_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
