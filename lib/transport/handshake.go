@@ -283,10 +283,12 @@ func (e *rejectError) Error() string {
 	return fmt.Sprintf("member %d refused the connection: %s", e.member, e.reason)
 }
 
-// unansweredError is a connection that failed before the listener
-// answered the hello: closed, reset or silent. The listener may have shed
-// it to make room (strangers hold its pending handshakes), so the dialer
-// tries again.
+// unansweredError is a connection that failed before the listener took
+// it (answered the hello, then welcomed the proof): closed, reset or
+// silent. The listener may have shed it to make room (strangers hold its
+// pending handshakes), so the dialer tries again. (A connection the
+// listener did take, whose welcome the dialer still missed, is refused on
+// the next try as a duplicate: a clear error, not a hang.)
 type unansweredError struct {
 	op  string
 	err error
@@ -334,11 +336,14 @@ func clientHandshake(rw io.ReadWriter, p *hsParams, to, stream int) error {
 	}
 	proof := hsMsg{Version: p.version, Type: hsProof, MAC: hsMACOf(p.secret, "cli", p.version, &hello, &m.Nonce)}
 	if err := writeHS(rw, &proof); err != nil {
-		return fmt.Errorf("send proof: %w", err)
+		return &unansweredError{op: "send proof", err: err}
 	}
 	m, err = readHS(rw)
 	if err != nil {
-		return fmt.Errorf("read welcome: %w", err)
+		if errors.Is(err, errHandshakeFormat) {
+			return fmt.Errorf("read welcome: %w", err)
+		}
+		return &unansweredError{op: "read welcome", err: err}
 	}
 	switch {
 	case m.Type == hsReject:
