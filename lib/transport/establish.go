@@ -893,8 +893,8 @@ func (c *tcpConnector) timeout(conns [][]*net.TCPConn, peers []string) error {
 
 // dial connects to member p's stream st and runs the client handshake,
 // dialing again with backoff until ctx ends when the connection is
-// refused, or closed before member p answered the hello (its listener
-// sheds unauthenticated connections when strangers crowd it).
+// refused, or closed before member p took it (its listener sheds
+// unauthenticated connections when strangers crowd it).
 func (s *setup) dial(ctx context.Context, ip net.IP, ep endpoint, hp *hsParams, p, st int, noteErr func(error)) (*net.TCPConn, error) {
 	addr := net.JoinHostPort(ep.IP, strconv.Itoa(ep.Port))
 	d := net.Dialer{Control: sockControl, LocalAddr: &net.TCPAddr{IP: ip}, KeepAliveConfig: keepAlive}
@@ -913,7 +913,7 @@ func (s *setup) dial(ctx context.Context, ip net.IP, ep endpoint, hp *hsParams, 
 			if !errors.As(err, &ue) && doneCause(ctx) == nil {
 				return nil, err
 			}
-			s.log.Debug("bridge connection closed before the handshake; dialing again", "member", p, "stream", st, "err", err)
+			s.log.Debug("bridge connection closed before the handshake completed; dialing again", "member", p, "stream", st, "err", err)
 		}
 		noteErr(err)
 		if doneCause(ctx) != nil {
