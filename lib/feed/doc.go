@@ -26,5 +26,6 @@ import "time"
 
 // LatencyBudget is what the feed may add, at the median, to a 4-byte
 // all_reduce round trip over the bare bridge (issue 3); tools/gbbridge's
-// TestServeLatency measures it through serve processes.
+// BenchmarkServeLatency (tools/gbbridge, make bench-latency) measures it
+// through serve processes.
 const LatencyBudget = 30 * time.Microsecond

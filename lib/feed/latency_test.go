@@ -151,7 +151,7 @@ func measureLatency(t testing.TB, iters int) (bare, fed latency) {
 // servers and clients in this process (2000 round trips each; under -race
 // or -short only a few, untimed). The budget itself is judged through real
 // processes, as the plugin uses the feed, by tools/gbbridge's
-// TestServeLatency; here an overhead of more than 200 µs (a regression like
+// BenchmarkServeLatency; here an overhead of more than 200 µs (a regression like
 // a spinning goroutine starving the poller) fails.
 // GPUBRIDGE_LATENCY_ITERS changes the count.
 func TestLatencyInProcess(t *testing.T) {

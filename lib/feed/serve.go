@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"os"
 	"strings"
 	"time"
@@ -118,24 +117,13 @@ func BridgeMembership(t *discover.Topology) (Membership, error) {
 	return m, nil
 }
 
-// storeAddr resolves the store's address like gbdiscover.
+// storeAddr resolves the store's address as gbdiscover does.
 func (o *ServeOptions) storeAddr() (string, error) {
 	getenv := o.Getenv
 	if getenv == nil {
 		getenv = os.Getenv
 	}
-	addr := o.Store
-	if addr == "" {
-		host, port := getenv("MASTER_ADDR"), getenv("MASTER_PORT")
-		if host == "" || port == "" {
-			return "", errors.New("--store is required (or GPUBRIDGE_STORE, or MASTER_ADDR and MASTER_PORT)")
-		}
-		addr = net.JoinHostPort(host, port)
-	}
-	if _, _, err := net.SplitHostPort(addr); err != nil {
-		return "", fmt.Errorf("--store %q: %w", addr, err)
-	}
-	return addr, nil
+	return store.ResolveAddr(o.Store, getenv)
 }
 
 // RunServe is `gbbridge serve`: it joins the bridge described by the

@@ -84,7 +84,7 @@ func Join(ctx context.Context, o JoinOptions) (*Member, error) {
 	mesh, err := transport.Establish(ctx, transport.Config{
 		Store: kv, Self: o.Rank, Members: infos, Transport: m.Transport,
 		Streams: o.Streams, CRC: o.CRC, Timeout: o.Timeout, Log: o.Log,
-		RingBytes: 2 * o.ChunkB,
+		RingBytes: 2 * o.ChunkB, Process: "gbbridge member",
 	})
 	if err != nil {
 		c.Close()
