@@ -3,7 +3,9 @@
 The wheel carries gbprobe, gbdiscover, gbbridge (every ``tools/gb*`` of the
 checkout it was built from) in ``gpubridge/bin/``; the console script of each
 tool (``gbprobe = gpubridge_tools:gbprobe``) execs that binary, so the tools
-are on the environment's PATH after ``pip install``. This module is apart from
+are on the environment's PATH after ``pip install``. An editable install
+(``pip install -e``) carries no tools: its launchers run the checkout's
+``bin/`` (``make build``). This module is apart from
 the package ``gpubridge`` because importing that imports torch (it registers
 the backend): a launcher starts in a few milliseconds, not seconds.
 """
@@ -27,11 +29,28 @@ def tools_dir() -> Path:
     return Path(__file__).resolve().parent / "gpubridge" / "bin"
 
 
+def _checkout_bin() -> Path | None:
+    """bin/ of the checkout this module sits in (an editable install), if
+    it is one (go.mod next to torchplugin/)."""
+    root = Path(__file__).resolve().parent.parent
+    return root / "bin" if (root / "go.mod").is_file() else None
+
+
 def run(name: str, args: list[str] | None = None) -> int:
     """Replaces this process with the shipped tool name (args: the command
     line after the name, by default this process's). Returns 2, having said
     why on stderr, only when the tool is not there."""
     p = tools_dir() / name
+    cb = _checkout_bin()
+    if not os.access(p, os.X_OK) and cb is not None:
+        if not os.access(cb / name, os.X_OK):
+            print(
+                f"{name}: this gpubridge is an editable install in the checkout {cb.parent}, whose "
+                f"bin/ has no {name}: run `make build` there",
+                file=sys.stderr,
+            )
+            return 2
+        p = cb / name
     if not os.access(p, os.X_OK):
         print(
             f"{name}: {p} is missing: this gpubridge installation does not carry {name} (a wheel "

@@ -142,6 +142,29 @@ def test_launcher_execs_the_shipped_tool(tmp_path: Path) -> None:
     assert p.returncode == 1 and "has no attribute 'nogb'" in p.stderr, p
 
 
+def test_editable_launcher_runs_the_checkouts_bin(tmp_path: Path) -> None:
+    """An editable install carries no tools: its launchers run bin/ of the
+    checkout (make build), or say to run make build."""
+    (tmp_path / "go.mod").write_text("module x\n")
+    (tmp_path / "torchplugin").mkdir()
+    shutil.copy(PKG / "gpubridge_tools.py", tmp_path / "torchplugin")
+    code = "import sys, gpubridge_tools as g; sys.exit(getattr(g, sys.argv.pop(1))())"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "torchplugin"))
+
+    def launch(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", code, *args], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+
+    p = launch("gbfake", "x")
+    assert p.returncode == 2, p
+    assert p.stderr.startswith(f"gbfake: this gpubridge is an editable install in the checkout {tmp_path}")
+    assert "run `make build` there" in p.stderr, p.stderr
+    executable(tmp_path / "bin" / "gbfake", '#!/bin/sh\necho "checkout: $*"\n')
+    p = launch("gbfake", "x")
+    assert (p.returncode, p.stdout) == (0, "checkout: x\n"), p
+
+
 # ---- pip, for real ----
 
 
