@@ -268,8 +268,13 @@ def test_streamed_all_reduce(pair: Pair) -> None:
         for i in range(steps):  # "D2H copies" completing chunk by chunk
             dst[i * step : (i + 1) * step] = src[i * step : (i + 1) * step]
             call.ready((i + 1) * step)
-            c.pump(0.002)  # results come back while input still goes in
-            if i < steps - 1:
+            if i == steps - 2:
+                # Results come back while input still goes in: one must
+                # arrive before the last input is ready (waited for, not
+                # timed: the peer may be slow to ready its part).
+                end = time.monotonic() + TIMEOUT
+                while not ranges and time.monotonic() < end:
+                    c.pump(0.01)
                 early = len(ranges)
         d = call.wait()
         assert early > 0, "no result range came back before the last input"
