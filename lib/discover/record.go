@@ -10,6 +10,8 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+
+	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
 // Schemas of what this package writes.
@@ -27,12 +29,13 @@ const (
 	ModeCPU = "cpu"
 )
 
-// Bridge transports a rank may ask for.
+// Bridge transports a rank may ask for (transport.Choose decides), and
+// none: one island, no bridge.
 const (
-	BridgeAuto  = "auto"
-	BridgeTCP   = "tcp"
-	BridgeSHM   = "shm"
-	BridgeVerbs = "verbs"
+	BridgeAuto  = string(transport.Auto)
+	BridgeTCP   = string(transport.TCP)
+	BridgeSHM   = string(transport.SHM)
+	BridgeVerbs = string(transport.Verbs)
 	BridgeNone  = "none"
 )
 

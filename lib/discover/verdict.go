@@ -5,8 +5,11 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
+
+	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
 // Island is every rank of one vendor label, joined by the native library.
@@ -257,7 +260,7 @@ func buildIslands(recs []*Record, labels []string, mode string) []Island {
 			order = append(order, labels[i])
 		}
 		is.Ranks = append(is.Ranks, r.Rank)
-		if !contains(is.Hosts, r.Hostname) {
+		if !slices.Contains(is.Hosts, r.Hostname) {
 			is.Hosts = append(is.Hosts, r.Hostname)
 		}
 	}
@@ -268,15 +271,6 @@ func buildIslands(recs []*Record, labels []string, mode string) []Island {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Leader < out[j].Leader })
 	return out
-}
-
-func contains(s []string, v string) bool {
-	for _, x := range s {
-		if x == v {
-			return true
-		}
-	}
-	return false
 }
 
 // sameGPUProblems finds two ranks of one island on one GPU, which NCCL and
@@ -312,36 +306,24 @@ func sameGPUProblems(recs []*Record, labels []string, islands []Island) []string
 
 func chooseBridge(recs []*Record, islands []Island, requested string) (Bridge, []string) {
 	b := Bridge{Requested: requested}
+	members := make([]transport.MemberInfo, 0, len(islands))
 	for _, is := range islands {
-		b.Members = append(b.Members, is.Leader)
 		h := recs[is.Leader].Hostname
-		if !contains(b.Hosts, h) {
+		b.Members = append(b.Members, is.Leader)
+		if !slices.Contains(b.Hosts, h) {
 			b.Hosts = append(b.Hosts, h)
 		}
+		members = append(members, transport.MemberInfo{Rank: is.Leader, Host: h})
 	}
 	if len(islands) < 2 {
 		b.Transport, b.Reason = BridgeNone, "one island: every collective runs on the native library alone"
 		return b, nil
 	}
-	switch requested {
-	case BridgeAuto:
-		if len(b.Hosts) == 1 {
-			b.Transport, b.Reason = BridgeSHM, fmt.Sprintf("auto: all %d leaders are on host %s", len(b.Members), b.Hosts[0])
-		} else {
-			b.Transport, b.Reason = BridgeTCP, fmt.Sprintf("auto: leaders are on %d hosts", len(b.Hosts))
-		}
-	case BridgeTCP:
-		b.Transport, b.Reason = BridgeTCP, "requested"
-	case BridgeSHM:
-		if len(b.Hosts) > 1 {
-			return b, []string{fmt.Sprintf("bridge shm was requested, but the leaders (ranks %s) are on %d hosts (%s): shared memory needs one host", rankList(b.Members), len(b.Hosts), strings.Join(b.Hosts, ", "))}
-		}
-		b.Transport, b.Reason = BridgeSHM, "requested"
-	case BridgeVerbs:
-		return b, []string{"bridge verbs was requested, but this gpubridge version has no verbs transport yet (use auto, tcp or shm)"}
-	default:
-		return b, []string{fmt.Sprintf("bridge %q is not a transport (auto, tcp, shm, verbs)", requested)}
+	k, reason, err := transport.Choose(transport.Kind(requested), members)
+	if err != nil {
+		return b, []string{err.Error()}
 	}
+	b.Transport, b.Reason = string(k), reason
 	return b, nil
 }
 
