@@ -482,6 +482,23 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:  # type: ignore[override]
         return self._group_name
 
+    # torch looks up a group's backend per device and asks it what it
+    # supports (torch 2.14+'s batch_isend_irecv on every call; init with a
+    # device_id; 2.15's dist.get_backend_impl). A Python group has no
+    # per-device backend in the C++ base, whose lookup raises "No backend
+    # type associated with device type cpu": this group is its own backend,
+    # for every device, with none of the optional capabilities.
+    supports_coalescing = False
+    supports_splitting = False
+
+    def _get_backend(self, device: Any = None) -> GpubridgeProcessGroup:  # type: ignore[override]
+        return self
+
+    get_backend = _get_backend
+
+    def supports_tensor_alloc(self, device: Any = None) -> bool:
+        return False
+
     def stats(self) -> dict[str, Any]:
         """Host-side time per collective and step since the group began
         (seconds, summed over calls; "queued" is the wait behind earlier
@@ -1357,6 +1374,19 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
 
     def recv_anysource(self, *args: Any, **kw: Any) -> Any:
         return self._refuse("recv from any source")
+
+    # torch 2.13 and later call the tensor collectives by new names
+    # (dist.all_gather_into_tensor calls all_gather_single, and so on).
+    # Without these, the C++ base runs them on its per-device backend, which
+    # a Python group has none of: "No backend type associated with device
+    # type cpu".
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    all_to_all_single = alltoall_base
+    gather_single = gather
+    gather_into_tensor = gather
 
     # ---- closing ----
 
