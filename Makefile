@@ -19,7 +19,7 @@ REPORT := $(TESTOUT)/testreport
 # How long test-long fuzzes each fuzz target.
 FUZZTIME ?= 30s
 
-.PHONY: help deps venv build lint golint pylint gotest pytest man man-check slurm-test bench-docs test test-long bench-latency demo clean
+.PHONY: help deps venv build lint golint pylint gotest pytest pytest-torch man man-check slurm-test bench-docs test test-long bench-latency demo clean
 
 help:
 	@echo "make demo   run the main job (4 simulated ranks, 2 NVIDIA + 2 AMD, train a model with DDP over the gpubridge backend on CPU)"
@@ -70,10 +70,19 @@ gotest: venv build $(REPORT)
 	GPUBRIDGE_EXHAUSTIVE=1 $(GO) test -count=1 -timeout 10m -json -run 'TestNoAllocs|TestLatencyInProcess|TestF32ToHalfAllFloat32' \
 	  ./lib/transport ./lib/feed ./lib/reduce | $(REPORT) tee $(TESTOUT)/go-norace.json
 
-# The Python tests: the feed client against real gbbridge serve processes.
+# The plugin's tests on the project's torch (the GPU machine's version),
+# including a pip install of the package into a fresh venv that runs the
+# examples (GPUBRIDGE_INSTALL_TEST).
 pytest: venv build
 	@mkdir -p $(TESTOUT)
-	cd torchplugin && GPUBRIDGE_BIN=$(BIN) $(PY) -m pytest -q --junitxml=$(TESTOUT)/pytest.xml tests
+	cd torchplugin && GPUBRIDGE_BIN=$(BIN) GPUBRIDGE_INSTALL_TEST=1 $(PY) -m pytest -q --junitxml=$(TESTOUT)/pytest.xml tests
+
+# The plugin's tests on the oldest and the newest torch that
+# torchplugin/pyproject.toml allows, each in its own venv (ci/torch-venv.sh).
+TORCH_VERSIONS := 2.8.0 2.15.0
+pytest-torch: build
+	@mkdir -p $(TESTOUT)
+	@for v in $(TORCH_VERSIONS); do ci/torch-suite.sh $$v $(TESTOUT)/pytest-torch-$$v.xml; done
 
 man: build
 	@mkdir -p man
@@ -99,7 +108,7 @@ slurm-test: build
 bench-docs: venv
 	$(PY) ci/bench/docs.py check
 
-test: lint gotest pytest man-check slurm-test bench-docs $(REPORT)
+test: lint gotest pytest pytest-torch man-check slurm-test bench-docs $(REPORT)
 	@$(REPORT) skips $(TESTOUT)
 	@echo "make test: all passed"
 
@@ -123,4 +132,4 @@ demo: venv build
 	@ci/demo.sh $(BIN)
 
 clean:
-	rm -rf $(BIN)
+	rm -rf $(BIN) torchplugin/build
