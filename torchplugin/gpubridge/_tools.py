@@ -499,7 +499,7 @@ def discover(
     cmd = [
         gbdiscover, "run", "--store", f"{host}:{port}", "--rank", str(rank),
         "--world-size", str(size), f"--local-rank={local}", "--namespace", namespace,
-        "--timeout", f"{timeout:.3f}s",
+        "--timeout", f"{timeout:.3f}s", f"--pid={os.getpid()}",  # the rank's claim names this process
     ]  # fmt: skip
     if gbprobe is None:
         cmd += ["--probe", os.devnull]
