@@ -52,8 +52,8 @@ golint: deps
 # The Python package gpubridge (torchplugin/): ruff and mypy from the venv.
 pylint: venv
 	cd torchplugin && $(CURDIR)/.venv/bin/ruff check . && $(CURDIR)/.venv/bin/ruff format --check . && $(CURDIR)/.venv/bin/mypy gpubridge
-	$(CURDIR)/.venv/bin/ruff check --config torchplugin/pyproject.toml examples ci
-	$(CURDIR)/.venv/bin/ruff format --check --config torchplugin/pyproject.toml examples ci
+	$(CURDIR)/.venv/bin/ruff check --config torchplugin/pyproject.toml examples ci bench
+	$(CURDIR)/.venv/bin/ruff format --check --config torchplugin/pyproject.toml examples ci bench
 
 $(REPORT): ci/testreport/main.go
 	@mkdir -p $(TESTOUT)
@@ -106,7 +106,7 @@ slurm-test: build
 # Every table of docs/BENCHMARKS.md is regenerated from docs/bench/ and
 # must match.
 bench-docs: venv
-	$(PY) ci/bench/docs.py check
+	$(PY) bench/docs.py check
 
 test: lint gotest pytest pytest-torch man-check slurm-test bench-docs $(REPORT)
 	@$(REPORT) skips $(TESTOUT)

@@ -1,8 +1,8 @@
-"""Turns ci/bench/run.sh's rows.jsonl into the Markdown tables of
+"""Turns bench/run.sh's rows.jsonl into the Markdown tables of
 docs/BENCHMARKS.md: algbw (GB/s) by size for each configuration, and the
 ratios the goals are stated in. Usage: report.py ROWS.jsonl [TITLE]
 
-ci/bench/docs.py imports it (render) to check that the tables in
+bench/docs.py imports it (render) to check that the tables in
 docs/BENCHMARKS.md are what the rows in docs/bench/ give."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ hidden 2048) has 109.5M parameters. The data are synthetic: batches of random
 token ids drawn once from a seeded generator, so every run sees the same
 tokens.
 
-``python ci/gpu/llama.py`` prints the parameter count of the default config
+``python bench/gpu/llama.py`` prints the parameter count of the default config
 and runs one forward/backward of a short sequence on the CPU.
 """
 

@@ -1,9 +1,9 @@
-"""DDP (or FSDP2 / HSDP: --parallel) training throughput of the small LLaMA (ci/gpu/llama.py) over a
+"""DDP (or FSDP2 / HSDP: --parallel) training throughput of the small LLaMA (bench/gpu/llama.py) over a
 torch.distributed backend (issue 4), one torchrun worker per rank, the device
 cuda:LOCAL_RANK.
 
 Usage:
-    torchrun ... ci/gpu/plugin_train.py BACKEND OUT.jsonl [--comm-hook] [--batch 16] [--seq 1024]
+    torchrun ... bench/gpu/plugin_train.py BACKEND OUT.jsonl [--comm-hook] [--batch 16] [--seq 1024]
         [--warmup 5] [--steps 30] [--tiny] [--device cuda|cpu]
 
 BACKEND: "nccl" (all-NCCL DDP, the reference) or "gpubridge" (on CUDA the

@@ -37,7 +37,7 @@ if [ "$ngpu" -ge 2 ]; then
   echo "== split test, 2 ranks (2 islands x 1 GPU) vs world NCCL"
   start=$(date +%s)
   timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 0 \
-    ci/gpu/plugin_check.py "$out/check2" nccl || { echo "FAILED (rc $?)"; fail=1; }
+    bench/gpu/plugin_check.py "$out/check2" nccl || { echo "FAILED (rc $?)"; fail=1; }
   echo "  wall $(( $(date +%s) - start )) s"; summary "$out/check2"
   pgrep -f 'gbbridge serve' && { echo "leftover gbbridge found"; fail=1; }
   echo "== split test, 4 ranks on 2 GPUs (2 islands x 2 ranks) vs world Gloo on CPU copies"
@@ -46,7 +46,7 @@ if [ "$ngpu" -ge 2 ]; then
   pids=()
   for node in 0 1; do
     timeout 500 python3 -m torch.distributed.run --nnodes 2 --node-rank $node --nproc-per-node 2 --max-restarts 0 \
-      --master-addr 127.0.0.1 --master-port $port ci/gpu/plugin_check.py "$out/check4" gloo > "$out/check4/node$node.log" 2>&1 &
+      --master-addr 127.0.0.1 --master-port $port bench/gpu/plugin_check.py "$out/check4" gloo > "$out/check4/node$node.log" 2>&1 &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || { echo "FAILED node (rc $?)"; fail=1; }; done

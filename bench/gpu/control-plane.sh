@@ -26,7 +26,7 @@ for c in single split-half same-gpu; do
   echo "== torchrun 2 ranks: $c"
   split=""; [ "$c" = split-half ] && split=half
   GPUBRIDGE_SPLIT_TEST=$split timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-    --max-restarts 0 ci/gpu/discover_worker.py "$out/runs" "$c" || { echo "case $c FAILED"; fail=1; }
+    --max-restarts 0 bench/gpu/discover_worker.py "$out/runs" "$c" || { echo "case $c FAILED"; fail=1; }
   for r in 0 1; do python3 - "$out/runs/$c.$r.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))

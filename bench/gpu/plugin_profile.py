@@ -1,5 +1,5 @@
 """Where a bridged all_reduce's time goes on a GPU leader (run by
-ci/gpu/plugin-profile.sh under torchrun, 2 ranks, split test: every rank is a
+bench/gpu/plugin-profile.sh under torchrun, 2 ranks, split test: every rank is a
 leader of a one-GPU island).
 
 For each size, the median over iterations of:

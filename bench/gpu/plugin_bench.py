@@ -3,7 +3,7 @@ worker per rank (RANK, LOCAL_RANK, WORLD_SIZE from torchrun; the device is
 cuda:LOCAL_RANK).
 
 Usage:
-    torchrun ... ci/gpu/plugin_bench.py MODE OUT.jsonl [--sizes 1M,4M,...] [--dtypes float32,bfloat16]
+    torchrun ... bench/gpu/plugin_bench.py MODE OUT.jsonl [--sizes 1M,4M,...] [--dtypes float32,bfloat16]
         [--iters 20] [--warmup 3] [--budget 6G] [--device cuda|cpu]
 
 MODE:
@@ -392,7 +392,7 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
 def summary(outdir: str) -> str:
     """Markdown tables and the issue's goals from bench.jsonl, train.jsonl and
-    overhead.jsonl in outdir (the files ci/gpu/plugin-bench.sh writes)."""
+    overhead.jsonl in outdir (the files bench/gpu/plugin-bench.sh writes)."""
     lines: list[str] = []
     bench = read_rows(os.path.join(outdir, "bench.jsonl"))
     skipped = [r for r in bench if "skipped" in r]

@@ -1,5 +1,5 @@
 """Correctness of the gpubridge backend on real GPUs (one rank of a torchrun
-job; run by ci/gpu/plugin.sh with GPUBRIDGE_SPLIT_TEST=half).
+job; run by bench/gpu/plugin.sh with GPUBRIDGE_SPLIT_TEST=half).
 
 This is a split test: every GPU is an NVIDIA H200, the ranks are labeled as
 two vendors, so the islands are NCCL groups joined by gbbridge — the code path

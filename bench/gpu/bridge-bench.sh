@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The bridge on the GPU host's CPUs (issue 3): gbbridge selftest, then the
-# benchmarks of ci/bench/run.sh against torch Gloo and the ceilings, in one
+# benchmarks of bench/run.sh against torch Gloo and the ceilings, in one
 # run. The Go binaries are built on the dev machine and carried in bin/;
 # iperf3 comes as Debian packages carried in .devbuild/debs. Output in $OUT.
 set -uo pipefail
@@ -18,7 +18,7 @@ start=$(date +%s)
 bin/gbbridge selftest > "$out/selftest.json" 2> "$out/selftest.err"; echo "selftest rc=$? in $(( $(date +%s) - start ))s"
 grep '^selftest:' "$out/selftest.err"
 echo "== benchmarks"
-GB_ITERS=${GB_ITERS:-5} ci/bench/run.sh "$out/bench" bin python3
-python3 ci/bench/report.py "$out/bench/rows.jsonl" "nvidia-h200-x2 host, $(nproc) cores" > "$out/report.md"
+GB_ITERS=${GB_ITERS:-5} bench/run.sh "$out/bench" bin python3
+python3 bench/report.py "$out/bench/rows.jsonl" "nvidia-h200-x2 host, $(nproc) cores" > "$out/report.md"
 cat "$out/report.md"
 (cd "$out" && tar czf bench.tgz bench && rm -rf bench)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A shorter ci/gpu/bridge-bench.sh: the 2- and 4-member all_reduce over TCP
+# A shorter bench/gpu/bridge-bench.sh: the 2- and 4-member all_reduce over TCP
 # and shm with 8 and 16 streams, their exchange ceilings and torch Gloo, in
 # one run. Output in $OUT.
 set -uo pipefail
@@ -24,7 +24,7 @@ b tcp-allreduce-4m-s8 --members 4 --transport tcp --streams 8
 b shm-allreduce-4m-s8 --members 4 --transport shm --streams 8
 b memcpy --members 2 --transport shm --streams 4 --collective memcpy
 for n in 2 4; do
-  python3 ci/bench/gloo_allreduce.py --members "$n" --sizes 16777216,67108864,268435456,1073741824 --iters 5 | tag "gloo-$n" >> "$rows"
+  python3 bench/gloo_allreduce.py --members "$n" --sizes 16777216,67108864,268435456,1073741824 --iters 5 | tag "gloo-$n" >> "$rows"
 done
-python3 ci/bench/report.py "$rows" "nvidia-h200-x2 host, $(nproc) cores, commit ${GB_COMMIT:-unknown}" > "$out/report.md"
+python3 bench/report.py "$rows" "nvidia-h200-x2 host, $(nproc) cores, commit ${GB_COMMIT:-unknown}" > "$out/report.md"
 cat "$out/report.md"

@@ -5,9 +5,9 @@
 #   - gbbridge all_reduce over TCP (streams 1..16, CRC on and off) and shm,
 #     2 and 4 members, 1 MiB … 1 GiB,
 #   - torch Gloo all_reduce, 2 and 4 ranks, the same sizes.
-# Usage: ci/bench/run.sh OUTDIR [BIN] [PYTHON]
+# Usage: bench/run.sh OUTDIR [BIN] [PYTHON]
 # Writes OUTDIR/rows.jsonl (every row, schema gpubridge.bench/v1 plus a
-# "config" field) and OUTDIR/env.txt; ci/bench/report.py makes the tables.
+# "config" field) and OUTDIR/env.txt; bench/report.py makes the tables.
 set -uo pipefail
 out=${1:?usage: run.sh OUTDIR [BIN] [PYTHON]}
 bin=${2:-bin}

@@ -6,7 +6,7 @@ rank, in the same run (a Gloo group of the world made with
 dist.new_group(backend="gloo") after init). One torchrun worker per rank.
 
 Usage:
-    torchrun --standalone --nproc-per-node 4 ci/gpu/plugin_overhead.py OUT.jsonl
+    torchrun --standalone --nproc-per-node 4 bench/gpu/plugin_overhead.py OUT.jsonl
         [--iters 2000] [--warmup 200] [--rounds 10] [--size 4]
 
 Both groups are warmed up, then timed in --rounds alternating blocks (the

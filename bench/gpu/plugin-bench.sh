@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The gpubridge plugin on a GPU host (issue 4, "On the GPU machine"), in one
-# run from the repository root: bash ci/gpu/plugin-bench.sh
+# run from the repository root: bash bench/gpu/plugin-bench.sh
 #
 #   bench2-*   bridged all_reduce 1 MiB .. 1 GiB, float32 and bfloat16, 2 ranks
 #              on 2 GPUs (split test: 2 islands x 1 GPU): gpubridge, the
-#              Gloo-bridge baseline, all-NCCL (ci/gpu/plugin_bench.py)
-#   train-*    DDP tokens/s of a 110M LLaMA-style model (ci/gpu/llama.py), 2
+#              Gloo-bridge baseline, all-NCCL (bench/gpu/plugin_bench.py)
+#   train-*    DDP tokens/s of a 110M LLaMA-style model (bench/gpu/llama.py), 2
 #              ranks: all-NCCL, gpubridge split test, gpubridge + its comm hook
 #   overhead   4-byte all_reduce, 4 CPU ranks in simulation: gpubridge vs Gloo
 #   bench4-*   4 ranks on 2 GPUs as two torchrun "nodes" of 2 ranks on this
@@ -167,7 +167,7 @@ read -r -a targs <<< "${GB_TRAIN_ARGS:-}"
 if [ "${GB_DEVICE:-cuda}" = cpu ]; then
   bargs+=(--device cpu); targs+=(--device cpu); ngpu=2
 fi
-B=(ci/gpu/plugin_bench.py); T=(ci/gpu/plugin_train.py)
+B=(bench/gpu/plugin_bench.py); T=(bench/gpu/plugin_train.py)
 if (( ngpu >= 2 )); then
   step bench2-gpubridge 110 "${one[@]}" 2 "${B[@]}" gpubridge "$bench" "${bargs[@]}"
   step bench2-gloo-bridge 130 "${one[@]}" 2 "${B[@]}" gloo-bridge "$bench" "${bargs[@]}"
@@ -177,7 +177,7 @@ if (( ngpu >= 2 )); then
 else
   echo "== $ngpu GPU(s): the GPU steps need 2; only the CPU overhead step runs"
 fi
-step overhead 90 "${one[@]}" 4 ci/gpu/plugin_overhead.py "$over"
+step overhead 90 "${one[@]}" 4 bench/gpu/plugin_overhead.py "$over"
 if (( ngpu >= 2 )); then
   step bench4-gpubridge 120 "${two[@]}" "$(free_port)" "${B[@]}" gpubridge "$bench" "${bargs[@]}"
   step bench4-gloo-bridge 140 "${two[@]}" "$(free_port)" "${B[@]}" gloo-bridge "$bench" "${bargs[@]}"
@@ -185,7 +185,7 @@ if (( ngpu >= 2 )); then
 fi
 
 echo "== summary"
-"$PY" ci/gpu/plugin_bench.py summary "$out" > "$out/summary.md"
+"$PY" bench/gpu/plugin_bench.py summary "$out" > "$out/summary.md"
 {
   echo "commit $GB_COMMIT, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s), $(date -u +%FT%TZ)"
   for l in "${summary_lines[@]}"; do echo "- $l"; done

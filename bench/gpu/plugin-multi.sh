@@ -5,9 +5,9 @@
 # x8: 2 islands x 4 GPUs). Run from the repository root with bin/ carried, in
 # two device calls of under 10 minutes each:
 #
-#   bash ci/gpu/plugin-multi.sh check   # every collective x dtype x op vs a world NCCL group on the same
+#   bash bench/gpu/plugin-multi.sh check   # every collective x dtype x op vs a world NCCL group on the same
 #                                       # data, stream semantics, DDP; the DDP and FSDP2 examples
-#   bash ci/gpu/plugin-multi.sh bench   # all_reduce 1 MiB..1 GiB: gpubridge vs a Gloo bridge of the
+#   bash bench/gpu/plugin-multi.sh bench   # all_reduce 1 MiB..1 GiB: gpubridge vs a Gloo bridge of the
 #                                       # leaders vs all-NCCL; tokens/s of the 110M LLaMA: DDP and FSDP2
 #                                       # (and on 8 GPUs HSDP with the islands as shard groups, so only
 #                                       # the replicate all_reduce crosses the bridge) vs all-NCCL
@@ -35,7 +35,7 @@ run() {  # run NAME LIMIT_S CMD...
 case $part in
 check)
   mkdir -p "$out/check"
-  run check 300 "${tr[@]}" ci/gpu/plugin_check.py "$out/check" nccl
+  run check 300 "${tr[@]}" bench/gpu/plugin_check.py "$out/check" nccl
   python3 - "$out/check" <<'PY'
 import glob, json, sys
 for f in sorted(glob.glob(sys.argv[1] + "/check.*.json")):
@@ -48,7 +48,7 @@ PY
   run fsdp-example 200 "${tr[@]}" examples/fsdp_train.py
   ;;
 bench)
-  B=(ci/gpu/plugin_bench.py); T=(ci/gpu/plugin_train.py)
+  B=(bench/gpu/plugin_bench.py); T=(bench/gpu/plugin_train.py)
   for m in gpubridge gloo-bridge nccl; do run "bench-$m" 150 "${tr[@]}" "${B[@]}" "$m" "$out/bench.jsonl"; done
   run train-nccl-ddp 100 "${tr[@]}" "${T[@]}" nccl "$out/train.jsonl"
   run train-gpubridge-ddp 120 "${tr[@]}" "${T[@]}" gpubridge "$out/train.jsonl"
@@ -58,7 +58,7 @@ bench)
     run train-nccl-hsdp 100 "${tr[@]}" "${T[@]}" nccl "$out/train.jsonl" --parallel hsdp
     run train-gpubridge-hsdp 150 "${tr[@]}" "${T[@]}" gpubridge "$out/train.jsonl" --parallel hsdp
   fi
-  python3 ci/gpu/plugin_bench.py summary "$out" > "$out/summary.md" && cat "$out/summary.md"
+  python3 bench/gpu/plugin_bench.py summary "$out" > "$out/summary.md" && cat "$out/summary.md"
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
