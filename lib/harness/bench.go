@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/bridge"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/wire"
 )
@@ -61,11 +62,11 @@ type SweepOptions struct {
 // checked call after timing) each frame is checked for its place in the
 // buffer and copied into got, so the caller can compare got with what the
 // peer sent.
-func exchange(ctx context.Context, m *Member, buf []byte, chunk int, got []byte) error {
+func exchange(ctx context.Context, m *bridge.Member, buf []byte, chunk int, got []byte) error {
 	if m.Size != 2 {
 		return fmt.Errorf("bench: the exchange needs 2 members, not %d", m.Size)
 	}
-	peer, streams := 1-m.Rank, m.Mesh.Streams()
+	peer, streams := 1-m.Self, m.Mesh.Streams()
 	chunks := (len(buf) + chunk - 1) / chunk
 	// The first failure stops the other streams rather than leaving them
 	// waiting for frames that will not come.
@@ -174,7 +175,7 @@ func DefaultSizes() []int64 {
 // Sweep times one collective at every size. Every member runs it; rows are
 // returned (and passed to o.Row) on every member, with the time the slowest
 // member measured.
-func Sweep(ctx context.Context, m *Member, o SweepOptions) ([]BenchRow, error) {
+func Sweep(ctx context.Context, m *bridge.Member, o SweepOptions) ([]BenchRow, error) {
 	n, sz := m.Size, int64(o.DType.Size())
 	var rows []BenchRow
 	for _, size := range o.Sizes {
@@ -212,7 +213,7 @@ func Sweep(ctx context.Context, m *Member, o SweepOptions) ([]BenchRow, error) {
 			}
 			return fmt.Errorf("bench: unknown collective %q", o.Coll)
 		}
-		fillBench(o, m.Rank, buf, in)
+		fillBench(o, m.Self, buf, in)
 		for i := 0; i < o.Warmup; i++ {
 			if err := run(); err != nil {
 				return rows, err
@@ -235,7 +236,7 @@ func Sweep(ctx context.Context, m *Member, o SweepOptions) ([]BenchRow, error) {
 		// Correctness: one more run on fresh data, checked element by element.
 		// The exchange keeps what arrives this time, to compare it with
 		// what the peer sent.
-		fillBench(o, m.Rank, buf, in)
+		fillBench(o, m.Self, buf, in)
 		var got []byte
 		if o.Coll == "exchange" {
 			got = make([]byte, len(buf))
@@ -246,7 +247,7 @@ func Sweep(ctx context.Context, m *Member, o SweepOptions) ([]BenchRow, error) {
 		if err != nil {
 			return rows, err
 		}
-		wrong, err := checkBench(o, n, m.Rank, buf, in, got)
+		wrong, err := checkBench(o, n, m.Self, buf, in, got)
 		if err != nil {
 			return rows, err
 		}
@@ -317,7 +318,7 @@ func checkBench(o SweepOptions, n, me int, buf, in, got []byte) (int, error) {
 }
 
 // maxAcross all-reduces one float64 with max over the bridge.
-func maxAcross(ctx context.Context, m *Member, v float64) (float64, error) {
+func maxAcross(ctx context.Context, m *bridge.Member, v float64) (float64, error) {
 	b := make([]byte, 8)
 	binary.LittleEndian.PutUint64(b, math.Float64bits(v))
 	if err := m.Comm.AllReduce(ctx, b, reduce.Float64, reduce.Max, nil); err != nil {

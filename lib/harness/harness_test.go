@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/gpubridge/gpubridge/lib/bridge"
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/testenv"
@@ -21,12 +22,12 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // memMembers joins n members over in-memory meshes.
-func memMembers(t *testing.T, n int) []*Member {
+func memMembers(t *testing.T, n int) []*bridge.Member {
 	t.Helper()
 	meshes := transport.NewMem(n, 2, true)
-	ms := make([]*Member, n)
+	ms := make([]*bridge.Member, n)
 	for i := range ms {
-		ms[i] = &Member{Rank: i, Size: n, Mesh: meshes[i],
+		ms[i] = &bridge.Member{Self: i, Size: n, Mesh: meshes[i],
 			Comm: collective.New(meshes[i], collective.Options{ChunkBytes: 4096, Timeout: testenv.Scale(30 * time.Second)})}
 	}
 	t.Cleanup(func() {
@@ -39,7 +40,7 @@ func memMembers(t *testing.T, n int) []*Member {
 }
 
 // each runs f on every member concurrently.
-func each(ms []*Member, f func(m *Member) error) []error {
+func each(ms []*bridge.Member, f func(m *bridge.Member) error) []error {
 	errs := make([]error, len(ms))
 	done := make(chan struct{})
 	for i, m := range ms {
@@ -61,7 +62,7 @@ func TestSelftestCasesPass(t *testing.T) {
 			}
 		}
 		var out bytes.Buffer
-		errs := each(ms, func(m *Member) error {
+		errs := each(ms, func(m *bridge.Member) error {
 			return SelftestMember(context.Background(), m, cases, false, &out, nil)
 		})
 		for i, err := range errs {
@@ -118,10 +119,10 @@ func TestSweepRowsAreExact(t *testing.T) {
 		n := 2
 		ms := memMembers(t, n)
 		rows := make([][]BenchRow, n)
-		errs := each(ms, func(m *Member) error {
+		errs := each(ms, func(m *bridge.Member) error {
 			r, err := Sweep(context.Background(), m, SweepOptions{Coll: coll, DType: reduce.BFloat16, Op: reduce.Sum,
 				Sizes: []int64{8, 10000, 1 << 20}, Iters: 2, Warmup: 1, ChunkB: 4096})
-			rows[m.Rank] = r
+			rows[m.Self] = r
 			return err
 		})
 		for i, err := range errs {
@@ -160,10 +161,10 @@ func TestExchangeRowsCountDamage(t *testing.T) {
 	ms[1].Mesh = corruptMesh{ms[1].Mesh} // the exchange's streams; the Comm keeps the clean mesh
 	const chunk = 4096
 	rows := make([][]BenchRow, 2)
-	errs := each(ms, func(m *Member) error {
+	errs := each(ms, func(m *bridge.Member) error {
 		r, err := Sweep(context.Background(), m, SweepOptions{Coll: "exchange", DType: reduce.Float32, Op: reduce.Sum,
 			Sizes: []int64{64 << 10}, Iters: 1, Warmup: 1, ChunkB: chunk})
-		rows[m.Rank] = r
+		rows[m.Self] = r
 		return err
 	})
 	for i, err := range errs {
@@ -181,8 +182,8 @@ func TestExchangeRefusesMisplacedFrame(t *testing.T) {
 	buf := make([]byte, 8192)
 	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(30*time.Second))
 	defer cancel()
-	errs := each(ms, func(m *Member) error {
-		if m.Rank == 1 { // sends chunk 1 first, on the stream where chunk 0 belongs
+	errs := each(ms, func(m *bridge.Member) error {
+		if m.Self == 1 { // sends chunk 1 first, on the stream where chunk 0 belongs
 			return m.Mesh.Stream(0, 0).Send(ctx, wire.Header{Kind: wire.KindData, Chunk: 1}, buf[:4096])
 		}
 		return exchange(ctx, m, buf, 4096, make([]byte, len(buf)))

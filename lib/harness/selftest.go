@@ -3,11 +3,13 @@ package harness
 import (
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/bridge"
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 )
@@ -89,7 +91,7 @@ var ErrChecksFailed = errors.New("selftest checks failed")
 // SelftestMember runs the cases on a joined member, then (with sweep) a
 // short all_reduce bandwidth sweep, and on member 0 writes the run's report
 // as one JSON line to out. Progress lines go to progress when it is not nil.
-func SelftestMember(ctx context.Context, m *Member, cases []Case, sweep bool, out, progress io.Writer) error {
+func SelftestMember(ctx context.Context, m *bridge.Member, cases []Case, sweep bool, out, progress io.Writer) error {
 	start := time.Now()
 	rep := RunReport{Members: m.Size, Transport: m.Mesh.Describe(), Cases: len(cases), Failures: []Failure{}}
 	for i, c := range cases {
@@ -110,11 +112,11 @@ func SelftestMember(ctx context.Context, m *Member, cases []Case, sweep bool, ou
 			rep.Failures = append(rep.Failures, Failure{Case: c.String(), Wrong: total})
 			rep.Failed++
 		}
-		if progress != nil && m.Rank == 0 {
+		if progress != nil && m.Self == 0 {
 			fmt.Fprintf(progress, "\r%d members: %d/%d checks, %d failed", m.Size, i+1, len(cases), rep.Failed)
 		}
 	}
-	if progress != nil && m.Rank == 0 {
+	if progress != nil && m.Self == 0 {
 		fmt.Fprintln(progress)
 	}
 	if rep.Failed == 0 && sweep {
@@ -130,8 +132,8 @@ func SelftestMember(ctx context.Context, m *Member, cases []Case, sweep bool, ou
 		rep.Bandwidth = []BenchRow{}
 	}
 	rep.Seconds = time.Since(start).Seconds()
-	if m.Rank == 0 {
-		if err := writeJSON(out, rep); err != nil {
+	if m.Self == 0 {
+		if err := json.NewEncoder(out).Encode(rep); err != nil {
 			return err
 		}
 	}
@@ -142,7 +144,7 @@ func SelftestMember(ctx context.Context, m *Member, cases []Case, sweep bool, ou
 }
 
 // sumAcross all-reduces one int64 over the bridge.
-func sumAcross(ctx context.Context, m *Member, v int64) (int64, error) {
+func sumAcross(ctx context.Context, m *bridge.Member, v int64) (int64, error) {
 	b := make([]byte, 8)
 	binary.LittleEndian.PutUint64(b, uint64(v))
 	if err := m.Comm.AllReduce(ctx, b, reduce.Int64, reduce.Sum, nil); err != nil {
@@ -163,8 +165,8 @@ func inputs(c Case, n int, bytesEach int, id uint64) [][]byte {
 
 // runCase runs one case and returns how many of this member's result
 // elements are wrong.
-func runCase(ctx context.Context, m *Member, c Case, id uint64) (int, error) {
-	n, me := m.Size, m.Rank
+func runCase(ctx context.Context, m *bridge.Member, c Case, id uint64) (int, error) {
+	n, me := m.Size, m.Self
 	switch c.Coll {
 	case "barrier":
 		return 0, m.Comm.Barrier(ctx)
@@ -218,8 +220,8 @@ func runCase(ctx context.Context, m *Member, c Case, id uint64) (int, error) {
 // runP2P sends 8 tagged messages of different sizes to the next member and
 // receives 8 from the previous one, posting the receives in reverse tag
 // order so that matching by tag, not by arrival, is checked.
-func runP2P(ctx context.Context, m *Member, id uint64) (int, error) {
-	n, me := m.Size, m.Rank
+func runP2P(ctx context.Context, m *bridge.Member, id uint64) (int, error) {
+	n, me := m.Size, m.Self
 	next, prev := (me+1)%n, (me+n-1)%n
 	const msgs = 8
 	size := func(tag int) int { return 1 + tag*tag*4099 }
@@ -259,4 +261,15 @@ func runP2P(ctx context.Context, m *Member, id uint64) (int, error) {
 		total += w
 	}
 	return total, first
+}
+
+// SelftestSchema is the schema of gbbridge selftest's summary.
+const SelftestSchema = "gpubridge.selftest/v1"
+
+// SelftestSummary is gbbridge selftest's output: one report per run.
+type SelftestSummary struct {
+	Schema  string      `json:"schema"`
+	Version string      `json:"version"`
+	OK      bool        `json:"ok"`
+	Runs    []RunReport `json:"runs"`
 }

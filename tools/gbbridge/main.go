@@ -3,79 +3,12 @@
 // the rank's torch plugin through a Unix socket and shared memory.
 package main
 
-import (
-	"fmt"
-	"os"
-	"time"
-
-	"github.com/alecthomas/kong"
-
-	"github.com/gpubridge/gpubridge/lib/cli"
-	"github.com/gpubridge/gpubridge/lib/feed"
-	"github.com/gpubridge/gpubridge/lib/harness"
-)
+import "github.com/gpubridge/gpubridge/lib/cli"
 
 type grammar struct {
 	Serve    serveCmd    `cmd:"" help:"Join the bridge as this rank's member and serve the plugin's feed (spawned by the torch plugin on each island leader)."`
 	Selftest selftestCmd `cmd:"" help:"Check every collective, dtype and op, and point-to-point, bit for bit, on 2 and 4 members on this host (or as one member across hosts with --store); then a short bandwidth sweep."`
 	Bench    benchCmd    `cmd:"" help:"Time a collective over sizes, nccl-tests style (size count type redop time algbw busbw #wrong)."`
-}
-
-type serveCmd struct {
-	Topology      string        `help:"gbdiscover's topology JSON for this rank; - is stdin." default:"-" placeholder:"FILE"`
-	Store         string        `help:"The job's c10d store as HOST:PORT. Default: MASTER_ADDR:MASTER_PORT." env:"GPUBRIDGE_STORE" placeholder:"HOST:PORT"`
-	Namespace     string        `help:"Key namespace of the job and attempt; must be the topology's (the default)." env:"GPUBRIDGE_NAMESPACE"`
-	Feed          string        `help:"Path of the Unix socket to listen on for the feed: a fresh path in a directory only this user can enter." required:"" placeholder:"PATH"`
-	Streams       int           `help:"TCP connections (shm rings) per pair of members; every member must use the same (8: see docs/BENCHMARKS.md)." default:"8"`
-	Chunk         byteSize      `help:"Pipelining unit of the collectives (K, M, G suffixes: powers of 1024); every member must use the same." default:"4M" placeholder:"BYTES"`
-	CRC           bool          `help:"CRC32C on every frame between members (off by default, like selftest and bench: see docs/ARCHITECTURE.md); every member must use the same." negatable:""`
-	Workers       int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
-	Timeout       time.Duration `help:"Deadline of one collective or point-to-point operation." default:"5m"`
-	SetupTimeout  time.Duration `help:"Deadline of the store connection and the bridge setup, and then of the wait for the plugin's feed connection." default:"60s"`
-	Interface     string        `help:"Network interface to listen on and advertise. Default: the one that routes to the store's host." env:"GPUBRIDGE_IFNAME" placeholder:"NAME"`
-	ListenHost    string        `help:"IP address (or host name) to listen on and advertise; wins over --interface." placeholder:"ADDR"`
-	ShmRing       byteSize      `help:"Size of each shared-memory ring (shm transport)." default:"8M" placeholder:"BYTES"`
-	DieWithParent bool          `help:"Exit when the parent process (the rank) dies (PR_SET_PDEATHSIG)." default:"true" negatable:""`
-}
-
-func (c *serveCmd) Run(env *cli.Env) error {
-	in := env.Stdin
-	if c.Topology != "-" {
-		f, err := os.Open(c.Topology)
-		if err != nil {
-			return cli.CannotRun(fmt.Errorf("open topology: %w", err))
-		}
-		defer f.Close()
-		in = f
-	}
-	topo, err := feed.ReadTopology(in)
-	if err != nil {
-		return cli.CannotRun(err)
-	}
-	return feed.RunServe(env.Ctx, feed.ServeOptions{
-		Store: c.Store, Namespace: c.Namespace, Feed: c.Feed,
-		Streams: c.Streams, ChunkBytes: int(c.Chunk), CRC: c.CRC, Workers: c.Workers,
-		Timeout: c.Timeout, SetupTimeout: c.SetupTimeout,
-		Interface: c.Interface, ListenHost: c.ListenHost, RingBytes: int(c.ShmRing),
-		DieWithParent: c.DieWithParent, Log: env.Log,
-	}, topo, env.Stdout)
-}
-
-// byteSize is a flag of bytes with an optional K, M or G suffix (powers of
-// 1024).
-type byteSize int64
-
-func (b *byteSize) Decode(ctx *kong.DecodeContext) error {
-	var s string
-	if err := ctx.Scan.PopValueInto("size", &s); err != nil {
-		return err
-	}
-	v, err := harness.ParseSize(s)
-	if err != nil {
-		return err
-	}
-	*b = byteSize(v)
-	return nil
 }
 
 var tool = cli.Tool{

@@ -1,0 +1,111 @@
+package bridge
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/discover"
+	"github.com/gpubridge/gpubridge/lib/store"
+	"github.com/gpubridge/gpubridge/lib/transport"
+)
+
+// Config says how a member joins the bridge.
+type Config struct {
+	// Store is the job's c10d store, HOST:PORT.
+	Store string
+	// Namespace is the job's key namespace: the members meet under
+	// /gpubridge/<Namespace>/, as discovery's ranks do.
+	Namespace string
+	// Name is how errors name this member (default "member <Self>").
+	Name string
+	// Size is the number of members when Mesh.Members is nil.
+	Size int
+	// Mesh are the transport's settings. Join sets its Store. Members nil:
+	// every member publishes its host in the store and reads the others'.
+	// Transport "auto" or "": chosen from the members' hosts. Timeout
+	// bounds the whole join; Log also receives the store's events.
+	Mesh transport.Config
+	// Comm are the communicator's settings.
+	Comm collective.Options
+}
+
+// Member is this process's place in a joined bridge.
+type Member struct {
+	// Self is this member's index, Size the number of members.
+	Self, Size int
+	Mesh       transport.Mesh
+	Comm       *collective.Comm
+	store      *store.Client
+}
+
+// JoinError is a member that could not join the bridge: who, at which
+// step, and why.
+type JoinError struct {
+	Member string // Config.Name
+	Step   string // "connect to the store at HOST:PORT", "set up the tcp bridge", …
+	Err    error
+}
+
+func (e *JoinError) Error() string { return e.Member + ": " + e.Step + ": " + e.Err.Error() }
+func (e *JoinError) Unwrap() error { return e.Err }
+
+// Join connects to the store, learns the members and the transport if the
+// config does not name them, sets up the mesh and starts the communicator.
+// Errors are *JoinError.
+func Join(ctx context.Context, c Config) (*Member, error) {
+	if c.Mesh.Log == nil {
+		c.Mesh.Log = slog.New(slog.DiscardHandler)
+	}
+	if c.Name == "" {
+		c.Name = fmt.Sprintf("member %d", c.Mesh.Self)
+	}
+	fail := func(step string, err error) error { return &JoinError{Member: c.Name, Step: step, Err: err} }
+	if c.Mesh.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.Mesh.Timeout)
+		defer cancel()
+	}
+	sc, err := store.Dial(ctx, c.Store, store.WithLogger(c.Mesh.Log))
+	if err != nil {
+		return nil, fail("connect to the store at "+c.Store, err)
+	}
+	c.Mesh.Store = sc.Prefix(discover.KeyPrefix).Prefix(c.Namespace)
+	if c.Mesh.Members == nil {
+		var step string
+		if c.Mesh.Members, step, err = exchangeHosts(ctx, c.Mesh.Store, c.Mesh.Self, c.Size); err != nil {
+			sc.Close()
+			return nil, fail(step, err)
+		}
+	}
+	c.Mesh.Transport = choose(c.Mesh.Transport, c.Mesh.Members)
+	mesh, err := transport.Establish(ctx, c.Mesh)
+	if err != nil {
+		sc.Close()
+		return nil, fail(fmt.Sprintf("set up the %s bridge", c.Mesh.Transport), err)
+	}
+	return &Member{
+		Self: c.Mesh.Self, Size: len(c.Mesh.Members), Mesh: mesh,
+		Comm: collective.New(mesh, c.Comm), store: sc,
+	}, nil
+}
+
+// Close ends the communicator (and its mesh) and the store connection.
+func (m *Member) Close() error {
+	err := m.Comm.Close()
+	if m.store != nil {
+		m.store.Close()
+	}
+	return err
+}
+
+// Leave closes the member after a barrier (timeout at most), so that no
+// member closes while another still works.
+func (m *Member) Leave(timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	_ = m.Comm.Barrier(ctx)
+	cancel()
+	return m.Close()
+}

@@ -1,0 +1,85 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/alecthomas/kong"
+
+	"github.com/gpubridge/gpubridge/lib/bridge"
+	"github.com/gpubridge/gpubridge/lib/cli"
+	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/harness"
+	"github.com/gpubridge/gpubridge/lib/transport"
+)
+
+// byteSize is a flag of bytes with an optional K, M or G suffix (powers of
+// 1024).
+type byteSize int64
+
+func (b *byteSize) Decode(ctx *kong.DecodeContext) error {
+	var s string
+	if err := ctx.Scan.PopValueInto("size", &s); err != nil {
+		return err
+	}
+	v, err := harness.ParseSize(s)
+	if err != nil {
+		return err
+	}
+	*b = byteSize(v)
+	return nil
+}
+
+// memberFlags are what selftest and bench share: how members meet and how
+// the bridge between them is set up.
+type memberFlags struct {
+	Store     string        `help:"Join a run across hosts through this c10d store (HOST:PORT); without it the members run as processes on this host over an embedded store." placeholder:"HOST:PORT"`
+	Rank      int           `help:"With --store: this member's index." default:"-1"`
+	WorldSize int           `help:"With --store: the number of members." default:"-1"`
+	Namespace string        `help:"With --store: key namespace of the run (every member the same)." default:"gbbridge"`
+	Transport string        `help:"Bridge transport: auto (shm when every member is on this host, else tcp), tcp or shm." enum:"auto,tcp,shm" default:"auto"`
+	Streams   int           `help:"TCP connections (shm rings) per pair of members (8: see docs/BENCHMARKS.md)." default:"8"`
+	Chunk     byteSize      `help:"Pipelining unit of the collectives (K, M, G: powers of 1024)." default:"4M" placeholder:"BYTES"`
+	CRC       bool          `help:"CRC32C on every frame between members (off by default: it costs 25-45% at 256 MiB on a 2-core host, see docs/BENCHMARKS.md)." negatable:""`
+	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
+	Timeout   time.Duration `help:"Deadline of the setup and of each collective." default:"60s"`
+}
+
+// memberArgs are the flags that make a child process member rank of n
+// (with an embedded store at storeAddr).
+func (f memberFlags) memberArgs(cmd string, rank, n int, storeAddr, ns string) []string {
+	return []string{cmd, "--store", storeAddr, "--rank", strconv.Itoa(rank), "--world-size", strconv.Itoa(n),
+		"--namespace", ns, "--transport", f.Transport, "--streams", strconv.Itoa(f.Streams),
+		"--chunk", strconv.Itoa(int(f.Chunk)), "--crc=" + strconv.FormatBool(f.CRC),
+		"--workers", strconv.Itoa(f.Workers), "--timeout", f.Timeout.String()}
+}
+
+// join makes this process member --rank of a run through --store: the
+// members learn each other's hosts through the store, and auto picks the
+// transport from them.
+func (f memberFlags) join(env *cli.Env) (*bridge.Member, error) {
+	if f.WorldSize < 2 || f.Rank < 0 || f.Rank >= f.WorldSize {
+		return nil, fmt.Errorf("with --store, --rank (0..N-1) and --world-size N >= 2 are needed; got rank %d of %d", f.Rank, f.WorldSize)
+	}
+	return bridge.Join(env.Ctx, bridge.Config{Store: f.Store, Namespace: f.Namespace, Size: f.WorldSize,
+		Mesh: transport.Config{Self: f.Rank, Transport: f.Transport, Streams: f.Streams, CRC: f.CRC,
+			Timeout: f.Timeout, RingBytes: 2 * int(f.Chunk), Log: env.Log, Process: "gbbridge member"},
+		Comm: collective.Options{ChunkBytes: int(f.Chunk), Workers: f.Workers, Timeout: f.Timeout, Log: env.Log},
+	})
+}
+
+// leaveTimeout bounds the barrier before a member closes.
+const leaveTimeout = 5 * time.Second
+
+// withMember runs fn as a joined member (see join) and leaves the bridge
+// after it. A member that cannot join cannot run (exit 2).
+func (f memberFlags) withMember(env *cli.Env, fn func(ctx context.Context, m *bridge.Member) error) error {
+	m, err := f.join(env)
+	if err != nil {
+		return cli.CannotRun(err)
+	}
+	defer m.Leave(leaveTimeout)
+	return fn(env.Ctx, m)
+}

@@ -1,0 +1,180 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/bridge"
+	"github.com/gpubridge/gpubridge/lib/cli"
+	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/discover"
+	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/store"
+	"github.com/gpubridge/gpubridge/lib/transport"
+)
+
+type serveCmd struct {
+	Topology      string        `help:"gbdiscover's topology JSON for this rank; - is stdin." default:"-" placeholder:"FILE"`
+	Store         string        `help:"The job's c10d store as HOST:PORT. Default: MASTER_ADDR:MASTER_PORT." env:"GPUBRIDGE_STORE" placeholder:"HOST:PORT"`
+	Namespace     string        `help:"Key namespace of the job and attempt; must be the topology's (the default)." env:"GPUBRIDGE_NAMESPACE"`
+	Feed          string        `help:"Path of the Unix socket to listen on for the feed: a fresh path in a directory only this user can enter." required:"" placeholder:"PATH"`
+	Streams       int           `help:"TCP connections (shm rings) per pair of members; every member must use the same (8: see docs/BENCHMARKS.md)." default:"8"`
+	Chunk         byteSize      `help:"Pipelining unit of the collectives (K, M, G suffixes: powers of 1024); every member must use the same." default:"4M" placeholder:"BYTES"`
+	CRC           bool          `help:"CRC32C on every frame between members (off by default, like selftest and bench: see docs/ARCHITECTURE.md); every member must use the same." negatable:""`
+	Workers       int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
+	Timeout       time.Duration `help:"Deadline of one collective or point-to-point operation." default:"5m"`
+	SetupTimeout  time.Duration `help:"Deadline of the store connection and the bridge setup, and then of the wait for the plugin's feed connection." default:"60s"`
+	Interface     string        `help:"Network interface to listen on and advertise. Default: the one that routes to the store's host." env:"GPUBRIDGE_IFNAME" placeholder:"NAME"`
+	ListenHost    string        `help:"IP address (or host name) to listen on and advertise; wins over --interface." placeholder:"ADDR"`
+	ShmRing       byteSize      `help:"Size of each shared-memory ring (shm transport)." default:"8M" placeholder:"BYTES"`
+	DieWithParent bool          `help:"Exit when the parent process (the rank) dies (PR_SET_PDEATHSIG)." default:"true" negatable:""`
+}
+
+// Run is `gbbridge serve`: it joins the bridge described by the topology
+// as this rank's member, listens on the feed socket, prints the ready line,
+// serves exactly one feed connection and returns. Exit 1: the bridge
+// failed, the feed was lost with requests in flight, the client broke the
+// protocol, or a signal stopped the server; 2: it could not start.
+func (c *serveCmd) Run(env *cli.Env) error {
+	topo, err := c.readTopology(env)
+	if err != nil {
+		return cli.CannotRun(err)
+	}
+	if c.DieWithParent {
+		if err := cli.DieWithParent(); err != nil {
+			return cli.CannotRun(err)
+		}
+	}
+	s, err := c.setUp(env, topo)
+	if err != nil {
+		return cli.CannotRun(err)
+	}
+	err = s.run(env)
+	s.close(err)
+	return err
+}
+
+func (c *serveCmd) readTopology(env *cli.Env) (*discover.Topology, error) {
+	in := env.Stdin
+	if c.Topology != "-" {
+		f, err := os.Open(c.Topology)
+		if err != nil {
+			return nil, fmt.Errorf("open topology: %w", err)
+		}
+		defer f.Close()
+		in = f
+	}
+	return bridge.ReadTopology(in)
+}
+
+// serving is a serve that is set up: the bridge joined, the feed socket
+// listening.
+type serving struct {
+	who    string // "rank R (bridge member M of N)": how messages name it
+	rank   int
+	ms     bridge.Membership
+	ln     *feed.Listener
+	member *bridge.Member
+	log    *slog.Logger
+	c      *serveCmd
+}
+
+// setUp checks the flags against the topology, listens on the feed socket
+// (a bad path fails before the peers wait on this member) and joins the
+// bridge.
+func (c *serveCmd) setUp(env *cli.Env, topo *discover.Topology) (*serving, error) {
+	ms, err := bridge.FromTopology(topo)
+	if err != nil {
+		return nil, err
+	}
+	if c.Namespace != "" && c.Namespace != topo.Namespace {
+		return nil, fmt.Errorf("--namespace %q differs from the topology's %q: serve must join the bridge of the discovery that made the topology", c.Namespace, topo.Namespace)
+	}
+	addr, err := store.ResolveAddr(c.Store, os.Getenv)
+	if err != nil {
+		return nil, err
+	}
+	if c.SetupTimeout <= 0 {
+		return nil, fmt.Errorf("--setup-timeout %s must be positive", c.SetupTimeout)
+	}
+	if c.Timeout <= 0 {
+		return nil, fmt.Errorf("--timeout %s must be positive", c.Timeout)
+	}
+	s := &serving{c: c, ms: ms, rank: topo.Self.Rank,
+		who: fmt.Sprintf("rank %d (bridge member %d of %d)", topo.Self.Rank, ms.Member, len(ms.Members)),
+		log: env.Log.With("rank", topo.Self.Rank, "member", ms.Member)}
+	if s.ln, err = feed.Listen(c.Feed); err != nil {
+		return nil, err
+	}
+	s.member, err = bridge.Join(env.Ctx, bridge.Config{Store: addr, Namespace: topo.Namespace, Name: s.who,
+		Mesh: transport.Config{Self: ms.Member, Members: ms.Members, Transport: ms.Transport,
+			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
+			Timeout: c.SetupTimeout, RingBytes: int(c.ShmRing), Log: s.log, Process: "gbbridge serve"},
+		Comm: collective.Options{ChunkBytes: int(c.Chunk), Workers: c.Workers, Timeout: c.Timeout, Log: s.log},
+	})
+	if err != nil {
+		s.ln.Close()
+		return nil, setupCause(env.Ctx, err)
+	}
+	return s, nil
+}
+
+// run prints the ready line and serves the one feed connection.
+func (s *serving) run(env *cli.Env) error {
+	mesh := s.member.Mesh
+	line, _ := json.Marshal(feed.ReadyLine{
+		Schema: feed.ServeSchema, Feed: s.ln.Path(), Member: s.ms.Member, Members: len(s.ms.Members),
+		Rank: s.rank, PID: os.Getpid(), Transport: mesh.Describe(), Version: feed.Version,
+	})
+	if _, err := fmt.Fprintf(env.Stdout, "%s\n", line); err != nil {
+		return cli.CannotRun(fmt.Errorf("write the ready line: %w", err))
+	}
+	s.log.Info("bridge ready", "transport", mesh.Describe(), "feed", s.ln.Path())
+
+	ctx := env.Ctx
+	conn, err := s.ln.Accept(ctx, s.c.SetupTimeout)
+	if err != nil {
+		if ctx.Err() != nil {
+			return cli.Failed(fmt.Errorf("%s: stopped by a signal (or the parent's death) while waiting for the feed: %v", s.who, context.Cause(ctx)))
+		}
+		return cli.CannotRun(fmt.Errorf("%s: %w", s.who, err))
+	}
+	srv := feed.NewServer(conn, s.member.Comm, feed.ServerOptions{
+		Member: s.ms.Member, Members: len(s.ms.Members), Transport: mesh.Describe(), Log: s.log})
+	err = srv.Serve(ctx)
+	switch {
+	case err != nil && ctx.Err() != nil:
+		return cli.Failed(fmt.Errorf("%s: stopped by a signal (or the parent's death) while serving: %v", s.who, context.Cause(ctx)))
+	case err != nil:
+		return cli.Failed(fmt.Errorf("%s: %w", s.who, err))
+	}
+	if b := srv.Broken(); b != nil {
+		return cli.Failed(fmt.Errorf("%s: the bridge failed during the session: %w", s.who, b))
+	}
+	s.log.Info("feed closed")
+	return nil
+}
+
+// close ends the member and the socket. After a failure it aborts the mesh
+// first, so that the peers learn why at once (they name this member
+// themselves).
+func (s *serving) close(err error) {
+	if err != nil {
+		s.member.Mesh.Abort(fmt.Errorf("gbbridge serve stopped: %s", strings.TrimPrefix(err.Error(), s.who+": ")))
+	}
+	_ = s.member.Close()
+	_ = s.ln.Close()
+}
+
+// setupCause prefers a signal's cause to the error it caused.
+func setupCause(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("%w (stopped: %v)", err, context.Cause(ctx))
+	}
+	return err
+}
