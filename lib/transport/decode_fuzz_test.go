@@ -4,21 +4,18 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"os"
-	"strings"
 	"sync/atomic"
 	"testing"
 
 	"github.com/gpubridge/gpubridge/lib/wire"
 	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
 )
 
 // The decoders of what a peer or the store hands a member, besides the
 // handshake (FuzzHandshake) and the frame header (lib/wire FuzzParse):
-// the records of a shared-memory ring, an endpoint record, a ring file's
-// header. Each has a size limit and a fuzz target; the seeds run with
+// the records of a shared-memory ring and a ring file's header (endpoint
+// records: lib/rendezvous FuzzRecord). Each has a size limit and a fuzz target; the seeds run with
 // every go test.
 
 // fuzzRingCap is the data capacity of the ring FuzzSHMRing reads.
@@ -160,69 +157,6 @@ func TestSHMRingSeeds(t *testing.T) {
 	assert.ErrorContains(t, err, "a new frame began inside a split frame")
 	_, err = recv(seeds[8])
 	assert.ErrorContains(t, err, "corrupt ring record")
-}
-
-// endpointSeeds are endpoint records as the store may hold them.
-func endpointSeeds() [][]byte {
-	good, _ := json.Marshal(endpoint{Proto: 1, Transport: "tcp", Streams: 8, Member: 1, Rank: 2, Hostname: "host-b",
-		PID: 1234, IP: "10.0.0.2", Port: 29501, Interface: "eth0", MAC: strings.Repeat("ab", 32)})
-	return [][]byte{
-		good,
-		[]byte(`{"proto":"1"}`),
-		[]byte(`[1,2,3]`),
-		[]byte(`{"proto":1,`),
-		[]byte(`null`),
-		append(append([]byte(`{"hostname":"`), bytes.Repeat([]byte("x"), maxEndpointBytes)...), `"}`...),
-	}
-}
-
-// FuzzEndpointRecord: whatever the store holds under a member's endpoint
-// key, decoding it and checking its signature never panics, and what
-// decodes re-encodes to a record that decodes the same.
-func FuzzEndpointRecord(f *testing.F) {
-	for _, s := range endpointSeeds() {
-		f.Add(s)
-	}
-	st := &setup{secret: testSecret}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		e, err := parseEndpoint(b)
-		if err != nil {
-			return
-		}
-		if len(b) > maxEndpointBytes {
-			t.Fatalf("accepted a record of %d bytes", len(b))
-		}
-		mac := e.MAC
-		e.MAC = ""
-		again, err := json.Marshal(e)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_ = st.recordMAC(again) == mac
-		if len(again) > maxEndpointBytes {
-			return // zero fields and replaced invalid UTF-8 made it longer
-		}
-		e2, err := parseEndpoint(again)
-		if err != nil || e2 != e {
-			t.Fatalf("re-encoded %s decodes to %+v, %v", again, e2, err)
-		}
-	})
-}
-
-func TestParseEndpoint(t *testing.T) {
-	seeds := endpointSeeds()
-	e, err := parseEndpoint(seeds[0])
-	require.NoError(t, err)
-	assert.Equal(t, 29501, e.Port)
-	// Issue 9: valid JSON of the wrong shape was reported as "not JSON".
-	_, err = parseEndpoint(seeds[1])
-	assert.ErrorContains(t, err, "JSON, but not an endpoint record: ")
-	_, err = parseEndpoint(seeds[2])
-	assert.ErrorContains(t, err, "JSON, but not an endpoint record: ")
-	_, err = parseEndpoint(seeds[3])
-	assert.ErrorContains(t, err, "not JSON: ")
-	_, err = parseEndpoint(seeds[5])
-	assert.ErrorContains(t, err, "over the 4096-byte limit")
 }
 
 // FuzzSHMHeader: a ring file's header, signed or not, never makes the

@@ -2,14 +2,12 @@ package transport
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"github.com/gpubridge/gpubridge/lib/store/storetest"
 	"log/slog"
 	"net"
 	"os"
-	"strconv"
 	"sync"
 	"syscall"
 	"testing"
@@ -21,7 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-var transports = []string{"tcp", "shm"}
+var transports = []Kind{TCP, SHM}
 
 func TestExchange(t *testing.T) {
 	sizes := []int{0, 1, 7, 4093, 64<<10 + 3, 1<<20 + 5, 0, 4 << 20, 13}
@@ -55,7 +53,7 @@ func TestExchange(t *testing.T) {
 
 func TestMaxPayload(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			b := newBridge(t, tr, 2, 1, true)
 			meshes := b.mustEstablish(t)
 			exchange(t, meshes, []int{wire.MaxPayload, 4 << 20, 1})
@@ -65,7 +63,7 @@ func TestMaxPayload(t *testing.T) {
 
 func TestOversizedSend(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			meshes := newBridge(t, tr, 2, 1, false).mustEstablish(t)
 			err := meshes[0].Stream(1, 0).Send(context.Background(), wire.Header{Kind: wire.KindData}, make([]byte, wire.MaxPayload+1))
 			require.ErrorContains(t, err, "over the")
@@ -89,7 +87,7 @@ func TestDescribe(t *testing.T) {
 
 func TestConcurrentStreamsManyFrames(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			b := newBridge(t, tr, 2, 4, true)
 			for i := range b.cfgs {
 				b.cfgs[i].RingBytes = 256 << 10
@@ -106,7 +104,7 @@ func TestConcurrentStreamsManyFrames(t *testing.T) {
 
 func TestCorruptFrame(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			meshes := newBridge(t, tr, 2, 1, true).mustEstablish(t)
 			ctx := context.Background()
 			switch m := meshes[0].(type) {
@@ -161,14 +159,7 @@ func TestStrangerRefused(t *testing.T) {
 
 	// Find member 0's endpoint through the store, as a stranger on the
 	// network would find its port.
-	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(20*time.Second))
-	defer cancel()
-	c := dialStore(t, b.addr, b.ns).Prefix("bridge")
-	v, err := c.Get(ctx, "endpoint/0")
-	require.NoError(t, err)
-	var ep endpoint
-	require.NoError(t, json.Unmarshal(v, &ep))
-	target := net.JoinHostPort(ep.IP, strconv.Itoa(ep.Port))
+	target := endpointAddr(t, b, 0)
 
 	t.Run("bad proof", func(t *testing.T) {
 		conn, err := net.Dial("tcp", target)
@@ -176,9 +167,7 @@ func TestStrangerRefused(t *testing.T) {
 		defer conn.Close()
 		require.NoError(t, conn.SetDeadline(time.Now().Add(testenv.Scale(10*time.Second))))
 		// The job tag is not secret; the stranger may know it.
-		sec, err := c.Get(ctx, "secret")
-		require.NoError(t, err)
-		hello := hsMsg{Version: wire.ProtocolVersion, Type: hsHello, Job: jobTag(sec), From: 1, To: 0, Stream: 0, Streams: 1}
+		hello := hsMsg{Version: wire.ProtocolVersion, Type: hsHello, Job: jobTag(secretOf(t, b)), From: 1, To: 0, Stream: 0, Streams: 1}
 		require.NoError(t, writeHS(conn, &hello))
 		ch, err := readHS(conn)
 		require.NoError(t, err)
@@ -221,7 +210,7 @@ func TestStrangerRefused(t *testing.T) {
 
 func TestVersionMismatch(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			b := newBridge(t, tr, 2, 2, false)
 			b.cfgs[1].proto = wire.ProtocolVersion + 1
 			_, errs := b.establish(t)
@@ -283,7 +272,7 @@ func TestSettingsMismatch(t *testing.T) {
 
 func TestMissingMember(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			b := newBridge(t, tr, 3, 1, false)
 			timeout := testenv.Scale(1500 * time.Millisecond)
 			for i := range b.cfgs {
@@ -347,20 +336,6 @@ func TestFailurePropagates(t *testing.T) {
 	assert.Contains(t, errs[0].Error(), "member 2 (rank 4 on host-c) failed:")
 }
 
-func TestSecretIsKept(t *testing.T) {
-	b := newBridge(t, "tcp", 2, 1, false)
-	ctx := context.Background()
-	s1 := &setup{cfg: b.cfgs[0], st: b.cfgs[0].Store.Prefix("bridge")}
-	require.NoError(t, s1.getSecret(ctx))
-	s2 := &setup{cfg: b.cfgs[0], st: b.cfgs[0].Store.Prefix("bridge")}
-	require.NoError(t, s2.getSecret(ctx))
-	assert.Equal(t, s1.secret, s2.secret, "a restarted member 0 keeps the job's secret")
-	assert.Equal(t, s1.job, s2.job)
-	s3 := &setup{cfg: b.cfgs[1], st: b.cfgs[1].Store.Prefix("bridge")}
-	require.NoError(t, s3.getSecret(ctx))
-	assert.Equal(t, s1.secret, s3.secret)
-}
-
 func TestListenAddr(t *testing.T) {
 	c := dialStore(t, storetest.Start(t), "ns")
 	ip, ifname, err := listenAddr(context.Background(), &Config{Store: c})
@@ -397,7 +372,7 @@ func TestBadConfig(t *testing.T) {
 // calls fail promptly, naming it.
 func TestPeerCloses(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			meshes := newBridge(t, tr, 2, 2, false).mustEstablish(t)
 			errc := make(chan error, 1)
 			go func() {
@@ -450,7 +425,7 @@ func TestTCPConnectionDrops(t *testing.T) {
 // its Sends fail promptly, naming the dead member.
 func TestPeerKilled(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			b := newBridge(t, tr, 2, 1, false)
 			b.cfgs[0].Process = "gbbridge serve"
 			child := startChild(t, b, 1)
@@ -509,7 +484,7 @@ func TestPeerKilled(t *testing.T) {
 
 func TestCancel(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			b := newBridge(t, tr, 2, 1, false)
 			for i := range b.cfgs {
 				b.cfgs[i].RingBytes = 1 << 20
@@ -552,7 +527,7 @@ func TestCancel(t *testing.T) {
 
 func TestCloseUnblocks(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			meshes := newBridge(t, tr, 2, 1, false).mustEstablish(t)
 			errc := make(chan error, 2)
 			go func() {
@@ -583,7 +558,7 @@ func TestCloseUnblocks(t *testing.T) {
 
 func TestAbort(t *testing.T) {
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			meshes := newBridge(t, tr, 3, 2, true).mustEstablish(t)
 			meshes[0].Abort(errors.New("reduce failed: out of memory"))
 			ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(10*time.Second))
@@ -607,7 +582,7 @@ func TestNoAllocs(t *testing.T) {
 		t.Skip("the race detector allocates on its own, so allocations cannot be counted under -race (go test without -race checks this)")
 	}
 	for _, tr := range transports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			meshes := newBridge(t, tr, 2, 1, true).mustEstablish(t)
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()

@@ -51,7 +51,7 @@ func hostname(t testing.TB) string {
 
 // members describes n members for a transport: all on this host for shm,
 // on made-up hosts for tcp (the host names only appear in messages).
-func members(t testing.TB, transport string, n int) []MemberInfo {
+func members(t testing.TB, transport Kind, n int) []MemberInfo {
 	out := make([]MemberInfo, n)
 	for i := range out {
 		out[i] = MemberInfo{Rank: 2 * i, Host: fmt.Sprintf("host-%c", 'a'+i)}
@@ -69,7 +69,7 @@ type bridge struct {
 }
 
 // newBridge makes configs for n members; mod adjusts member i's.
-func newBridge(t testing.TB, transport string, n, streams int, crc bool) *bridge {
+func newBridge(t testing.TB, transport Kind, n, streams int, crc bool) *bridge {
 	addr := storetest.Start(t)
 	b := &bridge{addr: addr, ns: "job-" + strings.ReplaceAll(t.Name(), "/", "-"), cfgs: make([]Config, n)}
 	ms := members(t, transport, n)
@@ -213,7 +213,7 @@ func exchange(t *testing.T, meshes []Mesh, sizes []int) {
 type childSpec struct {
 	Store     string       `json:"store"`
 	NS        string       `json:"ns"`
-	Transport string       `json:"transport"`
+	Transport Kind         `json:"transport"`
 	Members   []MemberInfo `json:"members"`
 	Self      int          `json:"self"`
 	Streams   int          `json:"streams"`

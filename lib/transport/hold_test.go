@@ -18,7 +18,7 @@ import (
 
 // holdMeshes returns two joined meshes of transport tr with one data
 // stream: shm rings are small, so that 1 MiB frames take the split path.
-func holdMeshes(t *testing.T, tr string, crc bool) []Mesh {
+func holdMeshes(t *testing.T, tr Kind, crc bool) []Mesh {
 	t.Helper()
 	if tr == "mem" {
 		ms := NewMem(2, 1, crc)
@@ -70,7 +70,7 @@ func checkFrame(t *testing.T, h wire.Header, p []byte, seq, n int) {
 	require.True(t, bytes.Equal(want, p), "contents of frame %d", seq)
 }
 
-var holdTransports = []string{"tcp", "shm", "mem"}
+var holdTransports = []Kind{TCP, SHM, Mem}
 
 func TestRecvHold(t *testing.T) {
 	// Over shm, frame 0 is split (and reassembled), 1 and 2 are held in
@@ -78,7 +78,7 @@ func TestRecvHold(t *testing.T) {
 	// be read once that one is released: they share the ring.)
 	sizes := []int{1<<20 + 5, 200 << 10, 100 << 10, 300, 0, 64}
 	for _, tr := range holdTransports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			ms := holdMeshes(t, tr, true)
 			in := ms[1].Stream(0, 0).(Holder)
 			wait := sendFrames(t, ms[0].Stream(1, 0), sizes)
@@ -158,7 +158,7 @@ func TestRecvHold(t *testing.T) {
 // do, across ring wraps and split frames.
 func TestRecvHoldPipelined(t *testing.T) {
 	for _, tr := range holdTransports {
-		t.Run(tr, func(t *testing.T) {
+		t.Run(string(tr), func(t *testing.T) {
 			ms := holdMeshes(t, tr, true)
 			in := ms[1].Stream(0, 0).(Holder)
 			rng := rand.New(rand.NewPCG(1, 2))
@@ -202,7 +202,7 @@ func TestRecvHoldPipelined(t *testing.T) {
 
 func TestRecvHoldCloseAndAbort(t *testing.T) {
 	for _, tr := range holdTransports {
-		t.Run(tr+"/close", func(t *testing.T) {
+		t.Run(string(tr)+"/close", func(t *testing.T) {
 			ms := holdMeshes(t, tr, false)
 			in := ms[1].Stream(0, 0).(Holder)
 			wait := sendFrames(t, ms[0].Stream(1, 0), []int{10, 20})
@@ -227,7 +227,7 @@ func TestRecvHoldCloseAndAbort(t *testing.T) {
 			r1()
 			r0()
 		})
-		t.Run(tr+"/abort", func(t *testing.T) {
+		t.Run(string(tr)+"/abort", func(t *testing.T) {
 			ms := holdMeshes(t, tr, true)
 			ms[0].Abort(errors.New("reduce failed"))
 			ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(10*time.Second))
@@ -238,7 +238,7 @@ func TestRecvHoldCloseAndAbort(t *testing.T) {
 			assert.Contains(t, err.Error(), "failed: reduce failed")
 			assert.Nil(t, r)
 		})
-		t.Run(tr+"/cancel", func(t *testing.T) {
+		t.Run(string(tr)+"/cancel", func(t *testing.T) {
 			ms := holdMeshes(t, tr, false)
 			ctx, cancel := context.WithCancel(context.Background())
 			go func() { time.Sleep(30 * time.Millisecond); cancel() }()

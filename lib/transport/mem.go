@@ -70,11 +70,7 @@ func (m *memMesh) Peer(member int) string {
 	return fmt.Sprintf("member %d", member)
 }
 func (m *memMesh) Describe() string {
-	crc := "no crc"
-	if m.crc {
-		crc = "crc32c"
-	}
-	return fmt.Sprintf("mem, %d streams per peer, %s", m.streams, crc)
+	return fmt.Sprintf("%s, %d streams per peer, %s", Mem, m.streams, crcWords(m.crc))
 }
 
 func (m *memMesh) Stream(peer, i int) Stream {

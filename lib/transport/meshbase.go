@@ -1,6 +1,19 @@
 package transport
 
-import "fmt"
+import (
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/rendezvous"
+)
+
+const (
+	// abortGrace bounds Abort's KindAbort frames.
+	abortGrace = time.Second
+	// maxAbortText bounds the error text an abort frame carries.
+	maxAbortText = 4 << 10
+)
 
 // meshBase is what the TCP and shm meshes share: who this member is, how
 // peers are named in errors, and the streams indexed by peer and stream
@@ -56,4 +69,25 @@ func (m *meshBase[S]) each(f func(s S)) {
 			f(s)
 		}
 	}
+}
+
+// abortMessage is the text of the KindAbort frames that tell peers err.
+func abortMessage(err error) []byte {
+	msg := []byte(err.Error())
+	return msg[:min(len(msg), maxAbortText)]
+}
+
+// abortText is the text of a peer's KindAbort frame, cut to maxAbortText
+// bytes (a sender cuts it there too) and safe to log.
+func abortText(p []byte) string { return rendezvous.PeerText(p, maxAbortText) }
+
+// lockUntil takes mu, giving up at t.
+func lockUntil(mu *sync.Mutex, t time.Time) bool {
+	for !mu.TryLock() {
+		if time.Now().After(t) {
+			return false
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return true
 }

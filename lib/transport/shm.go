@@ -367,10 +367,7 @@ func (m *shmMesh) Abort(err error) {
 	}
 	m.aborting.Store(true)
 	m.each(func(s *shmStream) { s.out.wakeAll() })
-	msg := []byte(err.Error())
-	if len(msg) > maxAbortText {
-		msg = msg[:maxAbortText]
-	}
+	msg := abortMessage(err)
 	until := time.Now().Add(abortGrace)
 	ctx, cancel := context.WithDeadline(context.Background(), until)
 	var wg sync.WaitGroup

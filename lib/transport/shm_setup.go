@@ -9,12 +9,24 @@ import (
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/gpubridge/gpubridge/lib/rendezvous"
 )
+
+func init() { register(&driver{kind: SHM, establish: establishSHM}) }
+
+// shmEndpoint is a shared-memory member's endpoint record: its ring file
+// and pid namespace.
+type shmEndpoint struct {
+	endpoint
+	SHM   string `json:"shm,omitempty"`
+	PIDNS string `json:"pidns,omitempty"`
+}
 
 // establishSHM creates this member's ring file, publishes it, maps every
 // peer's file after checking it, and waits until every member has mapped
 // every file before unlinking its own.
-func (s *setup) establishSHM(ctx context.Context) (_ Mesh, err error) {
+func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 	n, self := len(s.cfg.Members), s.cfg.Self
 	dataCap := (uint64(s.cfg.RingBytes)+4095)&^4095 + 4096
 	lay := shmLayout{size: n, streams: s.cfg.Streams, dataCap: dataCap, ctlCap: min(dataCap, ctlRingCap)}
@@ -45,26 +57,24 @@ func (s *setup) establishSHM(ctx context.Context) (_ Mesh, err error) {
 	m.maps = append(m.maps, own)
 	hdr := shmHeader{proto: int(s.proto), member: self, pid: os.Getpid(), size: n, streams: s.cfg.Streams,
 		dataCap: lay.dataCap, ctlCap: lay.ctlCap, job: s.job}
-	hdr.put(own[:shmHdrSize], s.secret)
+	hdr.put(own[:shmHdrSize], s.rv.Secret())
 
 	pidns, _ := os.Readlink("/proc/self/ns/pid")
-	ep := s.baseEndpoint()
-	ep.SHM, ep.PIDNS = path, pidns
-	if err := s.publish(ctx, ep); err != nil {
+	if err := s.rv.Publish(ctx, shmEndpoint{endpoint: s.endpoint(), SHM: path, PIDNS: pidns}); err != nil {
 		return nil, err
 	}
-	eps, err := s.gather(ctx)
+	eps, err := gather[shmEndpoint](ctx, s)
 	if err != nil {
 		return nil, err
 	}
 	for i, e := range eps {
 		if e.Hostname != eps[0].Hostname {
-			return nil, &sharedError{fmt.Errorf("the shm transport needs every member on one host: %s is on %s, %s on %s; use tcp",
-				s.member(0), eps[0].Hostname, s.member(i), e.Hostname)}
+			return nil, &rendezvous.SharedError{Err: fmt.Errorf("the shm transport needs every member on one host: %s is on %s, %s on %s; use tcp",
+				s.rv.Who(0), eps[0].Hostname, s.rv.Who(i), e.Hostname)}
 		}
 		if e.PIDNS != eps[0].PIDNS {
-			return nil, &sharedError{fmt.Errorf("the shm transport needs every member in one pid namespace: %s is in %s, %s in %s; use tcp",
-				s.member(0), eps[0].PIDNS, s.member(i), e.PIDNS)}
+			return nil, &rendezvous.SharedError{Err: fmt.Errorf("the shm transport needs every member in one pid namespace: %s is in %s, %s in %s; use tcp",
+				s.rv.Who(0), eps[0].PIDNS, s.rv.Who(i), e.PIDNS)}
 		}
 	}
 
@@ -84,7 +94,7 @@ func (s *setup) establishSHM(ctx context.Context) (_ Mesh, err error) {
 		if p == self {
 			continue
 		}
-		theirs, tl, err := s.mapPeer(eps[p], p, lay)
+		theirs, tl, err := s.mapPeer(&eps[p], p, lay)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", m.peers[p], err)
 		}
@@ -99,7 +109,7 @@ func (s *setup) establishSHM(ctx context.Context) (_ Mesh, err error) {
 			m.links[p][st] = newSHMStream(m, p, st, lay.ring(own, peerIndex(self, p), st), in)
 		}
 	}
-	if err := s.barrier(ctx); err != nil {
+	if err := s.rv.Barrier(ctx); err != nil {
 		return nil, err
 	}
 	// Every member has mapped every file: nothing needs the names now.
@@ -107,11 +117,7 @@ func (s *setup) establishSHM(ctx context.Context) (_ Mesh, err error) {
 		s.log.Warn("could not unlink the ring file", "path", path, "err", err)
 	}
 	m.ownPath = ""
-	crc := "no crc"
-	if s.cfg.CRC {
-		crc = "crc32c"
-	}
-	m.desc = fmt.Sprintf("shm, %d streams per peer, %s, %d MiB rings on %s", s.cfg.Streams, crc,
+	m.desc = fmt.Sprintf("shm, %d streams per peer, %s, %d MiB rings on %s", s.cfg.Streams, crcWords(s.cfg.CRC),
 		(lay.dataCap-4096)>>20, eps[self].Hostname)
 	return m, nil
 }
@@ -146,7 +152,7 @@ func createRingFile(path string, size uint64) ([]byte, error) {
 }
 
 // mapPeer opens, checks and maps member p's ring file.
-func (s *setup) mapPeer(ep endpoint, p int, lay shmLayout) ([]byte, shmLayout, error) {
+func (s *setup) mapPeer(ep *shmEndpoint, p int, lay shmLayout) ([]byte, shmLayout, error) {
 	if filepath.Dir(ep.SHM) != filepath.Clean(shmDir) {
 		return nil, shmLayout{}, fmt.Errorf("ring file %q is not in %s", ep.SHM, shmDir)
 	}
@@ -167,7 +173,7 @@ func (s *setup) mapPeer(ep endpoint, p int, lay shmLayout) ([]byte, shmLayout, e
 	if _, err := unix.Pread(fd, hb[:], 0); err != nil {
 		return nil, shmLayout{}, fmt.Errorf("ring file %s: %w", ep.SHM, err)
 	}
-	h, err := parseSHMHeader(hb[:], s.secret)
+	h, err := parseSHMHeader(hb[:], s.rv.Secret())
 	if err != nil {
 		return nil, shmLayout{}, fmt.Errorf("ring file %s: %w", ep.SHM, err)
 	}

@@ -33,7 +33,7 @@ func endpointAddr(t *testing.T, b *bridge, i int) string {
 	defer cancel()
 	v, err := dialStore(t, b.addr, b.ns).Prefix("bridge").Get(ctx, "endpoint/"+strconv.Itoa(i))
 	require.NoError(t, err)
-	var ep endpoint
+	var ep tcpEndpoint
 	require.NoError(t, json.Unmarshal(v, &ep))
 	return net.JoinHostPort(ep.IP, strconv.Itoa(ep.Port))
 }
@@ -316,7 +316,7 @@ func TestDialRetriesUnansweredConnections(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(20*time.Second))
 	defer cancel()
 	var notes []error
-	conn, err := s.dial(ctx, net.IPv4(127, 0, 0, 1), endpoint{IP: "127.0.0.1", Port: port}, testParams(1), 0, 0,
+	conn, err := s.dial(ctx, net.IPv4(127, 0, 0, 1), tcpEndpoint{IP: "127.0.0.1", Port: port}, testParams(1), 0, 0,
 		func(err error) { notes = append(notes, err) })
 	require.NoError(t, err)
 	defer conn.Close()
@@ -350,7 +350,7 @@ func TestDialRetriesUnansweredConnections(t *testing.T) {
 			_ = c.Close()
 		}
 	}()
-	_, err = s.dial(ctx, net.IPv4(127, 0, 0, 1), endpoint{IP: "127.0.0.1", Port: ln2.Addr().(*net.TCPAddr).Port}, testParams(1), 0, 0, func(error) {})
+	_, err = s.dial(ctx, net.IPv4(127, 0, 0, 1), tcpEndpoint{IP: "127.0.0.1", Port: ln2.Addr().(*net.TCPAddr).Port}, testParams(1), 0, 0, func(error) {})
 	require.ErrorContains(t, err, "member 0 refused the connection: wrong job")
 	_ = ln2.Close()
 	assert.Equal(t, 1, <-count)

@@ -30,12 +30,8 @@ const (
 	readBuf = 64 << 10
 	// closeGrace bounds the KindClose frames Close sends.
 	closeGrace = 100 * time.Millisecond
-	// abortGrace bounds Abort's KindAbort frames.
-	abortGrace = time.Second
 	// crcPiece is how much of a payload Recv reads before checksumming it.
 	crcPiece = 512 << 10
-	// maxAbortText bounds the error text an abort frame carries.
-	maxAbortText = 4 << 10
 )
 
 type tcpMesh struct {
@@ -105,10 +101,7 @@ func (m *tcpMesh) Abort(err error) {
 		return
 	}
 	m.aborting.Store(true)
-	msg := []byte(err.Error())
-	if len(msg) > maxAbortText {
-		msg = msg[:maxAbortText]
-	}
+	msg := abortMessage(err)
 	until := time.Now().Add(abortGrace)
 	m.each(func(s *tcpStream) { s.wg.setLimit(until) })
 	var wg sync.WaitGroup
@@ -128,17 +121,6 @@ func (m *tcpMesh) Abort(err error) {
 	wg.Wait()
 	m.log.Debug("bridge aborted", "err", err)
 	_ = m.Close()
-}
-
-// lockUntil takes mu, giving up at t.
-func lockUntil(mu *sync.Mutex, t time.Time) bool {
-	for !mu.TryLock() {
-		if time.Now().After(t) {
-			return false
-		}
-		time.Sleep(time.Millisecond)
-	}
-	return true
 }
 
 // Close sends KindClose on every idle stream (bounded by closeGrace), then

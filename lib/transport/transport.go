@@ -4,15 +4,16 @@
 // interface is narrow — framed, ordered, reliable streams between pairs —
 // so that RDMA verbs can stand behind it too.
 //
-// Establish joins a bridge through the job's c10d store: member 0 makes a
-// per-job secret (compare-and-set, so there is one per job), every member
-// publishes an HMAC-signed endpoint record and checks that all members
-// agree on transport, streams, CRC and protocol version, then the members
-// connect: over TCP, Streams+1 connections per pair, each opened with a
-// mutually authenticated handshake (handshake.go); over shared memory, one
-// ring per directed stream in preallocated /dev/shm files (shm.go). A
-// failing member records its error in the store, so every member fails
-// with a message naming the cause within the setup timeout.
+// Establish joins a bridge: the members meet through the job's store
+// (lib/rendezvous: the per-job secret, signed endpoint records, a
+// barrier), check that they agree on transport, streams, CRC and protocol
+// version, and connect the way the chosen transport does. Each transport
+// is one driver, registered by kind from its own files: tcp.go and
+// tcp_*.go (Streams+1 connections per pair, each opened with a mutually
+// authenticated handshake), shm.go and shm_setup.go (one ring per directed
+// stream in preallocated /dev/shm files). A failing member records its
+// error in the store, so every member fails with a message naming the
+// cause within the setup timeout.
 package transport
 
 import (

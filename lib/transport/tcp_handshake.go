@@ -9,7 +9,8 @@ import (
 	"fmt"
 	"io"
 	"strings"
-	"unicode/utf8"
+
+	"github.com/gpubridge/gpubridge/lib/rendezvous"
 )
 
 // The connection handshake of the TCP transport. Every message is a
@@ -196,36 +197,9 @@ func decodeHS(p []byte) (hsMsg, error) {
 	case hsProof:
 		copy(m.MAC[:], f)
 	case hsReject:
-		if len(f) > hsMaxText {
-			f = f[:hsMaxText]
-		}
-		m.Text = printable(string(f))
+		m.Text = rendezvous.PeerText(f, hsMaxText)
 	}
 	return m, nil
-}
-
-// abortText is the text of a peer's KindAbort frame, cut to maxAbortText
-// bytes (a sender cuts it there too) and safe to log.
-func abortText(p []byte) string {
-	if len(p) > maxAbortText {
-		p = p[:maxAbortText]
-	}
-	return printable(string(p))
-}
-
-// printable makes text from a peer safe to log: valid UTF-8, no control
-// characters.
-func printable(s string) string {
-	if utf8.ValidString(s) && strings.IndexFunc(s, func(r rune) bool { return r < 0x20 || r == 0x7f }) < 0 {
-		return s
-	}
-	s = strings.ToValidUTF8(s, "?")
-	return strings.Map(func(r rune) rune {
-		if r < 0x20 || r == 0x7f {
-			return '?'
-		}
-		return r
-	}, s)
 }
 
 // hsMACOf computes the proof of one direction ("srv" or "cli") over the
