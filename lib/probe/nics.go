@@ -2,7 +2,6 @@ package probe
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"path/filepath"
@@ -12,46 +11,16 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/gpubridge/gpubridge/lib/netif"
 )
-
-// netlinkTimeout bounds every netlink request; the kernel answers in
-// microseconds, so hitting it means something is badly wrong.
-const netlinkTimeout = 2 * time.Second
-
-// newNetlink opens a netlink handle in the caller's network namespace with
-// bounded socket reads.
-func newNetlink() (*netlink.Handle, error) {
-	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
-	if err != nil {
-		return nil, fmt.Errorf("netlink: open: %w", err)
-	}
-	if err := h.SetSocketTimeout(netlinkTimeout); err != nil {
-		h.Close()
-		return nil, fmt.Errorf("netlink: set socket timeout: %w", err)
-	}
-	return h, nil
-}
-
-// retryDump repeats a netlink dump that the kernel interrupted because the
-// table changed under it (ErrDumpInterrupted), a few times.
-func retryDump[T any](f func() (T, error)) (T, error) {
-	var v T
-	var err error
-	for range 3 {
-		v, err = f()
-		if !errors.Is(err, netlink.ErrDumpInterrupted) {
-			return v, err
-		}
-	}
-	return v, err
-}
 
 // probeNICs lists the network interfaces of the current network namespace.
 // speedRoot is the directory holding sys/class/net for link speeds: "/" (the
 // host's sysfs, which shows the current namespace's interfaces when sysfs
 // was mounted in it, as `ip netns exec` does).
-func probeNICs(h *netlink.Handle, speedRoot string) ([]NIC, error) {
-	links, err := retryDump(h.LinkList)
+func probeNICs(h *netif.Handle, speedRoot string) ([]NIC, error) {
+	links, err := h.Links()
 	if err != nil {
 		return nil, fmt.Errorf("netlink: list links: %w", err)
 	}
@@ -73,7 +42,7 @@ func probeNICs(h *netlink.Handle, speedRoot string) ([]NIC, error) {
 		if len(a.HardwareAddr) > 0 && a.Flags&net.FlagLoopback == 0 {
 			n.MAC = a.HardwareAddr.String()
 		}
-		addrs, err := retryDump(func() ([]netlink.Addr, error) { return h.AddrList(l, netlink.FAMILY_ALL) })
+		addrs, err := h.Addrs(l, netlink.FAMILY_ALL)
 		if err != nil {
 			return nil, fmt.Errorf("netlink: addresses of %s: %w", a.Name, err)
 		}
@@ -96,64 +65,30 @@ const resolveTimeout = 2 * time.Second
 
 // routeTo asks the kernel which interface and source address traffic to
 // host would use. Failures are reported in Route.Error, not returned.
-func routeTo(ctx context.Context, h *netlink.Handle, host string, nics []NIC) *Route {
+func routeTo(ctx context.Context, h *netif.Handle, host string) *Route {
 	r := &Route{To: host}
-	ip := net.ParseIP(host)
-	if ip == nil {
-		ctx, cancel := context.WithTimeout(ctx, resolveTimeout)
-		defer cancel()
-		addrs, err := net.DefaultResolver.LookupIPAddr(ctx, host)
-		if err != nil {
-			r.Error = fmt.Sprintf("resolve %s: %v", host, err)
-			return r
-		}
-		ip = pickIP(addrs)
-		if ip == nil {
-			r.Error = fmt.Sprintf("resolve %s: no addresses", host)
-			return r
-		}
+	ctx, cancel := context.WithTimeout(ctx, resolveTimeout)
+	defer cancel()
+	ip, err := netif.Resolve(ctx, host)
+	if err != nil {
+		r.Error = fmt.Sprintf("resolve %s: %v", host, err)
+		return r
 	}
 	r.IP = ip.String()
-	routes, err := h.RouteGet(ip)
+	rt, err := h.RouteTo(ip)
 	if err != nil {
 		r.Error = fmt.Sprintf("route to %s: %v", ip, err)
 		return r
 	}
-	if len(routes) == 0 {
-		r.Error = fmt.Sprintf("route to %s: kernel returned no route", ip)
-		return r
-	}
-	rt := routes[0]
 	if rt.Src != nil {
 		r.Source = rt.Src.String()
 	}
-	if rt.Gw != nil {
-		r.Gateway = rt.Gw.String()
+	if rt.Gateway != nil {
+		r.Gateway = rt.Gateway.String()
 	}
-	for _, n := range nics {
-		if n.Index == rt.LinkIndex {
-			r.Interface = n.Name
-		}
-	}
+	r.Interface = rt.Interface
 	if r.Interface == "" {
-		if l, err := h.LinkByIndex(rt.LinkIndex); err == nil {
-			r.Interface = l.Attrs().Name
-		} else {
-			r.Interface = fmt.Sprintf("ifindex %d", rt.LinkIndex)
-		}
+		r.Interface = fmt.Sprintf("ifindex %d", rt.LinkIndex)
 	}
 	return r
-}
-
-// pickIP prefers an IPv4 address, as the bridge's TCP transport does.
-func pickIP(addrs []net.IPAddr) net.IP {
-	for _, a := range addrs {
-		if a.IP.To4() != nil {
-			return a.IP
-		}
-	}
-	if len(addrs) > 0 {
-		return addrs[0].IP
-	}
-	return nil
 }

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/gpubridge/gpubridge/lib/netif"
 )
 
 // NVML modes of Options.NVML.
@@ -228,7 +230,7 @@ func checkRoot(root string) error {
 // calling goroutine's network namespace. NIC speeds come from the host's
 // /sys/class/net, never from a fake sysfs root.
 func probeNetwork(ctx context.Context, routeTarget string) ([]NIC, *Route, error) {
-	h, err := newNetlink()
+	h, err := netif.Open()
 	if err != nil {
 		return nil, nil, err
 	}
@@ -239,7 +241,7 @@ func probeNetwork(ctx context.Context, routeTarget string) ([]NIC, *Route, error
 	}
 	var r *Route
 	if strings.TrimSpace(routeTarget) != "" {
-		r = routeTo(ctx, h, strings.TrimSpace(routeTarget), nics)
+		r = routeTo(ctx, h, strings.TrimSpace(routeTarget))
 	}
 	return nics, r, nil
 }
