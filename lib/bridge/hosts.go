@@ -31,17 +31,3 @@ func exchangeHosts(ctx context.Context, kv *store.Client, self, size int) ([]tra
 	}
 	return members, "", nil
 }
-
-// choose resolves a requested transport: auto ("" too) is shm when every
-// member is on one host, else tcp.
-func choose(requested string, members []transport.MemberInfo) string {
-	if requested != "auto" && requested != "" {
-		return requested
-	}
-	for _, m := range members {
-		if m.Host != members[0].Host {
-			return "tcp"
-		}
-	}
-	return "shm"
-}

@@ -25,8 +25,8 @@ type Config struct {
 	Size int
 	// Mesh are the transport's settings. Join sets its Store. Members nil:
 	// every member publishes its host in the store and reads the others'.
-	// Transport "auto" or "": chosen from the members' hosts. Timeout
-	// bounds the whole join; Log also receives the store's events.
+	// Transport is the requested kind (transport.Choose). Timeout bounds
+	// the whole join; Log also receives the store's events.
 	Mesh transport.Config
 	// Comm are the communicator's settings.
 	Comm collective.Options
@@ -72,15 +72,19 @@ func Join(ctx context.Context, c Config) (*Member, error) {
 	if err != nil {
 		return nil, fail("connect to the store at "+c.Store, err)
 	}
-	c.Mesh.Store = sc.Prefix(discover.KeyPrefix).Prefix(c.Namespace)
+	kv := sc.Prefix(discover.KeyPrefix).Prefix(c.Namespace)
+	c.Mesh.Store = kv
 	if c.Mesh.Members == nil {
 		var step string
-		if c.Mesh.Members, step, err = exchangeHosts(ctx, c.Mesh.Store, c.Mesh.Self, c.Size); err != nil {
+		if c.Mesh.Members, step, err = exchangeHosts(ctx, kv, c.Mesh.Self, c.Size); err != nil {
 			sc.Close()
 			return nil, fail(step, err)
 		}
 	}
-	c.Mesh.Transport = choose(c.Mesh.Transport, c.Mesh.Members)
+	if c.Mesh.Transport, _, err = transport.Choose(c.Mesh.Transport, c.Mesh.Members); err != nil {
+		sc.Close()
+		return nil, fail("choose the transport", err)
+	}
 	mesh, err := transport.Establish(ctx, c.Mesh)
 	if err != nil {
 		sc.Close()

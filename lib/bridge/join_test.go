@@ -3,7 +3,6 @@ package bridge
 import (
 	"context"
 	"encoding/binary"
-	"net"
 	"testing"
 	"time"
 
@@ -13,29 +12,12 @@ import (
 
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/reduce"
-	"github.com/gpubridge/gpubridge/lib/store"
+	"github.com/gpubridge/gpubridge/lib/store/storetest"
 	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-// storeServer serves a c10d store on loopback for the test's life.
-func storeServer(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	srv := store.NewServer(store.ServerOptions{})
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(ln) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(5*time.Second))
-		defer cancel()
-		_ = srv.Shutdown(ctx)
-		<-served
-	})
-	return ln.Addr().String()
-}
 
 // joinAll joins n members concurrently with configs made by cfg.
 func joinAll(t *testing.T, n int, cfg func(self int) Config) ([]*Member, []error) {
@@ -61,7 +43,7 @@ func TestJoin(t *testing.T) {
 	cases := []struct {
 		name      string
 		members   []transport.MemberInfo
-		requested string
+		requested transport.Kind
 		want      string
 	}{
 		{"hosts exchanged, auto", nil, "auto", "shm"},
@@ -70,7 +52,7 @@ func TestJoin(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			addr := storeServer(t)
+			addr := storetest.Start(t)
 			ms, errs := joinAll(t, 2, func(self int) Config {
 				return Config{Store: addr, Namespace: "join-test", Size: 2,
 					Mesh: transport.Config{Self: self, Members: c.members, Transport: c.requested, Streams: 2,
@@ -115,7 +97,7 @@ func TestJoinErrorsNameMemberAndStep(t *testing.T) {
 		assert.Contains(t, err.Error(), "rank 3 (bridge member 1 of 2): connect to the store at 127.0.0.1:1: ")
 	})
 	t.Run("a member never comes", func(t *testing.T) {
-		addr := storeServer(t)
+		addr := storetest.Start(t)
 		_, err := Join(context.Background(), Config{Store: addr, Namespace: "alone", Size: 2,
 			Mesh: transport.Config{Self: 0, Transport: "tcp", Timeout: testenv.Scale(1 * time.Second)}})
 		var je *JoinError
@@ -123,14 +105,15 @@ func TestJoinErrorsNameMemberAndStep(t *testing.T) {
 		assert.Equal(t, "member 0", je.Member)
 		assert.Equal(t, "waiting for member 1 to join", je.Step)
 	})
-}
-
-func TestChoose(t *testing.T) {
-	one := []transport.MemberInfo{{Rank: 0, Host: "a"}, {Rank: 1, Host: "a"}}
-	two := []transport.MemberInfo{{Rank: 0, Host: "a"}, {Rank: 1, Host: "b"}}
-	assert.Equal(t, "shm", choose("auto", one))
-	assert.Equal(t, "shm", choose("", one))
-	assert.Equal(t, "tcp", choose("auto", two))
-	assert.Equal(t, "tcp", choose("tcp", one))
-	assert.Equal(t, "shm", choose("shm", two), "a requested transport is taken as asked")
+	t.Run("shm across hosts", func(t *testing.T) {
+		addr := storetest.Start(t)
+		_, err := Join(context.Background(), Config{Store: addr, Namespace: "hosts",
+			Mesh: transport.Config{Self: 0, Transport: transport.SHM, Timeout: testenv.Scale(5 * time.Second),
+				Members: []transport.MemberInfo{{Rank: 0, Host: "a"}, {Rank: 1, Host: "b"}}}})
+		var je *JoinError
+		require.ErrorAs(t, err, &je)
+		assert.Equal(t, "choose the transport", je.Step)
+		var ce *transport.ChoiceError
+		assert.ErrorAs(t, err, &ce)
+	})
 }

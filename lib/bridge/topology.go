@@ -58,7 +58,7 @@ func ReadTopology(r io.Reader) (*discover.Topology, error) {
 type Membership struct {
 	Member    int
 	Members   []transport.MemberInfo
-	Transport string
+	Transport transport.Kind
 }
 
 // MembershipError is a topology in which this rank cannot be a bridge
@@ -84,7 +84,7 @@ func FromTopology(t *discover.Topology) (Membership, error) {
 	if b.Transport != discover.BridgeTCP && b.Transport != discover.BridgeSHM {
 		return refuse("bridge transport %q is not supported by this gbbridge (tcp, shm)", b.Transport)
 	}
-	m := Membership{Member: -1, Transport: b.Transport}
+	m := Membership{Member: -1, Transport: transport.Kind(b.Transport)}
 	for i, rank := range b.Members {
 		host := ""
 		if i < len(b.Hosts) {

@@ -64,7 +64,7 @@ func (f memberFlags) join(env *cli.Env) (*bridge.Member, error) {
 		return nil, fmt.Errorf("with --store, --rank (0..N-1) and --world-size N >= 2 are needed; got rank %d of %d", f.Rank, f.WorldSize)
 	}
 	return bridge.Join(env.Ctx, bridge.Config{Store: f.Store, Namespace: f.Namespace, Size: f.WorldSize,
-		Mesh: transport.Config{Self: f.Rank, Transport: f.Transport, Streams: f.Streams, CRC: f.CRC,
+		Mesh: transport.Config{Self: f.Rank, Transport: transport.Kind(f.Transport), Streams: f.Streams, CRC: f.CRC,
 			Timeout: f.Timeout, RingBytes: 2 * int(f.Chunk), Log: env.Log, Process: "gbbridge member"},
 		Comm: collective.Options{ChunkBytes: int(f.Chunk), Workers: f.Workers, Timeout: f.Timeout, Log: env.Log},
 	})
