@@ -70,7 +70,8 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
 from gpubridge import _inflight as fl
 from gpubridge import _tools
-from gpubridge._feed import BridgeProcess, DType, FeedClient, FeedError, Kind, Op, Region, start_bridge
+from gpubridge._bridge_process import BridgeProcess, start_bridge
+from gpubridge._feed import DType, FeedClient, FeedError, Kind, Op, Region
 
 __all__ = ["BACKEND_NAME", "GpubridgeProcessGroup", "find_tool", "live_groups", "register", "store_address"]
 

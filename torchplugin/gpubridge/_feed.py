@@ -3,10 +3,11 @@
 The plugin puts a tensor's bytes in a shared-memory :class:`Region` (a sealed
 memfd that ``gbbridge serve`` maps too) and asks for a collective over the
 control socket; gbbridge runs it over the bridge, in place, and answers DONE.
-This module mirrors ``lib/feed.Client`` (Go, the reference client); only the
-wire format is repeated here. Whether a request makes sense (spans, dtypes,
-ops, roots) is the server's to check: it answers DONE with a bad-request
-status, raised here as :class:`RequestError`.
+This module mirrors ``lib/feed.Client`` (Go, the reference client); the wire
+format is :mod:`gpubridge._feed_protocol`, whose names a caller needs are
+exported here too. Whether a request makes sense (spans, dtypes, ops, roots)
+is the server's to check: it answers DONE with a bad-request status, raised
+here as :class:`RequestError`.
 
 Every wait has a deadline. The thread that waits for a reply reads the socket
 itself (``poll`` then a non-blocking ``recv``), and hands the replies of other
@@ -16,30 +17,56 @@ threads' requests to them, so the client is safe to use from several threads.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
-import json
 import mmap
 import os
 import select
-import signal
 import socket
 import struct
-import subprocess
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import IO, Any, Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from gpubridge._feed_protocol import (
+    FLAG_STREAMED,
+    HEADER_SIZE,
+    MAX_MESSAGE,
+    MIN_VERSION,
+    VERSION,
+    BridgeError,
+    Done,
+    DType,
+    FeedError,
+    FeedTimeout,
+    Kind,
+    Op,
+    ProtocolError,
+    RequestError,
+    Span,
+    Status,
+    Welcome,
+    decode_bye,
+    decode_done,
+    decode_error,
+    decode_progress,
+    decode_welcome,
+    encode_bye,
+    encode_hello,
+    encode_ready,
+    encode_region,
+    encode_release,
+    encode_request,
+    kind_name,
+    parse_header,
+)
+
+# With the protocol's names that the client's callers pass and catch.
 __all__ = [
     "BridgeError",
-    "BridgeProcess",
     "Call",
     "DType",
     "Done",
@@ -48,294 +75,17 @@ __all__ = [
     "FeedTimeout",
     "Kind",
     "Op",
+    "ProgressFn",
     "ProtocolError",
     "Region",
     "RequestError",
     "Span",
     "Status",
     "Welcome",
-    "spawn_bridge",
-    "start_bridge",
 ]
 
-# ---- wire format (lib/feed/proto.go) ----
-
-VERSION: Final = 1
-MIN_VERSION: Final = 1
-MAGIC: Final = 0x44464247  # "GBFD" little-endian
-HEADER_SIZE: Final = 8
-MAX_MESSAGE: Final = 64 << 10
-MAX_TEXT: Final = 4 << 10
-REQUEST_SIZE: Final = 64
-FLAG_STREAMED: Final = 1
-EXT_CRITICAL: Final = 0x8000
 WRITE_TIMEOUT: Final = 60.0  # seconds, like the server's write deadline
 DEFAULT_TIMEOUT: Final = 360.0  # one request: above gbbridge serve's --timeout=5m
-
-_HEADER = struct.Struct("<IHH")
-_REQUEST = struct.Struct("<QBBBBIIIQQQQiI")
-_DONE = struct.Struct("<QIIQQQQ")
-_WELCOME = struct.Struct("<HHIIIIIQ")
-_U64X2 = struct.Struct("<QQ")
-_U64X3 = struct.Struct("<QQQ")
-assert _REQUEST.size == REQUEST_SIZE
-
-
-class Kind(IntEnum):
-    """Message types."""
-
-    HELLO = 1
-    WELCOME = 2
-    ERROR = 3
-    BYE = 4
-    REGION = 5
-    RELEASE = 6
-    READY = 7
-    PROGRESS = 8
-    DONE = 9
-    ALL_REDUCE = 16
-    BROADCAST = 17
-    ALL_GATHER = 18
-    REDUCE_SCATTER = 19
-    BARRIER = 20
-    SEND = 21
-    RECV = 22
-
-    def __str__(self) -> str:
-        return self.name.lower()
-
-
-class DType(IntEnum):
-    """Element types, numbered as lib/reduce numbers them (stable)."""
-
-    NONE = 0
-    FLOAT16 = 1
-    BFLOAT16 = 2
-    FLOAT32 = 3
-    FLOAT64 = 4
-    INT8 = 5
-    UINT8 = 6
-    INT32 = 7
-    INT64 = 8
-
-    @classmethod
-    def of(cls, v: DType | int | str | np.dtype[Any] | type[Any] | None) -> DType:
-        """Returns the dtype named by v: a DType, its number, a name (torch and
-        short spellings too: "bf16", "torch.float32", "long"), a numpy dtype or
-        a ``torch.dtype`` (through its name)."""
-        if v is None:
-            return cls.NONE
-        if isinstance(v, int):
-            return cls(v)
-        if isinstance(v, (np.dtype, type)):
-            return cls.of(np.dtype(v).name)
-        name = str(v).lower().removeprefix("torch.")
-        try:
-            return _DTYPE_NAMES[name]
-        except KeyError:
-            raise ValueError(f"gpubridge feed: unknown dtype {v!r}") from None
-
-    @property
-    def itemsize(self) -> int:
-        return _DTYPE_SIZES[self]
-
-
-_DTYPE_NAMES: Final[dict[str, DType]] = {
-    "none": DType.NONE, "bytes": DType.NONE,
-    "float16": DType.FLOAT16, "half": DType.FLOAT16, "fp16": DType.FLOAT16, "f16": DType.FLOAT16,
-    "bfloat16": DType.BFLOAT16, "bf16": DType.BFLOAT16,
-    "float32": DType.FLOAT32, "float": DType.FLOAT32, "fp32": DType.FLOAT32, "f32": DType.FLOAT32,
-    "float64": DType.FLOAT64, "double": DType.FLOAT64, "fp64": DType.FLOAT64, "f64": DType.FLOAT64,
-    "int8": DType.INT8, "uint8": DType.UINT8,
-    "int32": DType.INT32, "int": DType.INT32,
-    "int64": DType.INT64, "long": DType.INT64,
-}  # fmt: skip
-_DTYPE_SIZES: Final[dict[DType, int]] = {
-    DType.NONE: 1, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT32: 4, DType.FLOAT64: 8,
-    DType.INT8: 1, DType.UINT8: 1, DType.INT32: 4, DType.INT64: 8,
-}  # fmt: skip
-
-
-class Op(IntEnum):
-    """Reduction ops, numbered as lib/reduce numbers them (stable)."""
-
-    NONE = 0
-    SUM = 1
-    PROD = 2
-    MAX = 3
-    MIN = 4
-    AVG = 5
-
-    @classmethod
-    def of(cls, v: Op | int | str) -> Op:
-        if isinstance(v, int):
-            return cls(v)
-        try:
-            return cls[str(v).upper().rsplit(".", 1)[-1]]
-        except KeyError:
-            raise ValueError(f"gpubridge feed: unknown op {v!r}") from None
-
-
-class Status(IntEnum):
-    """DONE statuses."""
-
-    OK = 0
-    BAD_REQUEST = 1  # refused before anything ran; the bridge is fine
-    BRIDGE_ERROR = 2  # the bridge failed during this request; broken from now on
-    BROKEN = 3  # refused at once: the bridge broke earlier
-    ABORTED = 4  # the server is stopping
-
-    def __str__(self) -> str:
-        return self.name.lower().replace("_", " ")
-
-
-# ---- errors ----
-
-
-class FeedError(Exception):
-    """The feed failed or the server refused something; ``str(e)`` carries the
-    server's message when there is one."""
-
-
-class ProtocolError(FeedError):
-    """A message from the server does not follow the protocol, or the server
-    sent ERROR (``code``: 1 protocol, 2 version, 3 internal)."""
-
-    def __init__(self, msg: str, code: int = 0) -> None:
-        super().__init__(msg)
-        self.code = code
-
-
-class FeedTimeout(FeedError, TimeoutError):
-    """A wait passed its deadline. The request stays in flight on the server;
-    waiting for it again is allowed."""
-
-
-class RequestError(FeedError):
-    """A request finished with a status other than OK. A bad request
-    (``Status.BAD_REQUEST``) left the bridge fine."""
-
-    def __init__(self, kind: Kind, request_id: int, status: Status, message: str) -> None:
-        super().__init__(f"gpubridge feed: {kind} {request_id}: {status}: {message}")
-        self.kind = kind
-        self.request_id = request_id
-        self.status = status
-        self.message = message
-
-
-class BridgeError(RequestError):
-    """The bridge failed (DONE status 2, 3 or 4): ``message`` is the
-    collective's error, naming the operation and the peer. Every later
-    collective on this feed fails too."""
-
-
-# ---- decoding ----
-
-
-def _malformed(kind: Kind | int, what: str) -> ProtocolError:
-    return ProtocolError(f"gpubridge feed: malformed message from the server: {_kind_name(kind)}: {what}")
-
-
-def _kind_name(kind: Kind | int) -> str:
-    try:
-        return str(Kind(kind))
-    except ValueError:
-        return f"type({int(kind)})"
-
-
-class _Dec:
-    """Reads a message body; every read is bounded by the body."""
-
-    __slots__ = ("b", "kind", "pos")
-
-    def __init__(self, kind: Kind, body: bytes) -> None:
-        self.b = body
-        self.kind = kind
-        self.pos = 0
-
-    def fixed(self, st: struct.Struct) -> tuple[Any, ...]:
-        if len(self.b) - self.pos < st.size:
-            raise _malformed(self.kind, "body too short")
-        v = st.unpack_from(self.b, self.pos)
-        self.pos += st.size
-        return v
-
-    def text(self) -> str:
-        if len(self.b) - self.pos < 2:
-            raise _malformed(self.kind, "body too short")
-        (n,) = struct.unpack_from("<H", self.b, self.pos)
-        if n > MAX_TEXT:
-            raise _malformed(self.kind, f"string of {n} bytes is over {MAX_TEXT}")
-        self.pos += 2
-        if len(self.b) - self.pos < n:
-            raise _malformed(self.kind, "body too short")
-        s = self.b[self.pos : self.pos + n].decode("utf-8", "replace")
-        self.pos += n
-        return s
-
-    def exts(self) -> None:
-        """Checks and skips the extensions that fill the rest of the body."""
-        while self.pos < len(self.b):
-            tag, n = self.fixed(struct.Struct("<HH"))
-            if len(self.b) - self.pos < n:
-                raise _malformed(self.kind, "body too short")
-            if tag & EXT_CRITICAL:
-                raise _malformed(self.kind, f"unknown critical extension {tag:#06x}")
-            self.pos += n
-
-    def end(self) -> None:
-        if self.pos != len(self.b):
-            raise _malformed(self.kind, f"{len(self.b) - self.pos} trailing bytes")
-
-
-def _encode(kind: Kind, body: bytes) -> bytes:
-    return _HEADER.pack(HEADER_SIZE + len(body), kind, 0) + body
-
-
-def _text(s: str) -> bytes:
-    b = s.encode()
-    if len(b) > MAX_TEXT:
-        b = b[:MAX_TEXT].decode("utf-8", "ignore").encode()  # cut at a UTF-8 boundary
-    return struct.pack("<H", len(b)) + b
-
-
-# ---- messages and results ----
-
-
-@dataclass(frozen=True)
-class Welcome:
-    """The server's WELCOME: version, this leader's member index, limits."""
-
-    version: int
-    member: int
-    members: int
-    max_message: int
-    max_regions: int
-    max_inflight: int
-    max_region_bytes: int
-    transport: str
-
-
-@dataclass(frozen=True)
-class Done:
-    """A request's DONE."""
-
-    request_id: int
-    status: Status
-    seq: int
-    nbytes: int
-    queue_us: int
-    total_us: int
-    error: str
-
-
-@dataclass(frozen=True)
-class Span:
-    """Bytes [offset, offset+nbytes) of a region; region 0 is the empty span."""
-
-    region: int = 0
-    offset: int = 0
-    nbytes: int = 0
 
 
 class Region:
@@ -406,7 +156,7 @@ class Call:
     def ready(self, end: int) -> None:
         """Says that input bytes [0, end) of this streamed request are in the
         region (end never goes back; a smaller one is ignored by the server)."""
-        self.client._write(_encode(Kind.READY, _U64X2.pack(self.id, end)))
+        self.client._write(encode_ready(self.id, end))
 
     def wait(self, timeout: float | None = None) -> Done:
         """Waits for DONE (``timeout`` seconds, default: the client's);
@@ -489,37 +239,27 @@ class FeedClient:
     def hello(self, deadline: float, name: str = "gpubridge") -> Welcome:
         """Sends HELLO and reads WELCOME (or ERROR) by ``deadline``
         (time.monotonic()); :meth:`connect` does this."""
-        body = struct.pack("<IHHI", MAGIC, MIN_VERSION, VERSION, os.getpid()) + _text(name)
-        self._write(_encode(Kind.HELLO, body))
+        self._write(encode_hello(os.getpid(), name))
         kind, body = self._read_one(deadline)
         if kind == Kind.ERROR:
-            d = _Dec(Kind.ERROR, body)
-            (code,) = d.fixed(struct.Struct("<I"))
-            raise ProtocolError(f"gpubridge feed: the server refused the feed: {d.text()}", code)
+            code, text = decode_error(body, whole=False)
+            raise ProtocolError(f"gpubridge feed: the server refused the feed: {text}", code)
         if kind != Kind.WELCOME:
-            raise ProtocolError(f"gpubridge feed: the server answered hello with {_kind_name(kind)}")
-        d = _Dec(Kind.WELCOME, body)
-        version, zero, member, members, max_msg, max_regions, max_inflight, max_bytes = d.fixed(_WELCOME)
-        if zero != 0:
-            raise _malformed(Kind.WELCOME, "reserved field is not zero")
-        transport = d.text()
-        d.exts()
-        d.end()
-        if not MIN_VERSION <= version <= VERSION:
+            raise ProtocolError(f"gpubridge feed: the server answered hello with {kind_name(kind)}")
+        w = decode_welcome(body)
+        if not MIN_VERSION <= w.version <= VERSION:
             raise ProtocolError(
-                f"gpubridge feed: server chose protocol version {version}, outside {MIN_VERSION}..{VERSION}"
+                f"gpubridge feed: server chose protocol version {w.version}, outside {MIN_VERSION}..{VERSION}"
             )
-        self.welcome = Welcome(
-            version, member, members, max_msg, max_regions, max_inflight, max_bytes, transport
-        )
-        return self.welcome
+        self.welcome = w
+        return w
 
     def _read_one(self, deadline: float) -> tuple[int, bytes]:
         """Reads exactly one message (the handshake: nothing else is in
         flight)."""
         while True:
             if len(self._rbuf) >= HEADER_SIZE:
-                size, kind = self._parse_header()
+                size, kind = parse_header(self._rbuf)
                 if len(self._rbuf) >= size:
                     body = bytes(self._rbuf[HEADER_SIZE:size])
                     del self._rbuf[:size]
@@ -585,14 +325,6 @@ class FeedClient:
             self._rbuf += data
             return
 
-    def _parse_header(self) -> tuple[int, int]:
-        size, kind, flags = _HEADER.unpack_from(self._rbuf)
-        if flags != 0:
-            raise _malformed(kind, f"header flags {flags:#x} are not zero")
-        if not HEADER_SIZE <= size <= MAX_MESSAGE:
-            raise _malformed(kind, f"size {size} is outside {HEADER_SIZE}..{MAX_MESSAGE}")
-        return size, kind
-
     def _fail(self, err: FeedError) -> FeedError:
         """Makes the feed unusable with err (the first error wins) and
         finishes every call in flight with it; returns the error in force."""
@@ -617,7 +349,7 @@ class FeedClient:
             return
         while len(self._rbuf) >= HEADER_SIZE:
             try:
-                size, kind = self._parse_header()
+                size, kind = parse_header(self._rbuf)
                 if len(self._rbuf) < size:
                     return
                 body = bytes(self._rbuf[HEADER_SIZE:size])
@@ -629,45 +361,31 @@ class FeedClient:
 
     def _handle(self, kind: int, body: bytes) -> None:
         if kind == Kind.DONE:
-            d = _Dec(Kind.DONE, body)
-            rid, status, zero, seq, nbytes, queue_us, total_us = d.fixed(_DONE)
-            if zero != 0:
-                raise _malformed(Kind.DONE, "reserved field is not zero")
-            text = d.text()
-            d.exts()
-            d.end()
-            try:
-                st = Status(status)
-            except ValueError:
-                raise _malformed(Kind.DONE, f"unknown status {status}") from None
+            done = decode_done(body)
             with self._cond:
-                k = self._calls.pop(rid, None)
+                k = self._calls.pop(done.request_id, None)
                 if k is None:
                     raise ProtocolError(
-                        f"gpubridge feed: the server finished request {rid}, which is not in flight"
+                        f"gpubridge feed: the server finished request {done.request_id}, "
+                        "which is not in flight"
                     )
-                k.done = Done(rid, st, seq, nbytes, queue_us, total_us, text)
+                k.done = done
                 self._cond.notify_all()
         elif kind == Kind.PROGRESS:
-            d = _Dec(Kind.PROGRESS, body)
-            rid, off, n = d.fixed(_U64X3)
-            d.end()
+            rid, off, n = decode_progress(body)
             with self._lock:
                 k = self._calls.get(rid)
             if k is not None and k.on_progress is not None:
                 k.on_progress(off, n)
         elif kind == Kind.ERROR:
-            d = _Dec(Kind.ERROR, body)
-            (code,) = d.fixed(struct.Struct("<I"))
-            text = d.text()
-            d.end()
+            code, text = decode_error(body)
             raise ProtocolError(f"gpubridge feed: the server closed the feed: {text}", code)
         elif kind == Kind.BYE:
-            _Dec(Kind.BYE, body).end()
+            decode_bye(body)
             with self._lock:
                 self._got_bye = True
         else:
-            raise ProtocolError(f"gpubridge feed: unexpected {_kind_name(kind)} message from the server")
+            raise ProtocolError(f"gpubridge feed: unexpected {kind_name(kind)} message from the server")
 
     def _await(self, cond: Callable[[], bool], deadline: float) -> None:
         """Returns once cond() holds (checked under the lock) or the feed
@@ -757,17 +475,8 @@ class FeedClient:
         dt, o = DType.of(dtype), Op.of(op)
         flags = FLAG_STREAMED if streamed else 0
 
-        def enc(rid: int) -> bytes:
-            return _encode(
-                kind,
-                _REQUEST.pack(
-                    rid, dt, o, 0, 0, flags, buf.region, out.region,
-                    buf.offset, buf.nbytes, out.offset, out.nbytes, peer, tag,
-                ),
-            )  # fmt: skip
-
         k = Call(self, kind, on_progress)
-        self._send(k, enc)
+        self._send(k, lambda rid: encode_request(kind, rid, dt, o, flags, buf, out, peer, tag))
         return k
 
     def request(self, kind: Kind, timeout: float | None = None, **kw: Any) -> Done:
@@ -785,7 +494,7 @@ class FeedClient:
         fd, mem = _new_memfd(f"gpubridge-feed-{rid}", size)
         try:
             k = Call(self, Kind.REGION, None)
-            self._send(k, lambda i: _encode(Kind.REGION, struct.pack("<QIIQ", i, rid, 0, size)), [fd])
+            self._send(k, lambda i: encode_region(i, rid, size), [fd])
             k.wait(timeout)
         except BaseException:
             mem.close()
@@ -801,7 +510,7 @@ class FeedClient:
         """Asks the server to unmap region once no request uses it, waits,
         and unmaps the client's view."""
         k = Call(self, Kind.RELEASE, None)
-        self._send(k, lambda i: _encode(Kind.RELEASE, struct.pack("<QI", i, region.id)))
+        self._send(k, lambda i: encode_release(i, region.id))
         k.wait(timeout)
         with self._lock:
             self._regions.pop(region.id, None)
@@ -902,7 +611,7 @@ class FeedClient:
         deadline = time.monotonic() + timeout
         err: FeedError | None = None
         try:
-            self._write(_encode(Kind.BYE, b""))
+            self._write(encode_bye())
             self._sock.shutdown(socket.SHUT_WR)
             self._await(lambda: False, deadline)
         except FeedError as e:
@@ -945,160 +654,3 @@ class FeedClient:
             self.close()
         else:
             self.abort()
-
-
-# ---- spawning gbbridge serve ----
-
-_PR_SET_PDEATHSIG: Final = 1
-
-
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """A preexec_fn: SIGTERM when the parent dies. PR_SET_PDEATHSIG follows
-    the thread that forked: spawn from a thread that lives as long as the
-    job (the main thread)."""
-
-    def pre() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl
-            os._exit(1)
-
-    return pre
-
-
-@dataclass
-class BridgeProcess:
-    """A running ``gbbridge serve`` and its ready line."""
-
-    proc: subprocess.Popen[bytes]
-    ready: dict[str, Any]
-    feed: str
-    stderr_file: IO[bytes] = field(repr=False)
-
-    @property
-    def member(self) -> int:
-        return int(self.ready["member"])
-
-    def wait_ready(self, timeout: float = 90.0) -> dict[str, Any]:
-        """Reads the ready line (printed once the bridge is up) by the
-        deadline. On failure the child is killed and FeedError carries its
-        stderr."""
-        proc = self.proc
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        line = b""
-        try:
-            fd = proc.stdout.fileno()
-            while b"\n" not in line:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise FeedTimeout(f"gpubridge: gbbridge serve printed no ready line within {timeout:g}s")
-                r, _, _ = select.select([fd], [], [], left)
-                if not r:
-                    continue
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    rc = proc.wait(5)
-                    raise FeedError(f"gpubridge: gbbridge serve exited {rc}: {self.stderr().strip()}")
-                line += chunk
-                if len(line) > MAX_MESSAGE:
-                    raise FeedError("gpubridge: gbbridge serve's ready line is too long")
-            ready = json.loads(line.split(b"\n", 1)[0])
-            if not isinstance(ready, dict) or ready.get("schema") != "gpubridge.bridge-serve/v1":
-                raise FeedError(f"gpubridge: unexpected ready line from gbbridge serve: {line!r}")
-        except BaseException as e:
-            msg = self.stderr().strip()
-            self.kill()
-            if isinstance(e, FeedError) or not msg:
-                raise
-            raise FeedError(f"gpubridge: gbbridge serve failed: {e}: {msg}") from e
-        # Nothing else is ever printed; the pipe stays open so that the
-        # child never gets SIGPIPE.
-        self.ready = ready
-        return ready
-
-    def stderr(self) -> str:
-        """What the process wrote on stderr so far."""
-        self.stderr_file.seek(0)
-        return self.stderr_file.read().decode("utf-8", "replace")
-
-    def wait(self, timeout: float = 10.0) -> int:
-        """Waits for the exit (after the client's close); kills it at the
-        deadline and raises FeedTimeout."""
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise FeedTimeout(f"gpubridge: gbbridge serve (pid {self.proc.pid}) did not exit") from None
-        self._close_pipe()
-        return rc
-
-    def terminate(self, timeout: float = 5.0) -> int:
-        """SIGTERM, then SIGKILL after timeout; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._close_pipe()
-        return self.proc.wait()
-
-    def kill(self) -> None:
-        """SIGKILL (if it still runs) and reap."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self._close_pipe()
-
-    def _close_pipe(self) -> None:
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
-def start_bridge(
-    topology: str | os.PathLike[str],
-    feed: str | os.PathLike[str],
-    *,
-    gbbridge: str | os.PathLike[str] = "gbbridge",
-    args: Sequence[str] = (),
-    env: Mapping[str, str] | None = None,
-) -> BridgeProcess:
-    """Starts ``gbbridge serve --topology TOPOLOGY --feed FEED ARGS``; call
-    :meth:`BridgeProcess.wait_ready` next. The child gets SIGTERM when the
-    thread that called this dies (PR_SET_PDEATHSIG follows the thread that
-    forked): call it from a thread that lives as long as the job."""
-    cmd = [os.fspath(gbbridge), "serve", "--topology", os.fspath(topology), "--feed", os.fspath(feed)]
-    cmd += list(args)
-    errf = tempfile.TemporaryFile()  # noqa: SIM115 (the BridgeProcess owns it)
-    try:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=errf,
-            env=None if env is None else dict(env),
-            preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509 (the point of it)
-            close_fds=True,
-        )
-    except BaseException:
-        errf.close()
-        raise
-    return BridgeProcess(proc, {}, os.fspath(feed), errf)
-
-
-def spawn_bridge(
-    topology: str | os.PathLike[str],
-    feed: str | os.PathLike[str],
-    *,
-    gbbridge: str | os.PathLike[str] = "gbbridge",
-    args: Sequence[str] = (),
-    env: Mapping[str, str] | None = None,
-    timeout: float = 90.0,
-) -> BridgeProcess:
-    """:func:`start_bridge`, then :meth:`BridgeProcess.wait_ready`. The ready
-    line comes once the bridge is up, so with several members on one host
-    start them all before waiting for any."""
-    bp = start_bridge(topology, feed, gbbridge=gbbridge, args=args, env=env)
-    bp.wait_ready(timeout)
-    return bp

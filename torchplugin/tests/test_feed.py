@@ -27,16 +27,15 @@ import pytest
 import torch
 from testenv import scale
 
+from gpubridge._bridge_process import BridgeProcess, start_bridge
 from gpubridge._feed import (
     BridgeError,
-    BridgeProcess,
     DType,
     FeedClient,
     FeedError,
     Op,
     RequestError,
     Status,
-    start_bridge,
 )
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,177 @@
+"""``gbbridge serve``, the child process a bridged rank runs: starting it,
+reading its ready line, and stopping it (docs/FEED.md §6).
+
+The feed itself (the socket and the regions) is :mod:`gpubridge._feed`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any, Final
+
+from gpubridge._feed_protocol import MAX_MESSAGE, FeedError, FeedTimeout
+
+__all__ = ["BridgeProcess", "spawn_bridge", "start_bridge"]
+
+_PR_SET_PDEATHSIG: Final = 1
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A preexec_fn: SIGTERM when the parent dies. PR_SET_PDEATHSIG follows
+    the thread that forked: spawn from a thread that lives as long as the
+    job (the main thread)."""
+
+    def pre() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl
+            os._exit(1)
+
+    return pre
+
+
+@dataclass
+class BridgeProcess:
+    """A running ``gbbridge serve`` and its ready line."""
+
+    proc: subprocess.Popen[bytes]
+    ready: dict[str, Any]
+    feed: str
+    stderr_file: IO[bytes] = field(repr=False)
+
+    @property
+    def member(self) -> int:
+        return int(self.ready["member"])
+
+    def wait_ready(self, timeout: float = 90.0) -> dict[str, Any]:
+        """Reads the ready line (printed once the bridge is up) by the
+        deadline. On failure the child is killed and FeedError carries its
+        stderr."""
+        proc = self.proc
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        line = b""
+        try:
+            fd = proc.stdout.fileno()
+            while b"\n" not in line:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise FeedTimeout(f"gpubridge: gbbridge serve printed no ready line within {timeout:g}s")
+                r, _, _ = select.select([fd], [], [], left)
+                if not r:
+                    continue
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    rc = proc.wait(5)
+                    raise FeedError(f"gpubridge: gbbridge serve exited {rc}: {self.stderr().strip()}")
+                line += chunk
+                if len(line) > MAX_MESSAGE:
+                    raise FeedError("gpubridge: gbbridge serve's ready line is too long")
+            ready = json.loads(line.split(b"\n", 1)[0])
+            if not isinstance(ready, dict) or ready.get("schema") != "gpubridge.bridge-serve/v1":
+                raise FeedError(f"gpubridge: unexpected ready line from gbbridge serve: {line!r}")
+        except BaseException as e:
+            msg = self.stderr().strip()
+            self.kill()
+            if isinstance(e, FeedError) or not msg:
+                raise
+            raise FeedError(f"gpubridge: gbbridge serve failed: {e}: {msg}") from e
+        # Nothing else is ever printed; the pipe stays open so that the
+        # child never gets SIGPIPE.
+        self.ready = ready
+        return ready
+
+    def stderr(self) -> str:
+        """What the process wrote on stderr so far."""
+        self.stderr_file.seek(0)
+        return self.stderr_file.read().decode("utf-8", "replace")
+
+    def wait(self, timeout: float = 10.0) -> int:
+        """Waits for the exit (after the client's close); kills it at the
+        deadline and raises FeedTimeout."""
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise FeedTimeout(f"gpubridge: gbbridge serve (pid {self.proc.pid}) did not exit") from None
+        self._close_pipe()
+        return rc
+
+    def terminate(self, timeout: float = 5.0) -> int:
+        """SIGTERM, then SIGKILL after timeout; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._close_pipe()
+        return self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL (if it still runs) and reap."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def start_bridge(
+    topology: str | os.PathLike[str],
+    feed: str | os.PathLike[str],
+    *,
+    gbbridge: str | os.PathLike[str] = "gbbridge",
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> BridgeProcess:
+    """Starts ``gbbridge serve --topology TOPOLOGY --feed FEED ARGS``; call
+    :meth:`BridgeProcess.wait_ready` next. The child gets SIGTERM when the
+    thread that called this dies (PR_SET_PDEATHSIG follows the thread that
+    forked): call it from a thread that lives as long as the job."""
+    cmd = [os.fspath(gbbridge), "serve", "--topology", os.fspath(topology), "--feed", os.fspath(feed)]
+    cmd += list(args)
+    errf = tempfile.TemporaryFile()  # noqa: SIM115 (the BridgeProcess owns it)
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=errf,
+            env=None if env is None else dict(env),
+            preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509 (the point of it)
+            close_fds=True,
+        )
+    except BaseException:
+        errf.close()
+        raise
+    return BridgeProcess(proc, {}, os.fspath(feed), errf)
+
+
+def spawn_bridge(
+    topology: str | os.PathLike[str],
+    feed: str | os.PathLike[str],
+    *,
+    gbbridge: str | os.PathLike[str] = "gbbridge",
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 90.0,
+) -> BridgeProcess:
+    """:func:`start_bridge`, then :meth:`BridgeProcess.wait_ready`. The ready
+    line comes once the bridge is up, so with several members on one host
+    start them all before waiting for any."""
+    bp = start_bridge(topology, feed, gbbridge=gbbridge, args=args, env=env)
+    bp.wait_ready(timeout)
+    return bp

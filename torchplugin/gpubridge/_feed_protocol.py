@@ -1,0 +1,424 @@
+"""The feed protocol of ``gbbridge serve`` (docs/FEED.md, version 1): its
+constants, numbering, errors and message codec.
+
+This mirrors ``lib/feed`` (Go), which is the reference; only the wire format
+is repeated here. Decoders bound every read by the message body and raise
+:class:`ProtocolError` naming the message. The client is
+:mod:`gpubridge._feed`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Final
+
+import numpy as np
+
+__all__ = [
+    "EXT_CRITICAL",
+    "FLAG_STREAMED",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_MESSAGE",
+    "MAX_TEXT",
+    "MIN_VERSION",
+    "REQUEST_SIZE",
+    "VERSION",
+    "BridgeError",
+    "DType",
+    "Done",
+    "FeedError",
+    "FeedTimeout",
+    "Kind",
+    "Op",
+    "ProtocolError",
+    "RequestError",
+    "Span",
+    "Status",
+    "Welcome",
+    "decode_bye",
+    "decode_done",
+    "decode_error",
+    "decode_progress",
+    "decode_welcome",
+    "encode_bye",
+    "encode_hello",
+    "encode_ready",
+    "encode_region",
+    "encode_release",
+    "encode_request",
+    "kind_name",
+    "malformed",
+    "parse_header",
+]
+
+VERSION: Final = 1
+MIN_VERSION: Final = 1
+MAGIC: Final = 0x44464247  # "GBFD" little-endian
+HEADER_SIZE: Final = 8
+MAX_MESSAGE: Final = 64 << 10
+MAX_TEXT: Final = 4 << 10
+REQUEST_SIZE: Final = 64
+FLAG_STREAMED: Final = 1
+EXT_CRITICAL: Final = 0x8000
+
+_HEADER = struct.Struct("<IHH")
+_REQUEST = struct.Struct("<QBBBBIIIQQQQiI")
+_DONE = struct.Struct("<QIIQQQQ")
+_WELCOME = struct.Struct("<HHIIIIIQ")
+_U32 = struct.Struct("<I")
+_EXT = struct.Struct("<HH")
+_U64X2 = struct.Struct("<QQ")
+_U64X3 = struct.Struct("<QQQ")
+assert _REQUEST.size == REQUEST_SIZE
+
+
+class Kind(IntEnum):
+    """Message types."""
+
+    HELLO = 1
+    WELCOME = 2
+    ERROR = 3
+    BYE = 4
+    REGION = 5
+    RELEASE = 6
+    READY = 7
+    PROGRESS = 8
+    DONE = 9
+    ALL_REDUCE = 16
+    BROADCAST = 17
+    ALL_GATHER = 18
+    REDUCE_SCATTER = 19
+    BARRIER = 20
+    SEND = 21
+    RECV = 22
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class DType(IntEnum):
+    """Element types, numbered as lib/reduce numbers them (stable)."""
+
+    NONE = 0
+    FLOAT16 = 1
+    BFLOAT16 = 2
+    FLOAT32 = 3
+    FLOAT64 = 4
+    INT8 = 5
+    UINT8 = 6
+    INT32 = 7
+    INT64 = 8
+
+    @classmethod
+    def of(cls, v: DType | int | str | np.dtype[Any] | type[Any] | None) -> DType:
+        """Returns the dtype named by v: a DType, its number, a name (torch and
+        short spellings too: "bf16", "torch.float32", "long"), a numpy dtype or
+        a ``torch.dtype`` (through its name)."""
+        if v is None:
+            return cls.NONE
+        if isinstance(v, int):
+            return cls(v)
+        if isinstance(v, (np.dtype, type)):
+            return cls.of(np.dtype(v).name)
+        name = str(v).lower().removeprefix("torch.")
+        try:
+            return _DTYPE_NAMES[name]
+        except KeyError:
+            raise ValueError(f"gpubridge feed: unknown dtype {v!r}") from None
+
+    @property
+    def itemsize(self) -> int:
+        return _DTYPE_SIZES[self]
+
+
+_DTYPE_NAMES: Final[dict[str, DType]] = {
+    "none": DType.NONE, "bytes": DType.NONE,
+    "float16": DType.FLOAT16, "half": DType.FLOAT16, "fp16": DType.FLOAT16, "f16": DType.FLOAT16,
+    "bfloat16": DType.BFLOAT16, "bf16": DType.BFLOAT16,
+    "float32": DType.FLOAT32, "float": DType.FLOAT32, "fp32": DType.FLOAT32, "f32": DType.FLOAT32,
+    "float64": DType.FLOAT64, "double": DType.FLOAT64, "fp64": DType.FLOAT64, "f64": DType.FLOAT64,
+    "int8": DType.INT8, "uint8": DType.UINT8,
+    "int32": DType.INT32, "int": DType.INT32,
+    "int64": DType.INT64, "long": DType.INT64,
+}  # fmt: skip
+_DTYPE_SIZES: Final[dict[DType, int]] = {
+    DType.NONE: 1, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT32: 4, DType.FLOAT64: 8,
+    DType.INT8: 1, DType.UINT8: 1, DType.INT32: 4, DType.INT64: 8,
+}  # fmt: skip
+
+
+class Op(IntEnum):
+    """Reduction ops, numbered as lib/reduce numbers them (stable)."""
+
+    NONE = 0
+    SUM = 1
+    PROD = 2
+    MAX = 3
+    MIN = 4
+    AVG = 5
+
+    @classmethod
+    def of(cls, v: Op | int | str) -> Op:
+        if isinstance(v, int):
+            return cls(v)
+        try:
+            return cls[str(v).upper().rsplit(".", 1)[-1]]
+        except KeyError:
+            raise ValueError(f"gpubridge feed: unknown op {v!r}") from None
+
+
+class Status(IntEnum):
+    """DONE statuses."""
+
+    OK = 0
+    BAD_REQUEST = 1  # refused before anything ran; the bridge is fine
+    BRIDGE_ERROR = 2  # the bridge failed during this request; broken from now on
+    BROKEN = 3  # refused at once: the bridge broke earlier
+    ABORTED = 4  # the server is stopping
+
+    def __str__(self) -> str:
+        return self.name.lower().replace("_", " ")
+
+
+# ---- errors ----
+
+
+class FeedError(Exception):
+    """The feed failed or the server refused something; ``str(e)`` carries the
+    server's message when there is one."""
+
+
+class ProtocolError(FeedError):
+    """A message from the server does not follow the protocol, or the server
+    sent ERROR (``code``: 1 protocol, 2 version, 3 internal)."""
+
+    def __init__(self, msg: str, code: int = 0) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+class FeedTimeout(FeedError, TimeoutError):
+    """A wait passed its deadline. The request stays in flight on the server;
+    waiting for it again is allowed."""
+
+
+class RequestError(FeedError):
+    """A request finished with a status other than OK. A bad request
+    (``Status.BAD_REQUEST``) left the bridge fine."""
+
+    def __init__(self, kind: Kind, request_id: int, status: Status, message: str) -> None:
+        super().__init__(f"gpubridge feed: {kind} {request_id}: {status}: {message}")
+        self.kind = kind
+        self.request_id = request_id
+        self.status = status
+        self.message = message
+
+
+class BridgeError(RequestError):
+    """The bridge failed (DONE status 2, 3 or 4): ``message`` is the
+    collective's error, naming the operation and the peer. Every later
+    collective on this feed fails too."""
+
+
+# ---- messages ----
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The server's WELCOME: version, this leader's member index, limits."""
+
+    version: int
+    member: int
+    members: int
+    max_message: int
+    max_regions: int
+    max_inflight: int
+    max_region_bytes: int
+    transport: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """A request's DONE."""
+
+    request_id: int
+    status: Status
+    seq: int
+    nbytes: int
+    queue_us: int
+    total_us: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes [offset, offset+nbytes) of a region; region 0 is the empty span."""
+
+    region: int = 0
+    offset: int = 0
+    nbytes: int = 0
+
+
+# ---- encoding ----
+
+
+def _encode(kind: Kind, body: bytes) -> bytes:
+    return _HEADER.pack(HEADER_SIZE + len(body), kind, 0) + body
+
+
+def _text(s: str) -> bytes:
+    b = s.encode()
+    if len(b) > MAX_TEXT:
+        b = b[:MAX_TEXT].decode("utf-8", "ignore").encode()  # cut at a UTF-8 boundary
+    return struct.pack("<H", len(b)) + b
+
+
+def encode_hello(pid: int, name: str) -> bytes:
+    return _encode(Kind.HELLO, struct.pack("<IHHI", MAGIC, MIN_VERSION, VERSION, pid) + _text(name))
+
+
+def encode_request(
+    kind: Kind, request_id: int, dtype: DType, op: Op, flags: int, buf: Span, out: Span, peer: int, tag: int
+) -> bytes:
+    return _encode(
+        kind,
+        _REQUEST.pack(
+            request_id, dtype, op, 0, 0, flags, buf.region, out.region,
+            buf.offset, buf.nbytes, out.offset, out.nbytes, peer, tag,
+        ),
+    )  # fmt: skip
+
+
+def encode_region(request_id: int, region_id: int, size: int) -> bytes:
+    return _encode(Kind.REGION, struct.pack("<QIIQ", request_id, region_id, 0, size))
+
+
+def encode_release(request_id: int, region_id: int) -> bytes:
+    return _encode(Kind.RELEASE, struct.pack("<QI", request_id, region_id))
+
+
+def encode_ready(request_id: int, end: int) -> bytes:
+    return _encode(Kind.READY, _U64X2.pack(request_id, end))
+
+
+def encode_bye() -> bytes:
+    return _encode(Kind.BYE, b"")
+
+
+# ---- decoding ----
+
+
+def kind_name(kind: Kind | int) -> str:
+    try:
+        return str(Kind(kind))
+    except ValueError:
+        return f"type({int(kind)})"
+
+
+def malformed(kind: Kind | int, what: str) -> ProtocolError:
+    return ProtocolError(f"gpubridge feed: malformed message from the server: {kind_name(kind)}: {what}")
+
+
+def parse_header(buf: bytes | bytearray) -> tuple[int, int]:
+    """The size and type of the message at the start of buf (which holds at
+    least HEADER_SIZE bytes)."""
+    size, kind, flags = _HEADER.unpack_from(buf)
+    if flags != 0:
+        raise malformed(kind, f"header flags {flags:#x} are not zero")
+    if not HEADER_SIZE <= size <= MAX_MESSAGE:
+        raise malformed(kind, f"size {size} is outside {HEADER_SIZE}..{MAX_MESSAGE}")
+    return size, kind
+
+
+class _Dec:
+    """Reads a message body; every read is bounded by the body."""
+
+    __slots__ = ("b", "kind", "pos")
+
+    def __init__(self, kind: Kind, body: bytes) -> None:
+        self.b = body
+        self.kind = kind
+        self.pos = 0
+
+    def fixed(self, st: struct.Struct) -> tuple[Any, ...]:
+        if len(self.b) - self.pos < st.size:
+            raise malformed(self.kind, "body too short")
+        v = st.unpack_from(self.b, self.pos)
+        self.pos += st.size
+        return v
+
+    def text(self) -> str:
+        (n,) = self.fixed(struct.Struct("<H"))
+        if n > MAX_TEXT:
+            raise malformed(self.kind, f"string of {n} bytes is over {MAX_TEXT}")
+        if len(self.b) - self.pos < n:
+            raise malformed(self.kind, "body too short")
+        s = self.b[self.pos : self.pos + n].decode("utf-8", "replace")
+        self.pos += n
+        return s
+
+    def exts(self) -> None:
+        """Checks and skips the extensions that fill the rest of the body."""
+        while self.pos < len(self.b):
+            tag, n = self.fixed(_EXT)
+            if len(self.b) - self.pos < n:
+                raise malformed(self.kind, "body too short")
+            if tag & EXT_CRITICAL:
+                raise malformed(self.kind, f"unknown critical extension {tag:#06x}")
+            self.pos += n
+
+    def end(self) -> None:
+        if self.pos != len(self.b):
+            raise malformed(self.kind, f"{len(self.b) - self.pos} trailing bytes")
+
+
+def decode_welcome(body: bytes) -> Welcome:
+    d = _Dec(Kind.WELCOME, body)
+    version, zero, member, members, max_msg, max_regions, max_inflight, max_bytes = d.fixed(_WELCOME)
+    if zero != 0:
+        raise malformed(Kind.WELCOME, "reserved field is not zero")
+    transport = d.text()
+    d.exts()
+    d.end()
+    return Welcome(version, member, members, max_msg, max_regions, max_inflight, max_bytes, transport)
+
+
+def decode_error(body: bytes, *, whole: bool = True) -> tuple[int, str]:
+    """ERROR's code and text; with whole, nothing may follow them (the
+    answer to HELLO is read without that check)."""
+    d = _Dec(Kind.ERROR, body)
+    (code,) = d.fixed(_U32)
+    text = d.text()
+    if whole:
+        d.end()
+    return code, text
+
+
+def decode_done(body: bytes) -> Done:
+    d = _Dec(Kind.DONE, body)
+    rid, status, zero, seq, nbytes, queue_us, total_us = d.fixed(_DONE)
+    if zero != 0:
+        raise malformed(Kind.DONE, "reserved field is not zero")
+    text = d.text()
+    d.exts()
+    d.end()
+    try:
+        st = Status(status)
+    except ValueError:
+        raise malformed(Kind.DONE, f"unknown status {status}") from None
+    return Done(rid, st, seq, nbytes, queue_us, total_us, text)
+
+
+def decode_progress(body: bytes) -> tuple[int, int, int]:
+    """PROGRESS's request id, offset and length."""
+    d = _Dec(Kind.PROGRESS, body)
+    rid, off, n = d.fixed(_U64X3)
+    d.end()
+    return rid, off, n
+
+
+def decode_bye(body: bytes) -> None:
+    _Dec(Kind.BYE, body).end()
