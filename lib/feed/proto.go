@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"time"
 )
 
 // Version is the newest feed protocol version this package speaks; MinVersion
@@ -27,6 +28,10 @@ const (
 	// RequestSize is the size of a request's fixed body.
 	RequestSize = 64
 )
+
+// HandshakeTimeout is how long a server waits for HELLO, and the reference
+// client for the whole handshake, unless told otherwise.
+const HandshakeTimeout = 10 * time.Second
 
 // MsgType is a control message's type.
 type MsgType uint16
@@ -78,7 +83,9 @@ const (
 	// FlagStreamed: the client sends READY as its input becomes ready, and
 	// the server sends PROGRESS as result ranges become final.
 	FlagStreamed uint32 = 1 << 0
-	knownFlags          = FlagStreamed
+	// KnownFlags are the flags of this version; a request with another is
+	// refused.
+	KnownFlags = FlagStreamed
 )
 
 // Codecs of a request's bridge step. Only CodecRaw exists in version 1; the

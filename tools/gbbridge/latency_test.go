@@ -21,6 +21,7 @@ import (
 
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/feed/feedtest"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/store"
 	"github.com/gpubridge/gpubridge/lib/testenv"
@@ -129,7 +130,7 @@ func pingPong(t testing.TB, n int) []time.Duration {
 // (GBBRIDGE_CLIENT_WAIT=poller: in Go's poller), after spinning for SPIN.
 func feedClient() int {
 	ctx := context.Background()
-	c, err := feed.Dial(ctx, os.Getenv("GBBRIDGE_FEED_CLIENT"))
+	c, err := feedtest.Dial(ctx, os.Getenv("GBBRIDGE_FEED_CLIENT"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -149,7 +150,7 @@ func feedClient() int {
 		if len(f) > 1 {
 			spin, _ = time.ParseDuration(f[1])
 		}
-		c.SetWait(feed.WaitOptions{Kernel: kernel, Spin: spin})
+		c.SetWait(feedtest.WaitOptions{Kernel: kernel, Spin: spin})
 		times := make([]string, 0, n)
 		for i := 0; i < n; i++ {
 			t0 := time.Now()

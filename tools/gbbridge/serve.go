@@ -14,6 +14,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/discover"
 	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/feed/feedserver"
 	"github.com/gpubridge/gpubridge/lib/store"
 	"github.com/gpubridge/gpubridge/lib/transport"
 )
@@ -78,7 +79,7 @@ type serving struct {
 	who    string // "rank R (bridge member M of N)": how messages name it
 	rank   int
 	ms     bridge.Membership
-	ln     *feed.Listener
+	ln     *feedserver.Listener
 	member *bridge.Member
 	log    *slog.Logger
 	c      *serveCmd
@@ -108,7 +109,7 @@ func (c *serveCmd) setUp(env *cli.Env, topo *discover.Topology) (*serving, error
 	s := &serving{c: c, ms: ms, rank: topo.Self.Rank,
 		who: fmt.Sprintf("rank %d (bridge member %d of %d)", topo.Self.Rank, ms.Member, len(ms.Members)),
 		log: env.Log.With("rank", topo.Self.Rank, "member", ms.Member)}
-	if s.ln, err = feed.Listen(c.Feed); err != nil {
+	if s.ln, err = feedserver.Listen(c.Feed); err != nil {
 		return nil, err
 	}
 	s.member, err = bridge.Join(env.Ctx, bridge.Config{Store: addr, Namespace: topo.Namespace, Name: s.who,
@@ -144,7 +145,7 @@ func (s *serving) run(env *cli.Env) error {
 		}
 		return cli.CannotRun(fmt.Errorf("%s: %w", s.who, err))
 	}
-	srv := feed.NewServer(conn, s.member.Comm, feed.ServerOptions{
+	srv := feedserver.NewServer(conn, s.member.Comm, feedserver.ServerOptions{
 		Member: s.ms.Member, Members: len(s.ms.Members), Transport: mesh.Describe(), Log: s.log})
 	err = srv.Serve(ctx)
 	switch {

@@ -28,6 +28,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/discover"
 	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/feed/feedtest"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/testenv"
 )
@@ -237,11 +238,11 @@ func startPair(t testing.TB, c *cluster, extra ...string) []*serveProc {
 	return ps
 }
 
-func dial(t testing.TB, p *serveProc) *feed.Client {
+func dial(t testing.TB, p *serveProc) *feedtest.Client {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(20*time.Second))
 	defer cancel()
-	c, err := feed.Dial(ctx, p.ready.Feed)
+	c, err := feedtest.Dial(ctx, p.ready.Feed)
 	require.NoError(t, err)
 	t.Cleanup(c.Abort)
 	return c
@@ -259,11 +260,11 @@ func TestServeAllReduce(t *testing.T) {
 		assert.Contains(t, p.ready.Transport, "tcp")
 		assert.Equal(t, feed.Version, p.ready.Version)
 	}
-	clients := []*feed.Client{dial(t, ps[0]), dial(t, ps[1])}
+	clients := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
 	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	const n = 3<<20 + 4 // not a multiple of the chunk
-	regs := make([]*feed.Region, 2)
+	regs := make([]*feedtest.Region, 2)
 	inputs := make([][]byte, 2)
 	r := rand.New(rand.NewPCG(3, 4))
 	for i, cl := range clients {
@@ -379,7 +380,7 @@ func TestServeParentDies(t *testing.T) {
 	t.Logf("serve exited %s after its parent was killed", time.Since(killed).Round(time.Millisecond))
 
 	_, err = call.Wait(ctx)
-	var re *feed.RequestError
+	var re *feedtest.RequestError
 	require.ErrorAs(t, err, &re)
 	assert.Equal(t, feed.StatusBridgeError, re.Status)
 	assert.Contains(t, re.Msg, "member 0")
@@ -411,7 +412,7 @@ func TestServeKilled(t *testing.T) {
 			pid := ps[0].cmd.Process.Pid
 			require.NoError(t, ps[0].cmd.Process.Kill())
 			_, err = call.Wait(ctx)
-			var re *feed.RequestError
+			var re *feedtest.RequestError
 			require.ErrorAs(t, err, &re)
 			// The collective fails, or, when member 1 noticed the death
 			// before it started, is refused with that cause.
@@ -451,7 +452,7 @@ func gone(pid int) bool {
 func TestServeSIGTERM(t *testing.T) {
 	c := newCluster(t)
 	ps := startPair(t, c)
-	cls := []*feed.Client{dial(t, ps[0]), dial(t, ps[1])}
+	cls := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
 	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	call, err := cls[1].Start(feed.Request{Kind: feed.MsgBarrier, Peer: -1}, nil)
@@ -461,7 +462,7 @@ func TestServeSIGTERM(t *testing.T) {
 	assert.Equal(t, 1, ps[0].wait(t))
 	assert.Contains(t, ps[0].stderr.String(), "stopped by a signal")
 	_, err = call.Wait(ctx)
-	var re *feed.RequestError
+	var re *feedtest.RequestError
 	require.ErrorAs(t, err, &re)
 	assert.Contains(t, re.Msg, "member 0")
 	// The client of the stopped member sees the feed close.
@@ -476,7 +477,7 @@ func TestServeSIGTERM(t *testing.T) {
 func TestServeFeedLost(t *testing.T) {
 	c := newCluster(t)
 	ps := startPair(t, c)
-	cls := []*feed.Client{dial(t, ps[0]), dial(t, ps[1])}
+	cls := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
 	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	_, err := cls[0].Start(feed.Request{Kind: feed.MsgBarrier, Peer: -1}, nil)
@@ -492,7 +493,7 @@ func TestServeFeedLost(t *testing.T) {
 	if err == nil {
 		err = cls[1].Barrier(ctx)
 	}
-	var re *feed.RequestError
+	var re *feedtest.RequestError
 	require.ErrorAs(t, err, &re)
 	assert.Contains(t, re.Msg, "member 0")
 	cls[1].Abort()

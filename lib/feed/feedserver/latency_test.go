@@ -1,4 +1,4 @@
-package feed
+package feedserver
 
 import (
 	"context"
@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/feed/feedtest"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/store"
 	"github.com/gpubridge/gpubridge/lib/testenv"
@@ -119,7 +121,7 @@ func measureLatency(t testing.TB, iters int) (bare, fed latency) {
 	e := startFeeds(t, bs, nil)
 	if d, err := time.ParseDuration(os.Getenv("GBBRIDGE_CLIENT_SPIN")); err == nil {
 		for _, c := range e.clients {
-			c.SetWait(WaitOptions{Spin: d})
+			c.SetWait(feedtest.WaitOptions{Spin: d})
 		}
 	}
 	ctx := context.Background()
@@ -128,9 +130,9 @@ func measureLatency(t testing.TB, iters int) (bare, fed latency) {
 	bareCall := func(m int) error {
 		return comms[m].AllReduce(ctx, bufs[m], reduce.Float32, reduce.Sum, nil)
 	}
-	reqs := []Request{
-		{Kind: MsgAllReduce, Buf: regs[0].Span(0, 4), DType: reduce.Float32, Op: reduce.Sum, Peer: -1},
-		{Kind: MsgAllReduce, Buf: regs[1].Span(0, 4), DType: reduce.Float32, Op: reduce.Sum, Peer: -1},
+	reqs := []feed.Request{
+		{Kind: feed.MsgAllReduce, Buf: regs[0].Span(0, 4), DType: reduce.Float32, Op: reduce.Sum, Peer: -1},
+		{Kind: feed.MsgAllReduce, Buf: regs[1].Span(0, 4), DType: reduce.Float32, Op: reduce.Sum, Peer: -1},
 	}
 	fedCall := func(m int) error {
 		_, err := e.clients[m].Do(ctx, reqs[m])
@@ -165,7 +167,7 @@ func TestLatencyInProcess(t *testing.T) {
 	bare, fed := measureLatency(t, iters)
 	over := fed.p50 - bare.p50
 	t.Logf("4-byte float32 all_reduce, 2 members, tcp loopback, all in one process, %d round trips each, %d CPUs:\n  bare Comm.AllReduce: %s\n  through the feed:    %s\n  feed overhead at the median: %.1f µs (the budget, %s, is judged through processes)",
-		iters, runtime.NumCPU(), bare, fed, float64(over.Nanoseconds())/1e3, LatencyBudget)
+		iters, runtime.NumCPU(), bare, fed, float64(over.Nanoseconds())/1e3, feed.LatencyBudget)
 	if !raceEnabled && !testing.Short() && over > 200*time.Microsecond {
 		t.Errorf("the feed adds %s at the median in-process", over)
 	}

@@ -1,4 +1,4 @@
-package feed
+package feedserver
 
 import (
 	"context"
@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/feed/feedtest"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/stretchr/testify/assert"
@@ -38,7 +40,7 @@ func sockDir(t testing.TB) string {
 // connected to each.
 type feedEnv struct {
 	t       testing.TB
-	clients []*Client
+	clients []*feedtest.Client
 	servers []*Server
 	errs    []chan error
 	cancel  context.CancelFunc
@@ -72,7 +74,7 @@ func startFeeds(t testing.TB, bs []Bridge, tune func(*ServerOptions)) *feedEnv {
 			ready.Done()
 			errc <- e.servers[i].Serve(ctx)
 		}()
-		c, err := Dial(ctx, path)
+		c, err := feedtest.Dial(ctx, path)
 		require.NoError(t, err)
 		e.clients = append(e.clients, c)
 	}
@@ -149,9 +151,9 @@ func getF32(b []byte) []float32 {
 	return out
 }
 
-func mapRegions(t testing.TB, cs []*Client, size int) []*Region {
+func mapRegions(t testing.TB, cs []*feedtest.Client, size int) []*feedtest.Region {
 	t.Helper()
-	out := make([]*Region, len(cs))
+	out := make([]*feedtest.Region, len(cs))
 	for i, c := range cs {
 		r, err := c.Map(context.Background(), size)
 		require.NoError(t, err)
@@ -166,7 +168,7 @@ func TestEveryRequest(t *testing.T) {
 	cs := e.clients
 	for i, c := range cs {
 		w := c.Welcome()
-		assert.Equal(t, uint16(Version), w.Version)
+		assert.Equal(t, uint16(feed.Version), w.Version)
 		assert.Equal(t, uint32(i), w.Member)
 		assert.Equal(t, uint32(2), w.Members)
 		assert.Equal(t, "fake", w.Transport)
@@ -179,7 +181,7 @@ func TestEveryRequest(t *testing.T) {
 	}
 	var seqs [2]uint64
 	parallel(t, 2, func(i int) error {
-		d, err := cs[i].Do(ctx, Request{Kind: MsgAllReduce, Buf: regs[i].Span(64, 12), DType: reduce.Float32, Op: reduce.Sum, Peer: -1})
+		d, err := cs[i].Do(ctx, feed.Request{Kind: feed.MsgAllReduce, Buf: regs[i].Span(64, 12), DType: reduce.Float32, Op: reduce.Sum, Peer: -1})
 		seqs[i] = d.Seq
 		if err == nil && d.Bytes != 12 {
 			err = fmt.Errorf("done says %d bytes", d.Bytes)
@@ -230,7 +232,7 @@ func TestEveryRequest(t *testing.T) {
 	copy(regs[1].Mem[1000:], "one->zero!")
 	parallel(t, 2, func(i int) error {
 		peer := 1 - i
-		recv, err := cs[i].Start(Request{Kind: MsgRecv, Buf: regs[i].Span(2000, 64), Peer: int32(peer), Tag: 7}, nil)
+		recv, err := cs[i].Start(feed.Request{Kind: feed.MsgRecv, Buf: regs[i].Span(2000, 64), Peer: int32(peer), Tag: 7}, nil)
 		if err != nil {
 			return err
 		}
@@ -277,9 +279,9 @@ func TestStreamedAllReduce(t *testing.T) {
 	type rng struct{ off, n uint64 }
 	var mu sync.Mutex
 	got := make([][]rng, 2)
-	calls := make([]*Call, 2)
+	calls := make([]*feedtest.Call, 2)
 	for i, c := range e.clients {
-		k, err := c.Start(Request{Kind: MsgAllReduce, Flags: FlagStreamed, Buf: regs[i].Span(512, size), DType: reduce.Float32, Op: reduce.Sum, Peer: -1},
+		k, err := c.Start(feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagStreamed, Buf: regs[i].Span(512, size), DType: reduce.Float32, Op: reduce.Sum, Peer: -1},
 			func(off, n uint64) {
 				mu.Lock()
 				got[i] = append(got[i], rng{off, n})
@@ -349,7 +351,7 @@ func TestStreamedKinds(t *testing.T) {
 	e := startFeeds(t, bridges(newFakeGroup(2, 4)), nil)
 	regs := mapRegions(t, e.clients, 256)
 	ctx := context.Background()
-	run := func(reqs func(i int) Request, inLen int) [][2]uint64 {
+	run := func(reqs func(i int) feed.Request, inLen int) [][2]uint64 {
 		var mu sync.Mutex
 		var cov [][2]uint64
 		parallel(t, 2, func(i int) error {
@@ -370,16 +372,16 @@ func TestStreamedKinds(t *testing.T) {
 		return cov
 	}
 	copy(regs[0].Mem, "rootdata")
-	cov := run(func(i int) Request {
-		return Request{Kind: MsgBroadcast, Flags: FlagStreamed, Buf: regs[i].Span(0, 8), Peer: 0}
+	cov := run(func(i int) feed.Request {
+		return feed.Request{Kind: feed.MsgBroadcast, Flags: feed.FlagStreamed, Buf: regs[i].Span(0, 8), Peer: 0}
 	}, 8)
 	assert.Len(t, cov, 4)
 	assert.Equal(t, "rootdata", string(regs[1].Mem[:8]))
 
 	copy(regs[0].Mem[16:], "abcd")
 	copy(regs[1].Mem[16:], "efgh")
-	run(func(i int) Request {
-		return Request{Kind: MsgAllGather, Flags: FlagStreamed, Buf: regs[i].Span(16, 4), Out: regs[i].Span(32, 8), Peer: -1}
+	run(func(i int) feed.Request {
+		return feed.Request{Kind: feed.MsgAllGather, Flags: feed.FlagStreamed, Buf: regs[i].Span(16, 4), Out: regs[i].Span(32, 8), Peer: -1}
 	}, 4)
 	assert.Equal(t, "abcdefgh", string(regs[0].Mem[32:40]))
 	assert.Equal(t, "abcdefgh", string(regs[1].Mem[32:40]))
@@ -389,8 +391,8 @@ func TestStreamedKinds(t *testing.T) {
 			r.Mem[64+k] = byte(k + i)
 		}
 	}
-	run(func(i int) Request {
-		return Request{Kind: MsgReduceScatter, Flags: FlagStreamed, DType: reduce.Uint8, Op: reduce.Sum, Buf: regs[i].Span(64, 8), Out: regs[i].Span(80, 4), Peer: -1}
+	run(func(i int) feed.Request {
+		return feed.Request{Kind: feed.MsgReduceScatter, Flags: feed.FlagStreamed, DType: reduce.Uint8, Op: reduce.Sum, Buf: regs[i].Span(64, 8), Out: regs[i].Span(80, 4), Peer: -1}
 	}, 8)
 	assert.Equal(t, []byte{1, 3, 5, 7}, regs[0].Mem[80:84])
 	assert.Equal(t, []byte{9, 11, 13, 15}, regs[1].Mem[80:84])
@@ -408,64 +410,62 @@ func TestBadRequests(t *testing.T) {
 	require.NoError(t, err)
 	reg2, err := c.Map(ctx, 4096)
 	require.NoError(t, err)
-	f32 := func(sp Span) Request {
-		return Request{Kind: MsgAllReduce, Buf: sp, DType: reduce.Float32, Op: reduce.Sum, Peer: -1}
+	f32 := func(sp feed.Span) feed.Request {
+		return feed.Request{Kind: feed.MsgAllReduce, Buf: sp, DType: reduce.Float32, Op: reduce.Sum, Peer: -1}
 	}
 	cases := []struct {
 		name string
-		req  Request
+		req  feed.Request
 		want string
 	}{
 		{"offset past the end", f32(reg.Span(4096, 4)), "outside region"},
 		{"length past the end", f32(reg.Span(4000, 100)), "outside region"},
-		{"offset overflow", f32(Span{Region: reg.ID, Off: math.MaxUint64 - 1, Len: 8}), "outside region"},
-		{"unknown region", f32(Span{Region: 99, Len: 4}), "region 99 is not mapped"},
-		{"no region but bytes", f32(Span{Off: 4, Len: 4}), "no region"},
-		{"unknown codec", func() Request { r := f32(reg.Span(0, 4)); r.Codec = 3; return r }(), "codec 3 is not supported"},
+		{"offset overflow", f32(feed.Span{Region: reg.ID, Off: math.MaxUint64 - 1, Len: 8}), "outside region"},
+		{"unknown region", f32(feed.Span{Region: 99, Len: 4}), "region 99 is not mapped"},
+		{"no region but bytes", f32(feed.Span{Off: 4, Len: 4}), "no region"},
+		{"unknown codec", func() feed.Request { r := f32(reg.Span(0, 4)); r.Codec = 3; return r }(), "codec 3 is not supported"},
 		{"dtype length mismatch", f32(reg.Span(0, 6)), "not a whole number of float32"},
-		{"unknown dtype", func() Request { r := f32(reg.Span(0, 4)); r.DType = 42; return r }(), "unknown dtype 42"},
-		{"no dtype", func() Request { r := f32(reg.Span(0, 4)); r.DType = 0; return r }(), "needs a dtype"},
-		{"avg of ints", func() Request { r := f32(reg.Span(0, 4)); r.DType = reduce.Int32; r.Op = reduce.Avg; return r }(), "avg"},
-		{"unknown op", func() Request { r := f32(reg.Span(0, 4)); r.Op = 9; return r }(), "invalid op"},
-		{"unknown flags", func() Request { r := f32(reg.Span(0, 4)); r.Flags = 6; return r }(), "unknown flags"},
-		{"all_reduce with output", func() Request { r := f32(reg.Span(0, 4)); r.Out = reg.Span(8, 4); return r }(), "takes no output"},
-		{"op on broadcast", Request{Kind: MsgBroadcast, Buf: reg.Span(0, 4), Op: reduce.Sum}, "does not reduce"},
-		{"bad root", Request{Kind: MsgBroadcast, Buf: reg.Span(0, 4), Peer: 2}, "root 2 is not a member"},
-		{"negative root", Request{Kind: MsgBroadcast, Buf: reg.Span(0, 4), Peer: -1}, "root -1 is not a member"},
-		{"all_gather size", Request{Kind: MsgAllGather, Buf: reg.Span(0, 4), Out: reg.Span(8, 4), Peer: -1}, "want 2 members × 4"},
-		{"reduce_scatter size", Request{Kind: MsgReduceScatter, DType: reduce.Uint8, Op: reduce.Sum, Buf: reg.Span(0, 5), Out: reg.Span(8, 2), Peer: -1}, "want 2 members × 2"},
-		{"overlap", Request{Kind: MsgAllGather, Buf: reg.Span(0, 4), Out: reg.Span(2, 8), Peer: -1}, "overlap"},
-		{"streamed barrier", Request{Kind: MsgBarrier, Flags: FlagStreamed, Peer: -1}, "cannot be streamed"},
-		{"barrier with buffer", Request{Kind: MsgBarrier, Buf: reg.Span(0, 4), Peer: -1}, "no buffer"},
-		{"send to self", Request{Kind: MsgSend, Buf: reg.Span(0, 4), Peer: 0}, "is this member"},
-		{"recv from nobody", Request{Kind: MsgRecv, Buf: reg.Span(0, 4), Peer: 5}, "peer 5 is not a member"},
-		{"streamed send", Request{Kind: MsgSend, Flags: FlagStreamed, Buf: reg.Span(0, 4), Peer: 1}, "cannot be streamed"},
-		{"peer on all_reduce", func() Request { r := f32(reg.Span(0, 4)); r.Peer = 1; return r }(), "no root, peer or tag"},
+		{"unknown dtype", func() feed.Request { r := f32(reg.Span(0, 4)); r.DType = 42; return r }(), "unknown dtype 42"},
+		{"no dtype", func() feed.Request { r := f32(reg.Span(0, 4)); r.DType = 0; return r }(), "needs a dtype"},
+		{"avg of ints", func() feed.Request { r := f32(reg.Span(0, 4)); r.DType = reduce.Int32; r.Op = reduce.Avg; return r }(), "avg"},
+		{"unknown op", func() feed.Request { r := f32(reg.Span(0, 4)); r.Op = 9; return r }(), "invalid op"},
+		{"unknown flags", func() feed.Request { r := f32(reg.Span(0, 4)); r.Flags = 6; return r }(), "unknown flags"},
+		{"all_reduce with output", func() feed.Request { r := f32(reg.Span(0, 4)); r.Out = reg.Span(8, 4); return r }(), "takes no output"},
+		{"op on broadcast", feed.Request{Kind: feed.MsgBroadcast, Buf: reg.Span(0, 4), Op: reduce.Sum}, "does not reduce"},
+		{"bad root", feed.Request{Kind: feed.MsgBroadcast, Buf: reg.Span(0, 4), Peer: 2}, "root 2 is not a member"},
+		{"negative root", feed.Request{Kind: feed.MsgBroadcast, Buf: reg.Span(0, 4), Peer: -1}, "root -1 is not a member"},
+		{"all_gather size", feed.Request{Kind: feed.MsgAllGather, Buf: reg.Span(0, 4), Out: reg.Span(8, 4), Peer: -1}, "want 2 members × 4"},
+		{"reduce_scatter size", feed.Request{Kind: feed.MsgReduceScatter, DType: reduce.Uint8, Op: reduce.Sum, Buf: reg.Span(0, 5), Out: reg.Span(8, 2), Peer: -1}, "want 2 members × 2"},
+		{"overlap", feed.Request{Kind: feed.MsgAllGather, Buf: reg.Span(0, 4), Out: reg.Span(2, 8), Peer: -1}, "overlap"},
+		{"streamed barrier", feed.Request{Kind: feed.MsgBarrier, Flags: feed.FlagStreamed, Peer: -1}, "cannot be streamed"},
+		{"barrier with buffer", feed.Request{Kind: feed.MsgBarrier, Buf: reg.Span(0, 4), Peer: -1}, "no buffer"},
+		{"send to self", feed.Request{Kind: feed.MsgSend, Buf: reg.Span(0, 4), Peer: 0}, "is this member"},
+		{"recv from nobody", feed.Request{Kind: feed.MsgRecv, Buf: reg.Span(0, 4), Peer: 5}, "peer 5 is not a member"},
+		{"streamed send", feed.Request{Kind: feed.MsgSend, Flags: feed.FlagStreamed, Buf: reg.Span(0, 4), Peer: 1}, "cannot be streamed"},
+		{"peer on all_reduce", func() feed.Request { r := f32(reg.Span(0, 4)); r.Peer = 1; return r }(), "no root, peer or tag"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := c.Do(ctx, tc.req)
-			var re *RequestError
+			var re *feedtest.RequestError
 			require.ErrorAs(t, err, &re)
-			assert.Equal(t, StatusBadRequest, re.Status)
+			assert.Equal(t, feed.StatusBadRequest, re.Status)
 			assert.Contains(t, re.Msg, tc.want)
 		})
 	}
 
 	// Bad regions.
 	t.Run("region without fd", func(t *testing.T) {
-		k := c.newCall(MsgRegion, nil)
-		_, err := c.send(k, nil, func(b []byte, id uint64) []byte {
-			return (&RegionMsg{ID: id, Region: 50, Size: 4096}).Append(b)
+		k, err := c.StartMsg(feed.MsgRegion, nil, func(b []byte, id uint64) []byte {
+			return (&feed.RegionMsg{ID: id, Region: 50, Size: 4096}).Append(b)
 		})
 		require.NoError(t, err)
 		_, err = k.Wait(ctx)
 		assert.ErrorContains(t, err, "no file descriptor")
 	})
 	sendRegion := func(fd int, rid uint32, size uint64) error {
-		k := c.newCall(MsgRegion, nil)
-		_, err := c.send(k, []int{fd}, func(b []byte, id uint64) []byte {
-			return (&RegionMsg{ID: id, Region: rid, Size: size}).Append(b)
+		k, err := c.StartMsg(feed.MsgRegion, []int{fd}, func(b []byte, id uint64) []byte {
+			return (&feed.RegionMsg{ID: id, Region: rid, Size: size}).Append(b)
 		})
 		require.NoError(t, err)
 		_, err = k.Wait(ctx)
@@ -485,7 +485,7 @@ func TestBadRequests(t *testing.T) {
 		assert.ErrorContains(t, sendRegion(fd, 51, 4096), "F_SEAL_SHRINK")
 	})
 	t.Run("region smaller than said", func(t *testing.T) {
-		fd, mem, err := NewMemfd("small", 4096)
+		fd, mem, err := feedtest.NewMemfd("small", 4096)
 		require.NoError(t, err)
 		defer unix.Munmap(mem)
 		defer unix.Close(fd)
@@ -497,13 +497,12 @@ func TestBadRequests(t *testing.T) {
 		assert.ErrorContains(t, sendRegion(fd, 54, 4096), "3 regions are mapped, the limit is 3")
 	})
 	t.Run("release unknown region", func(t *testing.T) {
-		err := c.Release(ctx, &Region{ID: 77})
+		err := c.Release(ctx, &feedtest.Region{ID: 77})
 		assert.ErrorContains(t, err, "region 77 is not mapped")
 	})
 	t.Run("malformed request body", func(t *testing.T) {
-		k := c.newCall(MsgAllReduce, nil)
-		_, err := c.send(k, nil, func(b []byte, id uint64) []byte {
-			b = (&Request{Kind: MsgAllReduce, ID: id, Peer: -1}).Append(b)
+		k, err := c.StartMsg(feed.MsgAllReduce, nil, func(b []byte, id uint64) []byte {
+			b = (&feed.Request{Kind: feed.MsgAllReduce, ID: id, Peer: -1}).Append(b)
 			b[len(b)-64+11] = 1 // reserved byte
 			return b
 		})
@@ -518,7 +517,7 @@ func TestBadRequests(t *testing.T) {
 	putF32(reg.Mem, 1.5)
 	putF32(reg1.Mem, 2)
 	parallel(t, 2, func(i int) error {
-		return e.clients[i].AllReduce(ctx, []Span{reg.Span(0, 4), reg1.Span(0, 4)}[i], reduce.Float32, reduce.Sum)
+		return e.clients[i].AllReduce(ctx, []feed.Span{reg.Span(0, 4), reg1.Span(0, 4)}[i], reduce.Float32, reduce.Sum)
 	})
 	assert.Equal(t, []float32{3.5}, getF32(reg.Mem[:4]))
 	require.NoError(t, c.Release(ctx, reg2))
@@ -537,19 +536,19 @@ func TestBridgeErrorBreaksTheBridge(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.Barrier(ctx))
 	err = c.AllReduce(ctx, reg.Span(0, 8), reduce.Float64, reduce.Sum)
-	var re *RequestError
+	var re *feedtest.RequestError
 	require.ErrorAs(t, err, &re)
-	assert.Equal(t, StatusBridgeError, re.Status)
+	assert.Equal(t, feed.StatusBridgeError, re.Status)
 	assert.Equal(t, cause.Error(), re.Msg, "the bridge's error, naming the peer, reaches the client")
 	assert.Equal(t, uint64(3), re.ID)
 	// Later requests fail at once with the original cause.
-	for _, req := range []Request{
-		{Kind: MsgBarrier, Peer: -1},
-		{Kind: MsgAllReduce, Buf: reg.Span(0, 4), DType: reduce.Float32, Op: reduce.Min, Peer: -1},
+	for _, req := range []feed.Request{
+		{Kind: feed.MsgBarrier, Peer: -1},
+		{Kind: feed.MsgAllReduce, Buf: reg.Span(0, 4), DType: reduce.Float32, Op: reduce.Min, Peer: -1},
 	} {
 		_, err = c.Do(ctx, req)
 		require.ErrorAs(t, err, &re)
-		assert.Equal(t, StatusBroken, re.Status)
+		assert.Equal(t, feed.StatusBroken, re.Status)
 		assert.Contains(t, re.Msg, cause.Error())
 	}
 	assert.Equal(t, cause, e.servers[0].Broken())
@@ -563,10 +562,9 @@ func TestReleaseWaitsForRequests(t *testing.T) {
 	c := e.clients[0]
 	reg, err := c.Map(ctx, 64)
 	require.NoError(t, err)
-	k, err := c.Start(Request{Kind: MsgAllReduce, Flags: FlagStreamed, Buf: reg.Span(0, 64), DType: reduce.Int64, Op: reduce.Sum, Peer: -1}, nil)
+	k, err := c.Start(feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagStreamed, Buf: reg.Span(0, 64), DType: reduce.Int64, Op: reduce.Sum, Peer: -1}, nil)
 	require.NoError(t, err)
-	rel := c.newCall(MsgRelease, nil)
-	_, err = c.send(rel, nil, func(b []byte, id uint64) []byte { return (&ReleaseMsg{ID: id, Region: reg.ID}).Append(b) })
+	rel, err := c.StartMsg(feed.MsgRelease, nil, func(b []byte, id uint64) []byte { return (&feed.ReleaseMsg{ID: id, Region: reg.ID}).Append(b) })
 	require.NoError(t, err)
 	relDone := make(chan error, 1)
 	go func() {
@@ -617,28 +615,28 @@ func rawFeed(t *testing.T, b Bridge, o ServerOptions) (net.Conn, chan error) {
 	return conn, errc
 }
 
-func hello(t *testing.T, conn net.Conn) *WelcomeMsg {
+func hello(t *testing.T, conn net.Conn) *feed.WelcomeMsg {
 	t.Helper()
-	_, err := conn.Write((&HelloMsg{MinVersion: 1, MaxVersion: 1}).Append(nil))
+	_, err := conn.Write((&feed.HelloMsg{MinVersion: 1, MaxVersion: 1}).Append(nil))
 	require.NoError(t, err)
 	m := readMsg(t, conn)
-	w, ok := m.(*WelcomeMsg)
+	w, ok := m.(*feed.WelcomeMsg)
 	require.True(t, ok, "got %T", m)
 	return w
 }
 
-func readMsg(t *testing.T, conn net.Conn) Message {
+func readMsg(t *testing.T, conn net.Conn) feed.Message {
 	t.Helper()
 	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
-	hdr := make([]byte, HeaderSize)
+	hdr := make([]byte, feed.HeaderSize)
 	_, err := io.ReadFull(conn, hdr)
 	require.NoError(t, err)
-	h, err := ParseHeader(hdr, MaxMessage)
+	h, err := feed.ParseHeader(hdr, feed.MaxMessage)
 	require.NoError(t, err)
-	body := make([]byte, h.Size-HeaderSize)
+	body := make([]byte, h.Size-feed.HeaderSize)
 	_, err = io.ReadFull(conn, body)
 	require.NoError(t, err)
-	m, err := DecodeBody(h.Type, body)
+	m, err := feed.DecodeBody(h.Type, body)
 	require.NoError(t, err)
 	return m
 }
@@ -661,30 +659,30 @@ func TestProtocolErrors(t *testing.T) {
 			require.NoError(t, err)
 		},
 		"ids going back": func(t *testing.T, conn net.Conn) {
-			_, err := conn.Write((&Request{Kind: MsgBarrier, ID: 5, Peer: -1}).Append(nil))
+			_, err := conn.Write((&feed.Request{Kind: feed.MsgBarrier, ID: 5, Peer: -1}).Append(nil))
 			require.NoError(t, err)
 			_ = readMsg(t, conn) // its DONE
-			_, err = conn.Write((&Request{Kind: MsgBarrier, ID: 5, Peer: -1}).Append(nil))
+			_, err = conn.Write((&feed.Request{Kind: feed.MsgBarrier, ID: 5, Peer: -1}).Append(nil))
 			require.NoError(t, err)
 		},
 		"ready for a request never sent": func(t *testing.T, conn net.Conn) {
-			_, err := conn.Write((&ReadyMsg{ID: 9, End: 4}).Append(nil))
+			_, err := conn.Write((&feed.ReadyMsg{ID: 9, End: 4}).Append(nil))
 			require.NoError(t, err)
 		},
 		"server message from the client": func(t *testing.T, conn net.Conn) {
-			_, err := conn.Write((&DoneMsg{ID: 1}).Append(nil))
+			_, err := conn.Write((&feed.DoneMsg{ID: 1}).Append(nil))
 			require.NoError(t, err)
 		},
 		"two descriptors with one message": func(t *testing.T, conn net.Conn) {
-			fd1, mem1, err := NewMemfd("a", 4096)
+			fd1, mem1, err := feedtest.NewMemfd("a", 4096)
 			require.NoError(t, err)
 			defer unix.Munmap(mem1)
 			defer unix.Close(fd1)
-			_, _, err = conn.(*net.UnixConn).WriteMsgUnix((&RegionMsg{ID: 1, Region: 1, Size: 4096}).Append(nil), unix.UnixRights(fd1, fd1), nil)
+			_, _, err = conn.(*net.UnixConn).WriteMsgUnix((&feed.RegionMsg{ID: 1, Region: 1, Size: 4096}).Append(nil), unix.UnixRights(fd1, fd1), nil)
 			require.NoError(t, err)
 		},
 		"half a message then EOF": func(t *testing.T, conn net.Conn) {
-			b := (&Request{Kind: MsgBarrier, ID: 5, Peer: -1}).Append(nil)
+			b := (&feed.Request{Kind: feed.MsgBarrier, ID: 5, Peer: -1}).Append(nil)
 			_, err := conn.Write(b[:20])
 			require.NoError(t, err)
 			require.NoError(t, conn.(*net.UnixConn).CloseWrite())
@@ -696,9 +694,9 @@ func TestProtocolErrors(t *testing.T) {
 			hello(t, conn)
 			fn(t, conn)
 			m := readMsg(t, conn)
-			em, ok := m.(*ErrorMsg)
+			em, ok := m.(*feed.ErrorMsg)
 			require.True(t, ok, "got %T %v", m, m)
-			assert.Equal(t, ErrCodeProtocol, em.Code)
+			assert.Equal(t, feed.ErrCodeProtocol, em.Code)
 			var pe *ProtocolError
 			require.ErrorAs(t, waitErr(t, errc), &pe)
 			assert.Equal(t, em.Text, pe.Err.Error())
@@ -709,20 +707,20 @@ func TestProtocolErrors(t *testing.T) {
 func TestHandshake(t *testing.T) {
 	t.Run("version mismatch", func(t *testing.T) {
 		conn, errc := rawFeed(t, newFakeGroup(1, 8)[0], ServerOptions{Members: 1})
-		_, err := conn.Write((&HelloMsg{MinVersion: 2, MaxVersion: 5}).Append(nil))
+		_, err := conn.Write((&feed.HelloMsg{MinVersion: 2, MaxVersion: 5}).Append(nil))
 		require.NoError(t, err)
-		em, ok := readMsg(t, conn).(*ErrorMsg)
+		em, ok := readMsg(t, conn).(*feed.ErrorMsg)
 		require.True(t, ok)
-		assert.Equal(t, ErrCodeVersion, em.Code)
+		assert.Equal(t, feed.ErrCodeVersion, em.Code)
 		assert.Contains(t, em.Text, "client speaks feed protocol 2..5, this gbbridge speaks 1..1")
 		var pe *ProtocolError
 		require.ErrorAs(t, waitErr(t, errc), &pe)
 	})
 	t.Run("newer client", func(t *testing.T) {
 		conn, _ := rawFeed(t, newFakeGroup(1, 8)[0], ServerOptions{Members: 1})
-		_, err := conn.Write((&HelloMsg{MinVersion: 1, MaxVersion: 9}).Append(nil))
+		_, err := conn.Write((&feed.HelloMsg{MinVersion: 1, MaxVersion: 9}).Append(nil))
 		require.NoError(t, err)
-		w, ok := readMsg(t, conn).(*WelcomeMsg)
+		w, ok := readMsg(t, conn).(*feed.WelcomeMsg)
 		require.True(t, ok)
 		assert.Equal(t, uint16(1), w.Version)
 	})
@@ -734,9 +732,9 @@ func TestHandshake(t *testing.T) {
 	})
 	t.Run("request before hello", func(t *testing.T) {
 		conn, errc := rawFeed(t, newFakeGroup(1, 8)[0], ServerOptions{Members: 1})
-		_, err := conn.Write((&Request{Kind: MsgBarrier, ID: 1, Peer: -1}).Append(nil))
+		_, err := conn.Write((&feed.Request{Kind: feed.MsgBarrier, ID: 1, Peer: -1}).Append(nil))
 		require.NoError(t, err)
-		em, ok := readMsg(t, conn).(*ErrorMsg)
+		em, ok := readMsg(t, conn).(*feed.ErrorMsg)
 		require.True(t, ok)
 		assert.Contains(t, em.Text, "first message is barrier")
 		var pe *ProtocolError
@@ -757,7 +755,7 @@ func TestClientDisappears(t *testing.T) {
 		reg, err := e.clients[0].Map(context.Background(), 4096)
 		require.NoError(t, err)
 		// Member 0 waits in a collective member 1 never joins.
-		_, err = e.clients[0].Start(Request{Kind: MsgAllReduce, Buf: reg.Span(0, 8), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+		_, err = e.clients[0].Start(feed.Request{Kind: feed.MsgAllReduce, Buf: reg.Span(0, 8), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
 		require.NoError(t, err)
 		time.Sleep(20 * time.Millisecond)
 		start := time.Now()
@@ -773,7 +771,7 @@ func TestClientDisappears(t *testing.T) {
 		e := startFeeds(t, bridges(newFakeGroup(1, 8)), nil)
 		reg, err := e.clients[0].Map(context.Background(), 4096)
 		require.NoError(t, err)
-		k, err := e.clients[0].Start(Request{Kind: MsgAllReduce, Flags: FlagStreamed, Buf: reg.Span(0, 64), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+		k, err := e.clients[0].Start(feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagStreamed, Buf: reg.Span(0, 64), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
 		require.NoError(t, err)
 		require.NoError(t, k.Ready(16))
 		e.clients[0].Abort()
@@ -783,7 +781,7 @@ func TestClientDisappears(t *testing.T) {
 		e := startFeeds(t, bridges(newFakeGroup(1, 8)), nil)
 		reg, err := e.clients[0].Map(context.Background(), 4096)
 		require.NoError(t, err)
-		k, err := e.clients[0].Start(Request{Kind: MsgAllReduce, Flags: FlagStreamed, Buf: reg.Span(0, 64), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+		k, err := e.clients[0].Start(feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagStreamed, Buf: reg.Span(0, 64), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
 		require.NoError(t, err)
 		ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(10*time.Second))
 		defer cancel()
@@ -809,12 +807,12 @@ func TestServeStopsWithContext(t *testing.T) {
 		}
 		errc <- NewServer(conn, b, ServerOptions{Members: 2}).Serve(ctx)
 	}()
-	c, err := Dial(context.Background(), path)
+	c, err := feedtest.Dial(context.Background(), path)
 	require.NoError(t, err)
 	defer c.Abort()
 	reg, err := c.Map(context.Background(), 64)
 	require.NoError(t, err)
-	k, err := c.Start(Request{Kind: MsgAllReduce, Buf: reg.Span(0, 8), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+	k, err := c.Start(feed.Request{Kind: feed.MsgAllReduce, Buf: reg.Span(0, 8), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
 	require.NoError(t, err)
 	sig := errors.New("terminated by SIGTERM")
 	cancel(sig)
@@ -861,7 +859,7 @@ func TestListen(t *testing.T) {
 // replies, including a Wait whose context ends first and an Abort while a
 // goroutine waits.
 func TestClientWaitModes(t *testing.T) {
-	modes := map[string]WaitOptions{
+	modes := map[string]feedtest.WaitOptions{
 		"poller":      {},
 		"poller+spin": {Spin: 50 * time.Microsecond},
 		"kernel":      {Kernel: true},
@@ -884,7 +882,7 @@ func TestClientWaitModes(t *testing.T) {
 			}
 			// Member 0 waits alone: its context ends first, then it waits
 			// again and gets the DONE once member 1 joins.
-			call, err := e.clients[0].Start(Request{Kind: MsgBarrier, Peer: -1}, nil)
+			call, err := e.clients[0].Start(feed.Request{Kind: feed.MsgBarrier, Peer: -1}, nil)
 			require.NoError(t, err)
 			short, cancel := context.WithTimeout(ctx, 30*time.Millisecond)
 			start := time.Now()
@@ -896,7 +894,7 @@ func TestClientWaitModes(t *testing.T) {
 			_, err = call.Wait(ctx)
 			require.NoError(t, err)
 			// Abort while a goroutine waits.
-			call, err = e.clients[0].Start(Request{Kind: MsgBarrier, Peer: -1}, nil)
+			call, err = e.clients[0].Start(feed.Request{Kind: feed.MsgBarrier, Peer: -1}, nil)
 			require.NoError(t, err)
 			waited := make(chan error, 1)
 			go func() {

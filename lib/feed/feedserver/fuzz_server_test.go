@@ -1,4 +1,4 @@
-package feed
+package feedserver
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/feed"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/testenv"
 	"golang.org/x/sys/unix"
@@ -35,15 +36,16 @@ func socketPair(t testing.TB) (*net.UnixConn, *net.UnixConn) {
 // one-member fake bridge, then closes the feed: the server must answer
 // what it can, never panic or touch memory out of bounds, and stop.
 func FuzzServerInput(f *testing.F) {
-	for _, m := range sampleMessages() {
-		f.Add(m.Append(nil))
-	}
+	f.Add((&feed.RegionMsg{ID: 1, Region: 1, Size: 8}).Append(nil))
+	f.Add((&feed.ReleaseMsg{ID: 1, Region: 1}).Append(nil))
+	f.Add((&feed.Request{Kind: feed.MsgSend, ID: 1, Peer: 0, Tag: 7, Buf: feed.Span{Region: 1, Len: 4}}).Append(nil))
+	f.Add((&feed.HelloMsg{MinVersion: 1, MaxVersion: 1}).Append(nil))
 	var seq []byte
-	seq = (&Request{Kind: MsgAllReduce, ID: 1, DType: reduce.Float32, Op: reduce.Sum, Peer: -1}).Append(seq)
-	seq = (&Request{Kind: MsgAllReduce, ID: 2, Flags: FlagStreamed, DType: reduce.Float32, Op: reduce.Sum, Buf: Span{Region: 1, Len: 8}, Peer: -1}).Append(seq)
-	seq = (&ReadyMsg{ID: 2, End: 4}).Append(seq)
-	seq = (&ReleaseMsg{ID: 3, Region: 1}).Append(seq)
-	seq = (&ByeMsg{}).Append(seq)
+	seq = (&feed.Request{Kind: feed.MsgAllReduce, ID: 1, DType: reduce.Float32, Op: reduce.Sum, Peer: -1}).Append(seq)
+	seq = (&feed.Request{Kind: feed.MsgAllReduce, ID: 2, Flags: feed.FlagStreamed, DType: reduce.Float32, Op: reduce.Sum, Buf: feed.Span{Region: 1, Len: 8}, Peer: -1}).Append(seq)
+	seq = (&feed.ReadyMsg{ID: 2, End: 4}).Append(seq)
+	seq = (&feed.ReleaseMsg{ID: 3, Region: 1}).Append(seq)
+	seq = (&feed.ByeMsg{}).Append(seq)
 	f.Add(seq)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		a, z := socketPair(t)
@@ -63,7 +65,7 @@ func FuzzServerInput(f *testing.F) {
 				}
 			}
 		}()
-		_, _ = a.Write((&HelloMsg{MinVersion: 1, MaxVersion: 1}).Append(nil))
+		_, _ = a.Write((&feed.HelloMsg{MinVersion: 1, MaxVersion: 1}).Append(nil))
 		_, _ = a.Write(b)
 		_ = a.CloseWrite()
 		select {

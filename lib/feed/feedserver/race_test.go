@@ -1,5 +1,5 @@
 //go:build race
 
-package feed
+package feedserver
 
 const raceEnabled = true

@@ -1,4 +1,4 @@
-package feed
+package feedserver
 
 import (
 	"bytes"
@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/feed/feedtest"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/transport"
@@ -61,12 +63,12 @@ func TestWithCollective(t *testing.T) {
 			var mu sync.Mutex
 			cover := make([][][2]uint64, 2)
 			parallel(t, 2, func(i int) error {
-				req := Request{Kind: MsgAllReduce, Buf: regs[i].Span(0, n), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}
+				req := feed.Request{Kind: feed.MsgAllReduce, Buf: regs[i].Span(0, n), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}
 				if !streamed {
 					_, err := cs[i].Do(ctx, req)
 					return err
 				}
-				req.Flags = FlagStreamed
+				req.Flags = feed.FlagStreamed
 				k, err := cs[i].Start(req, func(off, m uint64) {
 					mu.Lock()
 					cover[i] = append(cover[i], [2]uint64{off, m})
@@ -179,13 +181,13 @@ func TestCollectiveMismatch(t *testing.T) {
 	}
 	wg.Wait()
 	for i, err := range errs {
-		var re *RequestError
+		var re *feedtest.RequestError
 		require.ErrorAs(t, err, &re, "member %d", i)
-		assert.Equal(t, StatusBridgeError, re.Status)
+		assert.Equal(t, feed.StatusBridgeError, re.Status)
 		assert.Contains(t, re.Msg, "member")
 		err = e.clients[i].Barrier(ctx)
 		require.ErrorAs(t, err, &re)
-		assert.Equal(t, StatusBroken, re.Status)
+		assert.Equal(t, feed.StatusBroken, re.Status)
 		assert.Contains(t, re.Msg, "bridge broken by an earlier failure")
 	}
 	e.closeAll()
@@ -206,7 +208,7 @@ func TestP2PBehindCollective(t *testing.T) {
 			parallel(t, 2, func(i int) error {
 				c := e.clients[i]
 				if i == 0 {
-					ar, err := c.Start(Request{Kind: MsgAllReduce, Buf: regs[0].Span(0, 4), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+					ar, err := c.Start(feed.Request{Kind: feed.MsgAllReduce, Buf: regs[0].Span(0, 4), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
 					if err != nil {
 						return err
 					}

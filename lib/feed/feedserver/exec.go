@@ -1,0 +1,278 @@
+package feedserver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/collective"
+	"github.com/gpubridge/gpubridge/lib/feed"
+)
+
+// worker alternates between reading the socket (while it holds the reader
+// role) and running collectives (after it read one while none was running).
+// While it runs collectives it hands the reader role to the standby worker:
+// at once before a streamed collective (which needs its READYs), else once
+// the collectives have run for HandoffDelay, so that a short collective
+// costs no thread wake-up and a long one does not keep later messages (a
+// send, a recv, a READY) waiting.
+func (s *Server) worker() {
+	defer s.wg.Done()
+	w := &worker{s: s}
+	w.timer = time.AfterFunc(time.Hour, w.handOff)
+	w.timer.Stop()
+	defer w.timer.Stop()
+	for {
+		select {
+		case <-s.role:
+		case <-s.inputEnd:
+			return
+		}
+		for {
+			exec, err := s.readLoop(s.reader)
+			if !exec {
+				s.readErr = err
+				close(s.inputEnd)
+				return
+			}
+			w.handed.Store(false)
+			if s.o.HandoffDelay > 0 {
+				w.timer.Reset(s.o.HandoffDelay)
+			} else {
+				w.handOff()
+			}
+			s.drain(w)
+			w.timer.Stop()
+			if !w.handed.CompareAndSwap(false, true) {
+				break // the other worker reads now
+			}
+			// Still the reader: read on.
+		}
+	}
+}
+
+// worker is one of the two goroutines that take turns reading and running
+// collectives.
+type worker struct {
+	s      *Server
+	timer  *time.Timer
+	handed atomic.Bool
+}
+
+// handOff gives the reader role to the other worker, once.
+func (w *worker) handOff() {
+	if w.handed.CompareAndSwap(false, true) {
+		w.s.role <- struct{}{} // wakes the standby worker: it reads on
+	}
+}
+
+// drain runs the pending collectives in order until there are none.
+func (s *Server) drain(w *worker) {
+	for {
+		s.emu.Lock()
+		if len(s.pending) == 0 {
+			s.pending = s.pending[:0]
+			s.executing = false
+			s.emu.Unlock()
+			return
+		}
+		c := s.pending[0]
+		s.pending[0] = nil
+		s.pending = s.pending[1:]
+		s.emu.Unlock()
+		if c.req.Flags&feed.FlagStreamed != 0 {
+			w.handOff()
+		}
+		s.run(c)
+	}
+}
+
+// call is one request in flight.
+type call struct {
+	s       *Server
+	req     feed.Request
+	buf     []byte
+	out     []byte
+	regs    [2]*region
+	arrived time.Time
+	started time.Time
+	inLen   uint64
+	done    feed.DoneMsg
+
+	// streaming
+	mu       sync.Mutex
+	readyEnd uint64
+	wake     chan struct{}
+	prog     Progress
+}
+
+func (s *Server) refuse(r *feed.Request, st feed.Status, msg string, arrived time.Time) {
+	s.reply(r.ID, st, fmt.Sprintf("%s %d: %s", r.Kind, r.ID, msg), arrived)
+}
+
+// accept validates a request and starts it: point-to-point requests run at
+// once on their own goroutine; collectives are queued in order, and exec
+// says that none was running, so the caller is to run them.
+func (s *Server) accept(r *feed.Request, arrived time.Time) (exec bool, err error) {
+	if err := s.checkID(r.ID); err != nil {
+		return false, err
+	}
+	if b := s.Broken(); b != nil {
+		s.reply(r.ID, feed.StatusBroken, brokenText(b), arrived)
+		return false, nil
+	}
+	if err := s.validate(r); err != nil {
+		s.refuse(r, feed.StatusBadRequest, err.Error(), arrived)
+		return false, nil
+	}
+	if n := s.inflight.Load(); n >= int64(s.o.MaxInflight) {
+		s.refuse(r, feed.StatusBadRequest, fmt.Sprintf("%d requests are in flight, the limit is %d", n, s.o.MaxInflight), arrived)
+		return false, nil
+	}
+	s.rmu.Lock()
+	rb, buf, err := s.span("buffer", r.Buf)
+	var ro *region
+	var out []byte
+	if err == nil {
+		ro, out, err = s.span("output", r.Out)
+		if err != nil && rb != nil {
+			rb.refs--
+		}
+	}
+	s.rmu.Unlock()
+	if err != nil {
+		s.refuse(r, feed.StatusBadRequest, err.Error(), arrived)
+		return false, nil
+	}
+	c := s.callPool.Get().(*call)
+	c.req, c.buf, c.out, c.regs, c.arrived = *r, buf, out, [2]*region{rb, ro}, arrived
+	c.inLen = r.Buf.Len
+	s.inflight.Add(1)
+	if r.Flags&feed.FlagStreamed != 0 {
+		c.prog = Progress{Ready: c.waitReady, Done: c.progress}
+		s.smu.Lock()
+		s.streams[r.ID] = c
+		s.smu.Unlock()
+	}
+	if r.Kind == feed.MsgSend || r.Kind == feed.MsgRecv {
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.run(c)
+		}()
+		return false, nil
+	}
+	s.emu.Lock()
+	s.pending = append(s.pending, c)
+	exec = !s.executing
+	s.executing = true
+	s.emu.Unlock()
+	return exec, nil
+}
+
+// run executes one request and answers it.
+func (s *Server) run(c *call) {
+	c.started = time.Now()
+	d := &c.done
+	*d = feed.DoneMsg{ID: c.req.ID}
+	var err error
+	if cause := context.Cause(s.ctx); cause != nil {
+		d.Status, d.Error = feed.StatusAborted, "feed server stopping: "+cause.Error()
+	} else if b := s.Broken(); b != nil {
+		d.Status, d.Error = feed.StatusBroken, brokenText(b)
+	} else {
+		var p *Progress
+		if c.req.Flags&feed.FlagStreamed != 0 {
+			p = &c.prog
+		}
+		br := s.bridge
+		switch c.req.Kind {
+		case feed.MsgAllReduce:
+			err = br.AllReduce(s.ctx, c.buf, c.req.DType, c.req.Op, p)
+			d.Bytes = uint64(len(c.buf))
+		case feed.MsgBroadcast:
+			err = br.Broadcast(s.ctx, c.buf, int(c.req.Peer), p)
+			d.Bytes = uint64(len(c.buf))
+		case feed.MsgAllGather:
+			err = br.AllGather(s.ctx, c.out, c.buf, p)
+			d.Bytes = uint64(len(c.out))
+		case feed.MsgReduceScatter:
+			err = br.ReduceScatter(s.ctx, c.out, c.buf, c.req.DType, c.req.Op, p)
+			d.Bytes = uint64(len(c.out))
+		case feed.MsgBarrier:
+			err = br.Barrier(s.ctx)
+		case feed.MsgSend:
+			err = br.Send(s.ctx, int(c.req.Peer), c.req.Tag, c.buf)
+			d.Bytes = uint64(len(c.buf))
+		case feed.MsgRecv:
+			var n int
+			n, err = br.Recv(s.ctx, int(c.req.Peer), c.req.Tag, c.buf)
+			d.Bytes = uint64(n)
+		}
+		p2p := c.req.Kind == feed.MsgSend || c.req.Kind == feed.MsgRecv
+		if !p2p {
+			d.Seq = br.Seq()
+		}
+		if err != nil {
+			d.Error = err.Error()
+			switch {
+			case context.Cause(s.ctx) != nil:
+				d.Status, d.Error = feed.StatusAborted, "feed server stopping ("+context.Cause(s.ctx).Error()+"): "+err.Error()
+			case errors.Is(err, collective.ErrInvalid):
+				// Refused by the bridge before anything was sent.
+				d.Status = feed.StatusBadRequest
+			case errors.Is(err, collective.ErrBroken):
+				d.Status = feed.StatusBroken
+			default:
+				d.Status = feed.StatusBridgeError
+			}
+			// A collective that failed broke the bridge. A failed send or
+			// recv may not have (a recv that timed out, a message too
+			// long): the bridge says so on the next call if it did.
+			if d.Status != feed.StatusBadRequest && (!p2p || errors.Is(err, collective.ErrBroken)) {
+				s.breakBridge(err)
+			}
+		}
+	}
+	if c.req.Flags&feed.FlagStreamed != 0 {
+		s.smu.Lock()
+		delete(s.streams, c.req.ID)
+		s.smu.Unlock()
+	}
+	s.unref(c.regs[0])
+	s.unref(c.regs[1])
+	now := time.Now()
+	d.QueueUS = uint64(c.started.Sub(c.arrived).Microseconds())
+	d.TotalUS = uint64(now.Sub(c.arrived).Microseconds())
+	s.wmu.Lock()
+	s.wbuf = d.Append(s.wbuf[:0])
+	_ = s.flushLocked()
+	s.wmu.Unlock()
+	s.inflight.Add(-1)
+	c.mu.Lock()
+	c.wake, c.readyEnd = nil, 0
+	c.mu.Unlock()
+	c.buf, c.out, c.regs, c.prog, c.done.Error = nil, nil, [2]*region{}, Progress{}, ""
+	s.callPool.Put(c)
+}
+
+// brokenText is the error of a request refused because the bridge broke
+// earlier: the original cause, in the words of collective.ErrBroken.
+func brokenText(cause error) string {
+	if errors.Is(cause, collective.ErrBroken) {
+		return cause.Error()
+	}
+	return collective.ErrBroken.Error() + ": " + cause.Error()
+}
+
+func (s *Server) breakBridge(err error) {
+	s.bmu.Lock()
+	if s.broken == nil {
+		s.broken = err
+		s.o.Log.Error("bridge broken", "err", err)
+	}
+	s.bmu.Unlock()
+}

@@ -1,0 +1,285 @@
+package feedserver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/feed"
+	"golang.org/x/sys/unix"
+)
+
+// Defaults of ServerOptions.
+const (
+	DefaultMaxRegions       = 256
+	DefaultMaxRegionBytes   = 64 << 30
+	DefaultMaxInflight      = 1024
+	DefaultHandshakeTimeout = feed.HandshakeTimeout
+	DefaultWriteTimeout     = 60 * time.Second
+	DefaultHandoffDelay     = 100 * time.Microsecond
+)
+
+// ServerOptions configure Serve.
+type ServerOptions struct {
+	// Member is this bridge member's index, Members the number of members;
+	// WELCOME tells the client, and roots and peers are checked against them.
+	Member, Members int
+	// Transport describes the bridge for WELCOME (Mesh.Describe()).
+	Transport string
+	// MaxRegions bounds the regions mapped at once; MaxRegionBytes one
+	// region's size; MaxInflight the requests in flight.
+	MaxRegions     int
+	MaxRegionBytes uint64
+	MaxInflight    int
+	// HandshakeTimeout bounds the wait for HELLO; WriteTimeout one write to
+	// a client that does not read.
+	HandshakeTimeout time.Duration
+	WriteTimeout     time.Duration
+	// HandoffDelay is how long a collective runs before the goroutine
+	// running it hands the reading of the socket to the standby goroutine
+	// (streamed collectives hand it over at once). Default
+	// DefaultHandoffDelay; negative: at once. Go timers may fire up to a
+	// millisecond late, so messages behind a long collective (a send, a
+	// recv, a READY of the next streamed request) wait about that long.
+	HandoffDelay time.Duration
+	Log          *slog.Logger
+}
+
+func (o *ServerOptions) defaults() {
+	if o.MaxRegions <= 0 {
+		o.MaxRegions = DefaultMaxRegions
+	}
+	if o.MaxRegionBytes == 0 {
+		o.MaxRegionBytes = DefaultMaxRegionBytes
+	}
+	if o.MaxInflight <= 0 {
+		o.MaxInflight = DefaultMaxInflight
+	}
+	if o.HandshakeTimeout <= 0 {
+		o.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if o.WriteTimeout <= 0 {
+		o.WriteTimeout = DefaultWriteTimeout
+	}
+	if o.HandoffDelay == 0 {
+		o.HandoffDelay = DefaultHandoffDelay
+	}
+	if o.Log == nil {
+		o.Log = slog.New(slog.DiscardHandler)
+	}
+}
+
+// ErrFeedLost is returned by Serve when the client went away (EOF or a
+// broken socket) while requests were in flight, or could not be written to.
+var ErrFeedLost = errors.New("feed lost")
+
+// ProtocolError is a fatal violation of the feed protocol by the client; the
+// server sent it as an ERROR message and closed the feed.
+type ProtocolError struct {
+	Code uint32
+	Err  error
+}
+
+func (e *ProtocolError) Error() string { return "feed protocol error: " + e.Err.Error() }
+
+func (e *ProtocolError) Unwrap() error { return e.Err }
+
+// Server serves one feed connection for one bridge member.
+type Server struct {
+	o      ServerOptions
+	bridge Bridge
+	conn   *net.UnixConn
+
+	ctx    context.Context // cancelled when the feed is lost or Serve's ctx ends
+	cancel context.CancelCauseFunc
+	// inputEnd is closed when no more READY can arrive (BYE, EOF, error).
+	inputEnd chan struct{}
+
+	wmu  sync.Mutex
+	wbuf []byte
+	werr error
+
+	rmu     sync.Mutex
+	regions map[uint32]*region
+
+	smu     sync.Mutex
+	streams map[uint64]*call // streamed requests in flight, for READY
+
+	// Collectives run in request order, one at a time, on the goroutine
+	// that read the first of them while none was running (the executor);
+	// it hands the reading of the socket to a standby goroutine first
+	// (role), so that no hand-off to another goroutine delays the call.
+	emu       sync.Mutex
+	pending   []*call // collectives accepted and not yet started, in order
+	executing bool    // a goroutine is draining pending
+	role      chan struct{}
+	reader    *reader
+	readErr   error // why reading ended; set before inputEnd is closed
+
+	wg       sync.WaitGroup
+	inflight atomic.Int64
+	lastID   uint64
+	fds      []int
+	version  uint16
+
+	bmu    sync.Mutex
+	broken error
+
+	callPool sync.Pool
+}
+
+// NewServer returns a server that drives b for the feed on conn. Serve it
+// once.
+func NewServer(conn *net.UnixConn, b Bridge, o ServerOptions) *Server {
+	o.defaults()
+	if o.Members < 1 {
+		o.Members = 1
+	}
+	s := &Server{
+		o: o, bridge: b, conn: conn,
+		inputEnd: make(chan struct{}),
+		regions:  map[uint32]*region{},
+		streams:  map[uint64]*call{},
+		role:     make(chan struct{}, 1),
+		wbuf:     make([]byte, 0, 512),
+	}
+	s.callPool.New = func() any { return &call{s: s} }
+	return s
+}
+
+// Broken returns the error that broke the bridge during Serve, or nil.
+func (s *Server) Broken() error {
+	s.bmu.Lock()
+	defer s.bmu.Unlock()
+	return s.broken
+}
+
+// Serve runs the feed until the client says BYE or closes it, or ctx ends.
+// It returns nil after BYE, or after EOF with no request in flight; an
+// error wrapping ErrFeedLost when the client went away with requests in
+// flight; a *ProtocolError when the client broke the protocol; ctx's cause
+// when ctx ended. Every goroutine it started has ended when it returns, every
+// region is unmapped and conn is closed. A bridge failure alone does not make
+// Serve fail: the client learns it in DONE, and Broken reports it.
+func (s *Server) Serve(ctx context.Context) (err error) {
+	s.ctx, s.cancel = context.WithCancelCause(ctx)
+	stop := context.AfterFunc(s.ctx, func() {
+		// Unblock the reader: it then sees why the context ended.
+		_ = s.conn.SetReadDeadline(time.Unix(1, 0))
+	})
+	defer func() {
+		stop()
+		s.cancel(err)
+		_ = s.conn.Close()
+		s.unmapAll()
+	}()
+
+	r := &reader{conn: s.conn, buf: make([]byte, 2*feed.MaxMessage), oob: make([]byte, unix.CmsgSpace(4*maxPendingFDs)), s: s}
+	if err := s.handshake(r); err != nil {
+		return err
+	}
+
+	// Two workers take turns: one reads the socket while the other may be
+	// running collectives.
+	s.reader = r
+	s.role <- struct{}{}
+	s.wg.Add(2)
+	go s.worker()
+	go s.worker()
+	<-s.inputEnd
+	err = s.readErr
+	var pe *ProtocolError
+	switch {
+	case errors.As(err, &pe):
+		s.writeError(pe.Code, pe.Err.Error())
+		s.cancel(err)
+	case errors.Is(err, errBye):
+		err = nil
+	case errors.Is(err, io.EOF):
+		if n := s.inflight.Load(); n > 0 {
+			err = fmt.Errorf("%w: the client closed the feed with %d request(s) in flight", ErrFeedLost, n)
+			s.cancel(err)
+		} else {
+			err = nil
+		}
+	default:
+		s.cancel(err)
+	}
+	s.wg.Wait()
+	if err == nil && r.bye {
+		s.wmu.Lock()
+		s.wbuf = (&feed.ByeMsg{}).Append(s.wbuf[:0])
+		_ = s.flushLocked()
+		s.wmu.Unlock()
+	}
+	if err == nil {
+		if werr := s.writeErr(); werr != nil {
+			err = werr
+		}
+	}
+	return err
+}
+
+var errBye = errors.New("bye")
+
+// handshake reads HELLO and answers WELCOME, within HandshakeTimeout.
+func (s *Server) handshake(r *reader) error {
+	_ = s.conn.SetReadDeadline(time.Now().Add(s.o.HandshakeTimeout))
+	h, body, err := r.next()
+	if err != nil {
+		if ctxErr := context.Cause(s.ctx); ctxErr != nil {
+			return ctxErr
+		}
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			return fmt.Errorf("%w: no HELLO within %s", ErrFeedLost, s.o.HandshakeTimeout)
+		}
+		if errors.Is(err, io.EOF) {
+			return fmt.Errorf("%w: the client closed the feed before HELLO", ErrFeedLost)
+		}
+		return err
+	}
+	_ = s.conn.SetReadDeadline(time.Time{})
+	// A cancellation that set its deadline before this was cleared.
+	if cause := context.Cause(s.ctx); cause != nil {
+		return cause
+	}
+	if h.Type != feed.MsgHello {
+		return s.protocolErr(feed.ErrCodeProtocol, fmt.Errorf("first message is %s, want hello", h.Type))
+	}
+	m, err := feed.DecodeBody(feed.MsgHello, body)
+	if err != nil {
+		return s.protocolErr(feed.ErrCodeProtocol, err)
+	}
+	hello := m.(*feed.HelloMsg)
+	if hello.MaxVersion < feed.MinVersion || hello.MinVersion > feed.Version {
+		return s.protocolErr(feed.ErrCodeVersion, fmt.Errorf("client speaks feed protocol %d..%d, this gbbridge speaks %d..%d", hello.MinVersion, hello.MaxVersion, feed.MinVersion, feed.Version))
+	}
+	s.version = min(hello.MaxVersion, feed.Version)
+	s.o.Log.Debug("feed client", "pid", hello.PID, "name", hello.Name, "version", s.version)
+	w := &feed.WelcomeMsg{
+		Version: s.version, Member: uint32(s.o.Member), Members: uint32(s.o.Members),
+		MaxMessage: feed.MaxMessage, MaxRegions: uint32(s.o.MaxRegions), MaxInflight: uint32(s.o.MaxInflight),
+		MaxRegionBytes: s.o.MaxRegionBytes, Transport: s.o.Transport,
+	}
+	s.wmu.Lock()
+	s.wbuf = w.Append(s.wbuf[:0])
+	err = s.flushLocked()
+	s.wmu.Unlock()
+	if err != nil {
+		return err
+	}
+	return nil
+}
+
+func (s *Server) protocolErr(code uint32, err error) error {
+	pe := &ProtocolError{Code: code, Err: err}
+	s.writeError(code, err.Error())
+	return pe
+}
