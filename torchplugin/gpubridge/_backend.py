@@ -6,7 +6,7 @@ Creating a group (``dist.init_process_group(backend="gpubridge")``,
 1. ``gbprobe --json | gbdiscover run`` against the job's own TCPStore (found
    by walking the PrefixStore chain torch hands the backend), with the
    group's rank and size and a namespace per job, restart attempt and group
-   (:func:`gpubridge._tools.namespace`). Any problem anywhere raises the same
+   (:func:`gpubridge._discovery.namespace`). Any problem anywhere raises the same
    RuntimeError on every rank, before any group exists. On GPUs the rank's
    device (``cuda:LOCAL_RANK``) is set only after discovery passed.
 2. One native ProcessGroup per island of two or more ranks (NCCL, which is
@@ -68,15 +68,12 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
+from gpubridge import _discovery, _tools
 from gpubridge import _inflight as fl
-from gpubridge import _tools
 from gpubridge._bridge_process import BridgeProcess, start_bridge
 from gpubridge._feed import DType, FeedClient, FeedError, Kind, Op, Region
 
-__all__ = ["BACKEND_NAME", "GpubridgeProcessGroup", "find_tool", "live_groups", "register", "store_address"]
-
-find_tool = _tools.find_tool
-store_address = _tools.store_address
+__all__ = ["BACKEND_NAME", "GpubridgeProcessGroup", "live_groups", "register"]
 
 BACKEND_NAME = "gpubridge"
 log = logging.getLogger("gpubridge")
@@ -311,10 +308,10 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
 
     def _discover(self, store: Any, group: str, problems: list[str]) -> dict[str, Any]:
         """gbprobe | gbdiscover: the topology, or the same error on every rank."""
-        host, port = _tools.store_address(store)
+        host, port = _discovery.store_address(store)
         secs = max(1.0, self._timeout.total_seconds())
-        return _tools.discover(
-            host, port, self._rank, self._size, _tools.namespace(group), self._dir / "topology.json",
+        return _discovery.discover(
+            host, port, self._rank, self._size, _discovery.namespace(group), self._dir / "topology.json",
             timeout=min(secs, float(os.environ.get("GPUBRIDGE_DISCOVER_TIMEOUT_S", "300"))),
             **({"problems": problems} if problems else {}),
         )  # fmt: skip
@@ -377,7 +374,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
     def _build(self, topo: dict[str, Any]) -> None:
         """The island group and, on leaders, gbbridge serve and the feed."""
         store = self._store
-        host, port = _tools.store_address(store)
+        host, port = _discovery.store_address(store)
         secs = max(1.0, self._timeout.total_seconds())
         # Only now: discovery made sure this process holds its rank (a
         # second job on the same store fails there, before it writes here).

@@ -6,7 +6,7 @@ per rank (GPUBRIDGE_VENDOR). Rank 1 gets FAULT before gpubridge is imported:
 "badlocal" (LOCAL_RANK='x'), "nobridge", "noprobe" or "nodiscover" (the tools
 are looked for only in TOOLSDIR/<fault>, which lacks that tool). PATH is
 "backend" (dist.init_process_group(backend="gpubridge")) or "tools"
-(gpubridge._tools.discover against torchrun's store directly). The rank
+(gpubridge._discovery.discover against torchrun's store directly). The rank
 writes OUTDIR/rank<R>.json: {"error": text, "elapsed": seconds} or
 {"ok": true}.
 """
@@ -37,7 +37,7 @@ if rank == 1:
 import torch.distributed as dist  # noqa: E402
 
 import gpubridge  # noqa: E402, F401  (registers the backend)
-from gpubridge import _tools  # noqa: E402
+from gpubridge import _discovery  # noqa: E402
 
 TIMEOUT = 30.0
 
@@ -50,8 +50,8 @@ def main() -> dict[str, object]:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         size = int(os.environ["WORLD_SIZE"])
         with tempfile.TemporaryDirectory() as d:
-            _tools.discover(
-                host, port, rank, size, _tools.namespace("default"), Path(d) / "t.json", timeout=TIMEOUT
+            _discovery.discover(
+                host, port, rank, size, _discovery.namespace("default"), Path(d) / "t.json", timeout=TIMEOUT
             )
     return {"ok": True}
 

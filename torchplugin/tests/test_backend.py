@@ -21,7 +21,8 @@ import pytest
 import torch.distributed as dist
 from testenv import scale
 
-from gpubridge._backend import find_tool, store_address
+from gpubridge._discovery import store_address
+from gpubridge._tools import find_tool
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE.parent

@@ -1,5 +1,6 @@
-"""gpubridge._tools: finding (and building) the tools, this rank's problems,
-and start-up failures that every rank must report the same way.
+"""gpubridge._tools and gpubridge._discovery: finding (and building) the
+tools, this rank's problems, and start-up failures that every rank must
+report the same way.
 
 The build test runs a real ``go build`` into a temporary cache (fast with a
 warm Go build cache). The torchrun tests launch tests/failure_worker.py with
@@ -25,7 +26,8 @@ import pytest
 import torch.distributed as dist
 
 from gpubridge import _tools
-from gpubridge._tools import ToolNotFoundError, discover, find_tool, rank_problems
+from gpubridge._discovery import discover, rank_problems
+from gpubridge._tools import ToolNotFoundError, find_tool
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE.parent
