@@ -112,18 +112,14 @@ const (
 	StatusAborted Status = 4
 )
 
+var statusNames = [...]string{
+	StatusOK: "ok", StatusBadRequest: "bad request", StatusBridgeError: "bridge error",
+	StatusBroken: "bridge broken", StatusAborted: "aborted",
+}
+
 func (s Status) String() string {
-	switch s {
-	case StatusOK:
-		return "ok"
-	case StatusBadRequest:
-		return "bad request"
-	case StatusBridgeError:
-		return "bridge error"
-	case StatusBroken:
-		return "bridge broken"
-	case StatusAborted:
-		return "aborted"
+	if int(s) < len(statusNames) {
+		return statusNames[s]
 	}
 	return fmt.Sprintf("status(%d)", uint32(s))
 }

@@ -176,96 +176,11 @@ func DefaultSizes() []int64 {
 // returned (and passed to o.Row) on every member, with the time the slowest
 // member measured.
 func Sweep(ctx context.Context, m *bridge.Member, o SweepOptions) ([]BenchRow, error) {
-	n, sz := m.Size, int64(o.DType.Size())
 	var rows []BenchRow
 	for _, size := range o.Sizes {
-		// Whole elements, and for the segmented collectives whole
-		// elements per member.
-		unit := sz
-		if o.Coll == "all_gather" || o.Coll == "reduce_scatter" {
-			unit = sz * int64(n)
-		}
-		size = max(size/unit*unit, unit)
-		buf, in := make([]byte, size), []byte(nil)
-		switch o.Coll {
-		case "memcpy":
-			in = make([]byte, size)
-		case "all_gather":
-			in = make([]byte, size/int64(n))
-		case "reduce_scatter":
-			in, buf = buf, make([]byte, size/int64(n))
-		}
-		run := func() error {
-			switch o.Coll {
-			case "all_reduce":
-				return m.Comm.AllReduce(ctx, buf, o.DType, o.Op, nil)
-			case "broadcast":
-				return m.Comm.Broadcast(ctx, buf, 0, nil)
-			case "all_gather":
-				return m.Comm.AllGather(ctx, buf, in, nil)
-			case "reduce_scatter":
-				return m.Comm.ReduceScatter(ctx, buf, in, o.DType, o.Op, nil)
-			case "exchange":
-				return exchange(ctx, m, buf, o.ChunkB, nil)
-			case "memcpy":
-				copy(in, buf)
-				return nil
-			}
-			return fmt.Errorf("bench: unknown collective %q", o.Coll)
-		}
-		fillBench(o, m.Self, buf, in)
-		for i := 0; i < o.Warmup; i++ {
-			if err := run(); err != nil {
-				return rows, err
-			}
-		}
-		if err := m.Comm.Barrier(ctx); err != nil {
-			return rows, err
-		}
-		start := time.Now()
-		for i := 0; i < o.Iters; i++ {
-			if err := run(); err != nil {
-				return rows, err
-			}
-		}
-		elapsed := time.Since(start).Seconds() / float64(o.Iters)
-		slowest, err := maxAcross(ctx, m, elapsed)
+		row, err := sweepSize(ctx, m, o, size)
 		if err != nil {
 			return rows, err
-		}
-		// Correctness: one more run on fresh data, checked element by element.
-		// The exchange keeps what arrives this time, to compare it with
-		// what the peer sent.
-		fillBench(o, m.Self, buf, in)
-		var got []byte
-		if o.Coll == "exchange" {
-			got = make([]byte, len(buf))
-			err = exchange(ctx, m, buf, o.ChunkB, got)
-		} else {
-			err = run()
-		}
-		if err != nil {
-			return rows, err
-		}
-		wrong, err := checkBench(o, n, m.Self, buf, in, got)
-		if err != nil {
-			return rows, err
-		}
-		totalWrong, err := sumAcross(ctx, m, int64(wrong))
-		if err != nil {
-			return rows, err
-		}
-		algbw := float64(size) / slowest / 1e9
-		row := BenchRow{
-			Schema: BenchSchema, Collective: o.Coll, Members: n, Transport: m.Mesh.Describe(),
-			Size: size, Count: size / sz, Type: o.DType.String(), Redop: o.Op.String(),
-			TimeUS: slowest * 1e6, AlgBW: algbw, BusBW: algbw * BusFactor(o.Coll, n), Wrong: totalWrong, Checked: true,
-		}
-		switch o.Coll {
-		case "memcpy":
-			row.BusBW, row.Redop = algbw, "none"
-		case "broadcast", "all_gather", "exchange":
-			row.Redop = "none"
 		}
 		rows = append(rows, row)
 		if o.Row != nil {
@@ -275,17 +190,121 @@ func Sweep(ctx context.Context, m *bridge.Member, o SweepOptions) ([]BenchRow, e
 	return rows, nil
 }
 
-func fillBench(o SweepOptions, me int, buf, in []byte) {
-	switch o.Coll {
-	case "all_reduce", "exchange", "memcpy":
-		fillPattern(buf, o.DType, me, o.Op)
-	case "broadcast":
-		fillPattern(buf, o.DType, me, o.Op) // only the root's survives
-	case "all_gather":
-		fillPattern(in, o.DType, me, o.Op)
-	case "reduce_scatter":
-		fillPattern(in, o.DType, me, o.Op)
+// sweepSize times the collective at one size, then runs it once more on
+// fresh data and checks that result element by element.
+func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64) (BenchRow, error) {
+	n, sz := m.Size, int64(o.DType.Size())
+	// Whole elements, and for the segmented collectives whole elements per
+	// member.
+	unit := sz
+	if o.Coll == "all_gather" || o.Coll == "reduce_scatter" {
+		unit = sz * int64(n)
 	}
+	size = max(size/unit*unit, unit)
+	b := newBenchBufs(o.Coll, size, n)
+	fillBench(o, m.Self, b.buf, b.in)
+	slowest, err := timeCalls(ctx, m, o, func() error { return b.run(ctx, m, o, nil) })
+	if err != nil {
+		return BenchRow{}, err
+	}
+	// The exchange keeps what arrives this time, to compare it with what
+	// the peer sent.
+	fillBench(o, m.Self, b.buf, b.in)
+	var got []byte
+	if o.Coll == "exchange" {
+		got = make([]byte, len(b.buf))
+	}
+	if err := b.run(ctx, m, o, got); err != nil {
+		return BenchRow{}, err
+	}
+	wrong, err := checkBench(o, n, m.Self, b.buf, b.in, got)
+	if err != nil {
+		return BenchRow{}, err
+	}
+	totalWrong, err := sumAcross(ctx, m, int64(wrong))
+	if err != nil {
+		return BenchRow{}, err
+	}
+	algbw := float64(size) / slowest / 1e9
+	row := BenchRow{
+		Schema: BenchSchema, Collective: o.Coll, Members: n, Transport: m.Mesh.Describe(),
+		Size: size, Count: size / sz, Type: o.DType.String(), Redop: o.Op.String(),
+		TimeUS: slowest * 1e6, AlgBW: algbw, BusBW: algbw * BusFactor(o.Coll, n), Wrong: totalWrong, Checked: true,
+	}
+	switch o.Coll {
+	case "memcpy":
+		row.BusBW, row.Redop = algbw, "none"
+	case "broadcast", "all_gather", "exchange":
+		row.Redop = "none"
+	}
+	return row, nil
+}
+
+// timeCalls runs call o.Warmup times, meets the other members, times
+// o.Iters calls and returns the slowest member's mean, in seconds.
+func timeCalls(ctx context.Context, m *bridge.Member, o SweepOptions, call func() error) (float64, error) {
+	for i := 0; i < o.Warmup; i++ {
+		if err := call(); err != nil {
+			return 0, err
+		}
+	}
+	if err := m.Comm.Barrier(ctx); err != nil {
+		return 0, err
+	}
+	start := time.Now()
+	for i := 0; i < o.Iters; i++ {
+		if err := call(); err != nil {
+			return 0, err
+		}
+	}
+	return maxAcross(ctx, m, time.Since(start).Seconds()/float64(o.Iters))
+}
+
+// benchBufs are one size's buffers: buf holds the result (and the input of
+// the in-place collectives), in a separate input.
+type benchBufs struct{ buf, in []byte }
+
+func newBenchBufs(coll string, size int64, n int) benchBufs {
+	switch coll {
+	case "memcpy":
+		return benchBufs{buf: make([]byte, size), in: make([]byte, size)}
+	case "all_gather":
+		return benchBufs{buf: make([]byte, size), in: make([]byte, size/int64(n))}
+	case "reduce_scatter":
+		return benchBufs{buf: make([]byte, size/int64(n)), in: make([]byte, size)}
+	}
+	return benchBufs{buf: make([]byte, size)}
+}
+
+// run calls the collective once; the exchange copies what arrives into
+// got when it is not nil.
+func (b benchBufs) run(ctx context.Context, m *bridge.Member, o SweepOptions, got []byte) error {
+	switch o.Coll {
+	case "all_reduce":
+		return m.Comm.AllReduce(ctx, b.buf, o.DType, o.Op, nil)
+	case "broadcast":
+		return m.Comm.Broadcast(ctx, b.buf, 0, nil)
+	case "all_gather":
+		return m.Comm.AllGather(ctx, b.buf, b.in, nil)
+	case "reduce_scatter":
+		return m.Comm.ReduceScatter(ctx, b.buf, b.in, o.DType, o.Op, nil)
+	case "exchange":
+		return exchange(ctx, m, b.buf, o.ChunkB, got)
+	case "memcpy":
+		copy(b.in, b.buf)
+		return nil
+	}
+	return fmt.Errorf("bench: unknown collective %q", o.Coll)
+}
+
+// fillBench fills this member's input with its pattern: buf for the
+// in-place collectives (of a broadcast only the root's survives), in for
+// all_gather and reduce_scatter.
+func fillBench(o SweepOptions, me int, buf, in []byte) {
+	if o.Coll == "all_gather" || o.Coll == "reduce_scatter" {
+		buf = in
+	}
+	fillPattern(buf, o.DType, me, o.Op)
 }
 
 // checkBench counts wrong elements of this member's result: buf (in for

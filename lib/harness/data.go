@@ -37,9 +37,7 @@ func fillRandom(b []byte, dt reduce.DType, r rng) {
 	for i := 0; i+sz <= len(b); i += sz {
 		x := r.next()
 		if !dt.IsFloat() {
-			for k := 0; k < sz; k++ {
-				b[i+k] = byte(x >> (8 * k))
-			}
+			putBits(b[i:], dt, x)
 			continue
 		}
 		var f float64
@@ -64,32 +62,38 @@ func fillRandom(b []byte, dt reduce.DType, r rng) {
 // putFloat stores f as dt. For a NaN it uses bits of payload, so NaN
 // payloads differ between members.
 func putFloat(b []byte, dt reduce.DType, f float64, payload uint64) {
+	bits := floatBits(dt, f)
+	if math.IsNaN(f) {
+		bits |= payload & nanPayload[dt]
+	}
+	putBits(b, dt, bits)
+}
+
+// nanPayload are a NaN's mantissa bits below the quiet bit, by dtype.
+var nanPayload = map[reduce.DType]uint64{
+	reduce.Float64: 0x0007ffffffffffff, reduce.Float32: 0x003fffff, reduce.Float16: 0x01ff, reduce.BFloat16: 0x003f,
+}
+
+// floatBits is f rounded to the floating dtype dt, as its bits.
+func floatBits(dt reduce.DType, f float64) uint64 {
 	switch dt {
 	case reduce.Float64:
-		bits := math.Float64bits(f)
-		if math.IsNaN(f) {
-			bits |= payload & 0x0007ffffffffffff
-		}
-		binary.LittleEndian.PutUint64(b, bits)
+		return math.Float64bits(f)
 	case reduce.Float32:
-		bits := math.Float32bits(float32(f))
-		if math.IsNaN(f) {
-			bits |= uint32(payload) & 0x003fffff
-		}
-		binary.LittleEndian.PutUint32(b, bits)
+		return uint64(math.Float32bits(float32(f)))
 	case reduce.Float16:
-		h := reduce.F32ToF16(float32(f))
-		if math.IsNaN(f) {
-			h |= uint16(payload) & 0x01ff
-		}
-		binary.LittleEndian.PutUint16(b, h)
+		return uint64(reduce.F32ToF16(float32(f)))
 	case reduce.BFloat16:
-		h := reduce.F32ToBF16(float32(f))
-		if math.IsNaN(f) {
-			h |= uint16(payload) & 0x003f
-		}
-		binary.LittleEndian.PutUint16(b, h)
+		return uint64(reduce.F32ToBF16(float32(f)))
 	}
+	return 0
+}
+
+// putBits stores the low dt.Size() bytes of bits, little-endian.
+func putBits(b []byte, dt reduce.DType, bits uint64) {
+	var le [8]byte
+	binary.LittleEndian.PutUint64(le[:], bits)
+	copy(b[:dt.Size()], le[:])
 }
 
 // patternValue is member m's element i in a bench: a small integer, so that
@@ -110,21 +114,10 @@ func fillPattern(b []byte, dt reduce.DType, m int, op reduce.Op) {
 }
 
 func putInt(b []byte, dt reduce.DType, v int64) {
-	switch dt {
-	case reduce.Float64:
-		binary.LittleEndian.PutUint64(b, math.Float64bits(float64(v)))
-	case reduce.Float32:
-		binary.LittleEndian.PutUint32(b, math.Float32bits(float32(v)))
-	case reduce.Float16:
-		binary.LittleEndian.PutUint16(b, reduce.F32ToF16(float32(v)))
-	case reduce.BFloat16:
-		binary.LittleEndian.PutUint16(b, reduce.F32ToBF16(float32(v)))
-	case reduce.Int8, reduce.Uint8:
-		b[0] = byte(v)
-	case reduce.Int32:
-		binary.LittleEndian.PutUint32(b, uint32(v))
-	case reduce.Int64:
-		binary.LittleEndian.PutUint64(b, uint64(v))
+	if dt.IsFloat() {
+		putBits(b, dt, floatBits(dt, float64(v)))
+	} else {
+		putBits(b, dt, uint64(v))
 	}
 }
 

@@ -54,51 +54,7 @@ func TestWithCollective(t *testing.T) {
 	// all_reduce of odd sizes, plain and streamed.
 	for _, n := range []int{4, 4 * 1001, 4 * 65537} {
 		for _, streamed := range []bool{false, true} {
-			inputs := make([][]byte, 2)
-			for i, reg := range regs {
-				randomF32(r, reg.Mem[:n])
-				inputs[i] = append([]byte(nil), reg.Mem[:n]...)
-			}
-			want := collective.ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 2)
-			var mu sync.Mutex
-			cover := make([][][2]uint64, 2)
-			parallel(t, 2, func(i int) error {
-				req := feed.Request{Kind: feed.MsgAllReduce, Buf: regs[i].Span(0, n), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}
-				if !streamed {
-					_, err := cs[i].Do(ctx, req)
-					return err
-				}
-				req.Flags = feed.FlagStreamed
-				k, err := cs[i].Start(req, func(off, m uint64) {
-					mu.Lock()
-					cover[i] = append(cover[i], [2]uint64{off, m})
-					mu.Unlock()
-				})
-				if err != nil {
-					return err
-				}
-				for end := 0; end < n; {
-					end = min(end+3000, n)
-					if err := k.Ready(end); err != nil {
-						return err
-					}
-				}
-				_, err = k.Wait(ctx)
-				return err
-			})
-			for i, reg := range regs {
-				require.True(t, bytes.Equal(want, reg.Mem[:n]), "member %d, %d bytes, streamed %v: result differs from the reference", i, n, streamed)
-				if streamed {
-					rs := cover[i]
-					sort.Slice(rs, func(a, b int) bool { return rs[a][0] < rs[b][0] })
-					var at uint64
-					for _, x := range rs {
-						require.Equal(t, at, x[0])
-						at += x[1]
-					}
-					require.Equal(t, uint64(n), at)
-				}
-			}
+			allReduceBitExact(t, cs, regs, r, n, streamed)
 		}
 	}
 
@@ -226,5 +182,58 @@ func TestP2PBehindCollective(t *testing.T) {
 			})
 			e.closeAll()
 		})
+	}
+}
+
+// allReduceBitExact all-reduces n random bytes of float32 on both members,
+// streamed or not, and checks the result against the reference and that
+// the PROGRESS ranges of a streamed one cover it once.
+func allReduceBitExact(t *testing.T, cs []*feedtest.Client, regs []*feedtest.Region, r *rand.Rand, n int, streamed bool) {
+	t.Helper()
+	ctx := context.Background()
+	inputs := make([][]byte, 2)
+	for i, reg := range regs {
+		randomF32(r, reg.Mem[:n])
+		inputs[i] = append([]byte(nil), reg.Mem[:n]...)
+	}
+	want := collective.ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 2)
+	var mu sync.Mutex
+	cover := make([][][2]uint64, 2)
+	parallel(t, 2, func(i int) error {
+		req := feed.Request{Kind: feed.MsgAllReduce, Buf: regs[i].Span(0, n), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}
+		if !streamed {
+			_, err := cs[i].Do(ctx, req)
+			return err
+		}
+		req.Flags = feed.FlagStreamed
+		k, err := cs[i].Start(req, func(off, m uint64) {
+			mu.Lock()
+			cover[i] = append(cover[i], [2]uint64{off, m})
+			mu.Unlock()
+		})
+		if err != nil {
+			return err
+		}
+		for end := 0; end < n; {
+			end = min(end+3000, n)
+			if err := k.Ready(end); err != nil {
+				return err
+			}
+		}
+		_, err = k.Wait(ctx)
+		return err
+	})
+	for i, reg := range regs {
+		require.True(t, bytes.Equal(want, reg.Mem[:n]), "member %d, %d bytes, streamed %v: result differs from the reference", i, n, streamed)
+		if streamed {
+			rs := cover[i]
+			sort.Slice(rs, func(a, b int) bool { return rs[a][0] < rs[b][0] })
+			var at uint64
+			for _, x := range rs {
+				require.Equal(t, at, x[0])
+				at += x[1]
+			}
+			require.Equal(t, uint64(n), at)
+		}
 	}
 }

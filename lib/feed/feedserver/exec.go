@@ -157,7 +157,7 @@ func (s *Server) accept(r *feed.Request, arrived time.Time) (exec bool, err erro
 		s.streams[r.ID] = c
 		s.smu.Unlock()
 	}
-	if r.Kind == feed.MsgSend || r.Kind == feed.MsgRecv {
+	if c.p2p() {
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
@@ -178,65 +178,78 @@ func (s *Server) run(c *call) {
 	c.started = time.Now()
 	d := &c.done
 	*d = feed.DoneMsg{ID: c.req.ID}
-	var err error
 	if cause := context.Cause(s.ctx); cause != nil {
 		d.Status, d.Error = feed.StatusAborted, "feed server stopping: "+cause.Error()
 	} else if b := s.Broken(); b != nil {
 		d.Status, d.Error = feed.StatusBroken, brokenText(b)
-	} else {
-		var p *Progress
-		if c.req.Flags&feed.FlagStreamed != 0 {
-			p = &c.prog
-		}
-		br := s.bridge
-		switch c.req.Kind {
-		case feed.MsgAllReduce:
-			err = br.AllReduce(s.ctx, c.buf, c.req.DType, c.req.Op, p)
-			d.Bytes = uint64(len(c.buf))
-		case feed.MsgBroadcast:
-			err = br.Broadcast(s.ctx, c.buf, int(c.req.Peer), p)
-			d.Bytes = uint64(len(c.buf))
-		case feed.MsgAllGather:
-			err = br.AllGather(s.ctx, c.out, c.buf, p)
-			d.Bytes = uint64(len(c.out))
-		case feed.MsgReduceScatter:
-			err = br.ReduceScatter(s.ctx, c.out, c.buf, c.req.DType, c.req.Op, p)
-			d.Bytes = uint64(len(c.out))
-		case feed.MsgBarrier:
-			err = br.Barrier(s.ctx)
-		case feed.MsgSend:
-			err = br.Send(s.ctx, int(c.req.Peer), c.req.Tag, c.buf)
-			d.Bytes = uint64(len(c.buf))
-		case feed.MsgRecv:
-			var n int
-			n, err = br.Recv(s.ctx, int(c.req.Peer), c.req.Tag, c.buf)
-			d.Bytes = uint64(n)
-		}
-		p2p := c.req.Kind == feed.MsgSend || c.req.Kind == feed.MsgRecv
-		if !p2p {
-			d.Seq = br.Seq()
-		}
-		if err != nil {
-			d.Error = err.Error()
-			switch {
-			case context.Cause(s.ctx) != nil:
-				d.Status, d.Error = feed.StatusAborted, "feed server stopping ("+context.Cause(s.ctx).Error()+"): "+err.Error()
-			case errors.Is(err, collective.ErrInvalid):
-				// Refused by the bridge before anything was sent.
-				d.Status = feed.StatusBadRequest
-			case errors.Is(err, collective.ErrBroken):
-				d.Status = feed.StatusBroken
-			default:
-				d.Status = feed.StatusBridgeError
-			}
-			// A collective that failed broke the bridge. A failed send or
-			// recv may not have (a recv that timed out, a message too
-			// long): the bridge says so on the next call if it did.
-			if d.Status != feed.StatusBadRequest && (!p2p || errors.Is(err, collective.ErrBroken)) {
-				s.breakBridge(err)
-			}
-		}
+	} else if err := s.call(c); err != nil {
+		s.failed(c, err)
 	}
+	s.finish(c)
+}
+
+// call runs the request on the bridge and fills DONE's bytes and seq.
+func (s *Server) call(c *call) (err error) {
+	var p *Progress
+	if c.req.Flags&feed.FlagStreamed != 0 {
+		p = &c.prog
+	}
+	br, d := s.bridge, &c.done
+	switch c.req.Kind {
+	case feed.MsgAllReduce:
+		err = br.AllReduce(s.ctx, c.buf, c.req.DType, c.req.Op, p)
+		d.Bytes = uint64(len(c.buf))
+	case feed.MsgBroadcast:
+		err = br.Broadcast(s.ctx, c.buf, int(c.req.Peer), p)
+		d.Bytes = uint64(len(c.buf))
+	case feed.MsgAllGather:
+		err = br.AllGather(s.ctx, c.out, c.buf, p)
+		d.Bytes = uint64(len(c.out))
+	case feed.MsgReduceScatter:
+		err = br.ReduceScatter(s.ctx, c.out, c.buf, c.req.DType, c.req.Op, p)
+		d.Bytes = uint64(len(c.out))
+	case feed.MsgBarrier:
+		err = br.Barrier(s.ctx)
+	case feed.MsgSend:
+		err = br.Send(s.ctx, int(c.req.Peer), c.req.Tag, c.buf)
+		d.Bytes = uint64(len(c.buf))
+	case feed.MsgRecv:
+		var n int
+		n, err = br.Recv(s.ctx, int(c.req.Peer), c.req.Tag, c.buf)
+		d.Bytes = uint64(n)
+	}
+	if !c.p2p() {
+		d.Seq = br.Seq()
+	}
+	return err
+}
+
+// failed sets DONE's status and error for a request the bridge failed, and
+// breaks the bridge if the failure did: a failed collective does; a failed
+// send or recv may not have (a recv that timed out, a message too long),
+// and the bridge says so on the next call if it did.
+func (s *Server) failed(c *call, err error) {
+	d := &c.done
+	d.Error = err.Error()
+	switch {
+	case context.Cause(s.ctx) != nil:
+		d.Status, d.Error = feed.StatusAborted, "feed server stopping ("+context.Cause(s.ctx).Error()+"): "+err.Error()
+	case errors.Is(err, collective.ErrInvalid):
+		// Refused by the bridge before anything was sent.
+		d.Status = feed.StatusBadRequest
+	case errors.Is(err, collective.ErrBroken):
+		d.Status = feed.StatusBroken
+	default:
+		d.Status = feed.StatusBridgeError
+	}
+	if d.Status != feed.StatusBadRequest && (!c.p2p() || errors.Is(err, collective.ErrBroken)) {
+		s.breakBridge(err)
+	}
+}
+
+// finish releases the request's regions, answers it with DONE and returns
+// the call to the pool.
+func (s *Server) finish(c *call) {
 	if c.req.Flags&feed.FlagStreamed != 0 {
 		s.smu.Lock()
 		delete(s.streams, c.req.ID)
@@ -244,13 +257,10 @@ func (s *Server) run(c *call) {
 	}
 	s.unref(c.regs[0])
 	s.unref(c.regs[1])
-	now := time.Now()
+	d := &c.done
 	d.QueueUS = uint64(c.started.Sub(c.arrived).Microseconds())
-	d.TotalUS = uint64(now.Sub(c.arrived).Microseconds())
-	s.wmu.Lock()
-	s.wbuf = d.Append(s.wbuf[:0])
-	_ = s.flushLocked()
-	s.wmu.Unlock()
+	d.TotalUS = uint64(time.Since(c.arrived).Microseconds())
+	_ = s.write(d.Append)
 	s.inflight.Add(-1)
 	c.mu.Lock()
 	c.wake, c.readyEnd = nil, 0
@@ -258,6 +268,10 @@ func (s *Server) run(c *call) {
 	c.buf, c.out, c.regs, c.prog, c.done.Error = nil, nil, [2]*region{}, Progress{}, ""
 	s.callPool.Put(c)
 }
+
+// p2p reports whether the call is a send or recv, which run beside the
+// collectives and have no sequence number.
+func (c *call) p2p() bool { return c.req.Kind == feed.MsgSend || c.req.Kind == feed.MsgRecv }
 
 // brokenText is the error of a request refused because the bridge broke
 // earlier: the original cause, in the words of collective.ErrBroken.

@@ -1,6 +1,7 @@
 package feedserver
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -134,16 +135,24 @@ func (m *fakeMember) exchange(ctx context.Context, seq uint64, in []byte) ([][]b
 	return r.in, nil
 }
 
-func (m *fakeMember) AllReduce(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, p *Progress) error {
+// round is one collective: this member's input (from buf, streamed
+// through p; none when give is false) exchanged for every member's.
+func (m *fakeMember) round(ctx context.Context, buf []byte, p *Progress, give bool) ([][]byte, error) {
 	seq, err := m.begin()
 	if err != nil {
-		return err
+		return nil, err
 	}
-	in, err := m.input(ctx, buf, p)
-	if err != nil {
-		return err
+	var in []byte
+	if give {
+		if in, err = m.input(ctx, buf, p); err != nil {
+			return nil, err
+		}
 	}
-	all, err := m.exchange(ctx, seq, in)
+	return m.exchange(ctx, seq, in)
+}
+
+func (m *fakeMember) AllReduce(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, p *Progress) error {
+	all, err := m.round(ctx, buf, p, true)
 	if err != nil {
 		return err
 	}
@@ -156,17 +165,7 @@ func (m *fakeMember) AllReduce(ctx context.Context, buf []byte, dt reduce.DType,
 }
 
 func (m *fakeMember) Broadcast(ctx context.Context, buf []byte, root int, p *Progress) error {
-	seq, err := m.begin()
-	if err != nil {
-		return err
-	}
-	var in []byte
-	if m.self == root {
-		if in, err = m.input(ctx, buf, p); err != nil {
-			return err
-		}
-	}
-	all, err := m.exchange(ctx, seq, in)
+	all, err := m.round(ctx, buf, p, m.self == root)
 	if err != nil {
 		return err
 	}
@@ -175,36 +174,16 @@ func (m *fakeMember) Broadcast(ctx context.Context, buf []byte, root int, p *Pro
 }
 
 func (m *fakeMember) AllGather(ctx context.Context, out, in []byte, p *Progress) error {
-	seq, err := m.begin()
+	all, err := m.round(ctx, in, p, true)
 	if err != nil {
 		return err
 	}
-	mine, err := m.input(ctx, in, p)
-	if err != nil {
-		return err
-	}
-	all, err := m.exchange(ctx, seq, mine)
-	if err != nil {
-		return err
-	}
-	var res []byte
-	for _, b := range all {
-		res = append(res, b...)
-	}
-	m.output(out, res, p)
+	m.output(out, bytes.Join(all, nil), p)
 	return nil
 }
 
 func (m *fakeMember) ReduceScatter(ctx context.Context, out, in []byte, dt reduce.DType, op reduce.Op, p *Progress) error {
-	seq, err := m.begin()
-	if err != nil {
-		return err
-	}
-	mine, err := m.input(ctx, in, p)
-	if err != nil {
-		return err
-	}
-	all, err := m.exchange(ctx, seq, mine)
+	all, err := m.round(ctx, in, p, true)
 	if err != nil {
 		return err
 	}
@@ -217,11 +196,7 @@ func (m *fakeMember) ReduceScatter(ctx context.Context, out, in []byte, dt reduc
 }
 
 func (m *fakeMember) Barrier(ctx context.Context) error {
-	seq, err := m.begin()
-	if err != nil {
-		return err
-	}
-	_, err = m.exchange(ctx, seq, nil)
+	_, err := m.round(ctx, nil, nil, false)
 	return err
 }
 

@@ -182,39 +182,31 @@ func BenchmarkAllReduce4B(b *testing.B) {
 	ctx := context.Background()
 	b.Run("bare", func(b *testing.B) {
 		bufs := [][]byte{make([]byte, 4), make([]byte, 4)}
-		var wg sync.WaitGroup
-		wg.Add(1)
-		n := b.N
-		go func() {
-			defer wg.Done()
-			for i := 0; i < n; i++ {
-				_ = comms[1].AllReduce(ctx, bufs[1], reduce.Float32, reduce.Sum, nil)
-			}
-		}()
-		for i := 0; i < n; i++ {
-			if err := comms[0].AllReduce(ctx, bufs[0], reduce.Float32, reduce.Sum, nil); err != nil {
-				b.Fatal(err)
-			}
-		}
-		wg.Wait()
+		benchPair(b, func(i int) error { return comms[i].AllReduce(ctx, bufs[i], reduce.Float32, reduce.Sum, nil) })
 	})
 	b.Run("feed", func(b *testing.B) {
-		var wg sync.WaitGroup
-		wg.Add(1)
-		n := b.N
-		go func() {
-			defer wg.Done()
-			for i := 0; i < n; i++ {
-				_ = e.clients[1].AllReduce(ctx, regs[1].Span(0, 4), reduce.Float32, reduce.Sum)
-			}
-		}()
 		b.ReportAllocs()
-		for i := 0; i < n; i++ {
-			if err := e.clients[0].AllReduce(ctx, regs[0].Span(0, 4), reduce.Float32, reduce.Sum); err != nil {
-				b.Fatal(err)
-			}
-		}
-		wg.Wait()
+		benchPair(b, func(i int) error { return e.clients[i].AllReduce(ctx, regs[i].Span(0, 4), reduce.Float32, reduce.Sum) })
 	})
 	e.closeAll()
+}
+
+// benchPair runs b.N calls of call on member 1 in the background and on
+// member 0 in the benchmark's goroutine; member 0's errors fail it.
+func benchPair(b *testing.B, call func(member int) error) {
+	var wg sync.WaitGroup
+	wg.Add(1)
+	n := b.N
+	go func() {
+		defer wg.Done()
+		for i := 0; i < n; i++ {
+			_ = call(1)
+		}
+	}()
+	for i := 0; i < n; i++ {
+		if err := call(0); err != nil {
+			b.Fatal(err)
+		}
+	}
+	wg.Wait()
 }

@@ -2,6 +2,7 @@ package feedserver
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -23,6 +24,7 @@ type reader struct {
 	r, w  int
 	bye   bool
 	total uint64
+	req   feed.Request // the request being decoded, reused
 }
 
 // next returns the next whole message; body is valid until the next call.
@@ -31,7 +33,7 @@ func (r *reader) next() (feed.Header, []byte, error) {
 		if r.w-r.r >= feed.HeaderSize {
 			h, err := feed.ParseHeader(r.buf[r.r:r.w], feed.MaxMessage)
 			if err != nil {
-				return feed.Header{}, nil, &ProtocolError{Code: feed.ErrCodeProtocol, Err: err}
+				return feed.Header{}, nil, protocolError(err)
 			}
 			if r.w-r.r >= int(h.Size) {
 				body := r.buf[r.r+feed.HeaderSize : r.r+int(h.Size)]
@@ -52,7 +54,7 @@ func (r *reader) next() (feed.Header, []byte, error) {
 			}
 		}
 		if flags&unix.MSG_CTRUNC != 0 {
-			return feed.Header{}, nil, &ProtocolError{Code: feed.ErrCodeProtocol, Err: errors.New("control data truncated: more than one descriptor sent with a message")}
+			return feed.Header{}, nil, protocolError(errors.New("control data truncated: more than one descriptor sent with a message"))
 		}
 		r.w += n
 		r.total += uint64(n)
@@ -61,7 +63,7 @@ func (r *reader) next() (feed.Header, []byte, error) {
 				continue
 			}
 			if r.w != r.r && errors.Is(err, io.EOF) {
-				return feed.Header{}, nil, &ProtocolError{Code: feed.ErrCodeProtocol, Err: fmt.Errorf("feed closed in the middle of a message (%d bytes)", r.w-r.r)}
+				return feed.Header{}, nil, protocolError(fmt.Errorf("feed closed in the middle of a message (%d bytes)", r.w-r.r))
 			}
 			return feed.Header{}, nil, err
 		}
@@ -83,7 +85,7 @@ func (r *reader) recv(p, oob []byte) (n, oobn, flags int, err error) {
 func (r *reader) takeFDs(oob []byte) error {
 	msgs, err := unix.ParseSocketControlMessage(oob)
 	if err != nil {
-		return &ProtocolError{Code: feed.ErrCodeProtocol, Err: fmt.Errorf("bad control data: %v", err)}
+		return protocolError(fmt.Errorf("bad control data: %v", err))
 	}
 	var bad error
 	for _, m := range msgs {
@@ -115,7 +117,7 @@ func (r *reader) takeFDs(oob []byte) error {
 		}
 	}
 	if bad != nil {
-		return &ProtocolError{Code: feed.ErrCodeProtocol, Err: bad}
+		return protocolError(bad)
 	}
 	return nil
 }
@@ -124,94 +126,95 @@ func (r *reader) takeFDs(oob []byte) error {
 // server's context (exec false, and why), or until it accepted a collective
 // while none was running (exec true): then the caller runs it.
 func (s *Server) readLoop(r *reader) (exec bool, err error) {
-	var req feed.Request
 	for {
 		h, body, err := r.next()
 		if err != nil {
-			if cause := context.Cause(s.ctx); cause != nil {
-				return false, cause
-			}
-			var pe *ProtocolError
-			if errors.As(err, &pe) || errors.Is(err, io.EOF) {
-				return false, err
-			}
-			return false, fmt.Errorf("%w: read: %v", ErrFeedLost, err)
+			return false, s.readEnd(err)
 		}
-		arrived := time.Now()
-		switch {
-		case h.Type.IsRequest():
-			if err := feed.DecodeRequest(h.Type, body, &req); err != nil {
-				if len(body) < 8 {
-					return false, &ProtocolError{Code: feed.ErrCodeProtocol, Err: err}
-				}
-				if err := s.checkID(req.ID); err != nil {
-					return false, err
-				}
-				s.refuse(&req, feed.StatusBadRequest, err.Error(), arrived)
-				continue
-			}
-			exec, err := s.accept(&req, arrived)
-			if err != nil {
-				return false, err
-			}
-			if exec {
-				return true, nil
-			}
-		case h.Type == feed.MsgReady:
-			m, err := feed.DecodeReady(body)
-			if err != nil {
-				return false, &ProtocolError{Code: feed.ErrCodeProtocol, Err: err}
-			}
-			if err := s.ready(m); err != nil {
-				return false, err
-			}
-		case h.Type == feed.MsgRegion:
-			m, err := feed.DecodeBody(feed.MsgRegion, body)
-			if err != nil {
-				s.closeFD(s.popFD())
-				if len(body) < 8 {
-					return false, &ProtocolError{Code: feed.ErrCodeProtocol, Err: err}
-				}
-				id := leU64(body)
-				if err := s.checkID(id); err != nil {
-					return false, err
-				}
-				s.reply(id, feed.StatusBadRequest, err.Error(), arrived)
-				continue
-			}
-			if err := s.addRegion(m.(*feed.RegionMsg), arrived); err != nil {
-				return false, err
-			}
-		case h.Type == feed.MsgRelease:
-			m, err := feed.DecodeBody(feed.MsgRelease, body)
-			if err != nil {
-				return false, &ProtocolError{Code: feed.ErrCodeProtocol, Err: err}
-			}
-			if err := s.release(m.(*feed.ReleaseMsg), arrived); err != nil {
-				return false, err
-			}
-		case h.Type == feed.MsgBye:
-			if len(body) != 0 {
-				return false, &ProtocolError{Code: feed.ErrCodeProtocol, Err: fmt.Errorf("%w: bye: body of %d bytes", feed.ErrMalformed, len(body))}
-			}
-			r.bye = true
-			return false, errBye
-		default:
-			return false, &ProtocolError{Code: feed.ErrCodeProtocol, Err: fmt.Errorf("unexpected %s message from the client", h.Type)}
+		if exec, err = s.handle(r, h.Type, body, time.Now()); exec || err != nil {
+			return exec, err
 		}
 	}
 }
 
-func leU64(b []byte) uint64 {
-	_ = b[7]
-	return uint64(b[0]) | uint64(b[1])<<8 | uint64(b[2])<<16 | uint64(b[3])<<24 |
-		uint64(b[4])<<32 | uint64(b[5])<<40 | uint64(b[6])<<48 | uint64(b[7])<<56
+// readEnd says why reading ended: the server's context, the client (a
+// *ProtocolError, or EOF), or the feed was lost.
+func (s *Server) readEnd(err error) error {
+	if cause := context.Cause(s.ctx); cause != nil {
+		return cause
+	}
+	var pe *ProtocolError
+	if errors.As(err, &pe) || errors.Is(err, io.EOF) {
+		return err
+	}
+	return fmt.Errorf("%w: read: %v", ErrFeedLost, err)
+}
+
+// handle handles one message from the client; exec as readLoop's.
+func (s *Server) handle(r *reader, t feed.MsgType, body []byte, arrived time.Time) (exec bool, err error) {
+	switch {
+	case t.IsRequest():
+		if err := feed.DecodeRequest(t, body, &r.req); err != nil {
+			return false, s.refuseMalformed(t, body, err, arrived)
+		}
+		return s.accept(&r.req, arrived)
+	case t == feed.MsgReady:
+		m, err := feed.DecodeReady(body)
+		if err != nil {
+			return false, protocolError(err)
+		}
+		return false, s.ready(m)
+	case t == feed.MsgRegion:
+		m, err := feed.DecodeBody(feed.MsgRegion, body)
+		if err != nil {
+			s.closeFD(s.popFD())
+			return false, s.refuseMalformed(t, body, err, arrived)
+		}
+		return false, s.addRegion(m.(*feed.RegionMsg), arrived)
+	case t == feed.MsgRelease:
+		m, err := feed.DecodeBody(feed.MsgRelease, body)
+		if err != nil {
+			return false, protocolError(err)
+		}
+		return false, s.release(m.(*feed.ReleaseMsg), arrived)
+	case t == feed.MsgBye:
+		if len(body) != 0 {
+			return false, protocolError(fmt.Errorf("%w: bye: body of %d bytes", feed.ErrMalformed, len(body)))
+		}
+		r.bye = true
+		return false, errBye
+	}
+	return false, protocolError(fmt.Errorf("unexpected %s message from the client", t))
+}
+
+// refuseMalformed answers a request or REGION whose body is malformed:
+// one too short to hold its request id breaks the protocol; else the id
+// must still increase, and the message gets a DONE with StatusBadRequest.
+func (s *Server) refuseMalformed(t feed.MsgType, body []byte, err error, arrived time.Time) error {
+	if len(body) < 8 {
+		return protocolError(err)
+	}
+	id := binary.LittleEndian.Uint64(body)
+	if err := s.checkID(id); err != nil {
+		return err
+	}
+	text := err.Error()
+	if t.IsRequest() {
+		text = fmt.Sprintf("%s %d: %s", t, id, text)
+	}
+	s.reply(id, feed.StatusBadRequest, text, arrived)
+	return nil
+}
+
+// protocolError is a violation of the protocol by the client.
+func protocolError(err error) *ProtocolError {
+	return &ProtocolError{Code: feed.ErrCodeProtocol, Err: err}
 }
 
 // checkID enforces strictly increasing request ids.
 func (s *Server) checkID(id uint64) error {
 	if id <= s.lastID {
-		return &ProtocolError{Code: feed.ErrCodeProtocol, Err: fmt.Errorf("request id %d is not above the previous one (%d): ids must increase", id, s.lastID)}
+		return protocolError(fmt.Errorf("request id %d is not above the previous one (%d): ids must increase", id, s.lastID))
 	}
 	s.lastID = id
 	return nil

@@ -52,26 +52,23 @@ type ServerOptions struct {
 }
 
 func (o *ServerOptions) defaults() {
-	if o.MaxRegions <= 0 {
-		o.MaxRegions = DefaultMaxRegions
-	}
-	if o.MaxRegionBytes == 0 {
-		o.MaxRegionBytes = DefaultMaxRegionBytes
-	}
-	if o.MaxInflight <= 0 {
-		o.MaxInflight = DefaultMaxInflight
-	}
-	if o.HandshakeTimeout <= 0 {
-		o.HandshakeTimeout = DefaultHandshakeTimeout
-	}
-	if o.WriteTimeout <= 0 {
-		o.WriteTimeout = DefaultWriteTimeout
-	}
-	if o.HandoffDelay == 0 {
+	orDefault(&o.MaxRegions, DefaultMaxRegions)
+	orDefault(&o.MaxRegionBytes, DefaultMaxRegionBytes)
+	orDefault(&o.MaxInflight, DefaultMaxInflight)
+	orDefault(&o.HandshakeTimeout, DefaultHandshakeTimeout)
+	orDefault(&o.WriteTimeout, DefaultWriteTimeout)
+	if o.HandoffDelay == 0 { // negative: at once
 		o.HandoffDelay = DefaultHandoffDelay
 	}
 	if o.Log == nil {
 		o.Log = slog.New(slog.DiscardHandler)
+	}
+}
+
+// orDefault sets *v to d when it is not positive.
+func orDefault[T int | uint64 | time.Duration](v *T, d T) {
+	if *v <= 0 {
+		*v = d
 	}
 }
 
@@ -213,10 +210,7 @@ func (s *Server) Serve(ctx context.Context) (err error) {
 	}
 	s.wg.Wait()
 	if err == nil && r.bye {
-		s.wmu.Lock()
-		s.wbuf = (&feed.ByeMsg{}).Append(s.wbuf[:0])
-		_ = s.flushLocked()
-		s.wmu.Unlock()
+		_ = s.write((&feed.ByeMsg{}).Append)
 	}
 	if err == nil {
 		if werr := s.writeErr(); werr != nil {
@@ -268,14 +262,7 @@ func (s *Server) handshake(r *reader) error {
 		MaxMessage: feed.MaxMessage, MaxRegions: uint32(s.o.MaxRegions), MaxInflight: uint32(s.o.MaxInflight),
 		MaxRegionBytes: s.o.MaxRegionBytes, Transport: s.o.Transport,
 	}
-	s.wmu.Lock()
-	s.wbuf = w.Append(s.wbuf[:0])
-	err = s.flushLocked()
-	s.wmu.Unlock()
-	if err != nil {
-		return err
-	}
-	return nil
+	return s.write(w.Append)
 }
 
 func (s *Server) protocolErr(code uint32, err error) error {

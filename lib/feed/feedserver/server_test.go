@@ -228,33 +228,7 @@ func TestEveryRequest(t *testing.T) {
 	parallel(t, 2, func(i int) error { return cs[i].Barrier(ctx) })
 
 	// send/recv both ways with tags, concurrently with a collective.
-	copy(regs[0].Mem[1000:], "zero->one")
-	copy(regs[1].Mem[1000:], "one->zero!")
-	parallel(t, 2, func(i int) error {
-		peer := 1 - i
-		recv, err := cs[i].Start(feed.Request{Kind: feed.MsgRecv, Buf: regs[i].Span(2000, 64), Peer: int32(peer), Tag: 7}, nil)
-		if err != nil {
-			return err
-		}
-		if err := cs[i].Barrier(ctx); err != nil {
-			return err
-		}
-		if err := cs[i].Send(ctx, peer, 7, regs[i].Span(1000, 9+i)); err != nil {
-			return err
-		}
-		d, err := recv.Wait(ctx)
-		if err != nil {
-			return err
-		}
-		if d.Seq != 0 {
-			return fmt.Errorf("recv DONE has seq %d", d.Seq)
-		}
-		want := map[int]string{0: "one->zero!", 1: "zero->one"}[i]
-		if got := string(regs[i].Mem[2000 : 2000+d.Bytes]); got != want {
-			return fmt.Errorf("received %q, want %q", got, want)
-		}
-		return nil
-	})
+	parallel(t, 2, func(i int) error { return sendRecvAroundBarrier(ctx, cs[i], regs[i], i) })
 	// Six collectives ran; the barrier between the recv and its send did
 	// not wait for the recv.
 	for i := range cs {
@@ -264,6 +238,35 @@ func TestEveryRequest(t *testing.T) {
 		require.NoError(t, c.Release(ctx, regs[i]))
 	}
 	e.closeAll()
+}
+
+// sendRecvAroundBarrier is member i of 2: it posts a tagged recv, meets
+// the other member in a barrier, sends, and checks what it received.
+func sendRecvAroundBarrier(ctx context.Context, c *feedtest.Client, reg *feedtest.Region, i int) error {
+	copy(reg.Mem[1000:], []string{"zero->one", "one->zero!"}[i])
+	peer := 1 - i
+	recv, err := c.Start(feed.Request{Kind: feed.MsgRecv, Buf: reg.Span(2000, 64), Peer: int32(peer), Tag: 7}, nil)
+	if err != nil {
+		return err
+	}
+	if err := c.Barrier(ctx); err != nil {
+		return err
+	}
+	if err := c.Send(ctx, peer, 7, reg.Span(1000, 9+i)); err != nil {
+		return err
+	}
+	d, err := recv.Wait(ctx)
+	if err != nil {
+		return err
+	}
+	if d.Seq != 0 {
+		return fmt.Errorf("recv DONE has seq %d", d.Seq)
+	}
+	want := []string{"one->zero!", "zero->one"}[i]
+	if got := string(reg.Mem[2000 : 2000+d.Bytes]); got != want {
+		return fmt.Errorf("received %q, want %q", got, want)
+	}
+	return nil
 }
 
 func TestStreamedAllReduce(t *testing.T) {
@@ -399,17 +402,27 @@ func TestStreamedKinds(t *testing.T) {
 	e.closeAll()
 }
 
-func TestBadRequests(t *testing.T) {
-	e := startFeeds(t, bridges(newFakeGroup(2, 8)), func(o *ServerOptions) {
+// limitedFeeds serves members over a fake bridge with at most 3 regions
+// of 1 MiB, and maps two regions of 4 KiB on member 0.
+func limitedFeeds(t *testing.T, members int) (*feedEnv, *feedtest.Region, *feedtest.Region) {
+	t.Helper()
+	e := startFeeds(t, bridges(newFakeGroup(members, 8)), func(o *ServerOptions) {
 		o.MaxRegionBytes = 1 << 20
 		o.MaxRegions = 3
 	})
+	regs := make([]*feedtest.Region, 2)
+	for i := range regs {
+		var err error
+		regs[i], err = e.clients[0].Map(context.Background(), 4096)
+		require.NoError(t, err)
+	}
+	return e, regs[0], regs[1]
+}
+
+func TestBadRequests(t *testing.T) {
+	e, reg, reg2 := limitedFeeds(t, 2)
 	ctx := context.Background()
 	c := e.clients[0]
-	reg, err := c.Map(ctx, 4096)
-	require.NoError(t, err)
-	reg2, err := c.Map(ctx, 4096)
-	require.NoError(t, err)
 	f32 := func(sp feed.Span) feed.Request {
 		return feed.Request{Kind: feed.MsgAllReduce, Buf: sp, DType: reduce.Float32, Op: reduce.Sum, Peer: -1}
 	}
@@ -454,7 +467,39 @@ func TestBadRequests(t *testing.T) {
 		})
 	}
 
-	// Bad regions.
+	t.Run("release unknown region", func(t *testing.T) {
+		err := c.Release(ctx, &feedtest.Region{ID: 77})
+		assert.ErrorContains(t, err, "region 77 is not mapped")
+	})
+	t.Run("malformed request body", func(t *testing.T) {
+		k, err := c.StartMsg(feed.MsgAllReduce, nil, func(b []byte, id uint64) []byte {
+			b = (&feed.Request{Kind: feed.MsgAllReduce, ID: id, Peer: -1}).Append(b)
+			b[len(b)-64+11] = 1 // reserved byte
+			return b
+		})
+		require.NoError(t, err)
+		_, err = k.Wait(ctx)
+		assert.ErrorContains(t, err, "reserved byte 11")
+	})
+
+	// The server kept serving: a good all_reduce on both members works.
+	reg1, err := e.clients[1].Map(ctx, 64)
+	require.NoError(t, err)
+	putF32(reg.Mem, 1.5)
+	putF32(reg1.Mem, 2)
+	parallel(t, 2, func(i int) error {
+		return e.clients[i].AllReduce(ctx, []feed.Span{reg.Span(0, 4), reg1.Span(0, 4)}[i], reduce.Float32, reduce.Sum)
+	})
+	assert.Equal(t, []float32{3.5}, getF32(reg.Mem[:4]))
+	require.NoError(t, c.Release(ctx, reg2))
+	assert.Nil(t, e.servers[0].Broken())
+	e.closeAll()
+}
+
+func TestBadRegions(t *testing.T) {
+	e, reg, _ := limitedFeeds(t, 1)
+	ctx := context.Background()
+	c := e.clients[0]
 	t.Run("region without fd", func(t *testing.T) {
 		k, err := c.StartMsg(feed.MsgRegion, nil, func(b []byte, id uint64) []byte {
 			return (&feed.RegionMsg{ID: id, Region: 50, Size: 4096}).Append(b)
@@ -496,31 +541,8 @@ func TestBadRequests(t *testing.T) {
 		require.NoError(t, sendRegion(fd, 53, 4096))
 		assert.ErrorContains(t, sendRegion(fd, 54, 4096), "3 regions are mapped, the limit is 3")
 	})
-	t.Run("release unknown region", func(t *testing.T) {
-		err := c.Release(ctx, &feedtest.Region{ID: 77})
-		assert.ErrorContains(t, err, "region 77 is not mapped")
-	})
-	t.Run("malformed request body", func(t *testing.T) {
-		k, err := c.StartMsg(feed.MsgAllReduce, nil, func(b []byte, id uint64) []byte {
-			b = (&feed.Request{Kind: feed.MsgAllReduce, ID: id, Peer: -1}).Append(b)
-			b[len(b)-64+11] = 1 // reserved byte
-			return b
-		})
-		require.NoError(t, err)
-		_, err = k.Wait(ctx)
-		assert.ErrorContains(t, err, "reserved byte 11")
-	})
-
-	// The server kept serving: a good all_reduce on both members works.
-	reg1, err := e.clients[1].Map(ctx, 64)
-	require.NoError(t, err)
-	putF32(reg.Mem, 1.5)
-	putF32(reg1.Mem, 2)
-	parallel(t, 2, func(i int) error {
-		return e.clients[i].AllReduce(ctx, []feed.Span{reg.Span(0, 4), reg1.Span(0, 4)}[i], reduce.Float32, reduce.Sum)
-	})
-	assert.Equal(t, []float32{3.5}, getF32(reg.Mem[:4]))
-	require.NoError(t, c.Release(ctx, reg2))
+	// The server kept serving.
+	require.NoError(t, c.AllReduce(ctx, reg.Span(0, 4), reduce.Float32, reduce.Sum))
 	assert.Nil(t, e.servers[0].Broken())
 	e.closeAll()
 }

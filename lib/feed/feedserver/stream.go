@@ -13,12 +13,12 @@ func (s *Server) ready(m feed.ReadyMsg) error {
 	s.smu.Unlock()
 	if c == nil {
 		if m.ID > s.lastID {
-			return &ProtocolError{Code: feed.ErrCodeProtocol, Err: fmt.Errorf("ready for request %d, which was never sent", m.ID)}
+			return protocolError(fmt.Errorf("ready for request %d, which was never sent", m.ID))
 		}
 		return nil // finished already (a broadcast's non-root needs no input)
 	}
 	if m.End > c.inLen {
-		return &ProtocolError{Code: feed.ErrCodeProtocol, Err: fmt.Errorf("ready for request %d up to byte %d, past its input of %d bytes", m.ID, m.End, c.inLen)}
+		return protocolError(fmt.Errorf("ready for request %d up to byte %d, past its input of %d bytes", m.ID, m.End, c.inLen))
 	}
 	c.mu.Lock()
 	if m.End > c.readyEnd {
@@ -67,10 +67,6 @@ func (c *call) waitReady(ctx context.Context, end int) error {
 
 // progress is Progress.Done of a streamed call.
 func (c *call) progress(off, n int) {
-	s := c.s
 	p := feed.ProgressMsg{ID: c.req.ID, Off: uint64(off), N: uint64(n)}
-	s.wmu.Lock()
-	s.wbuf = p.Append(s.wbuf[:0])
-	_ = s.flushLocked()
-	s.wmu.Unlock()
+	_ = c.s.write(p.Append)
 }

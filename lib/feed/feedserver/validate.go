@@ -8,8 +8,24 @@ import (
 	"github.com/gpubridge/gpubridge/lib/reduce"
 )
 
-// validate checks a request against the protocol and the bridge.
+// validate checks a request against the protocol and the bridge: the
+// fields every request has, what its kind takes, whole elements, and
+// overlapping spans. The first problem found is the error.
 func (s *Server) validate(r *feed.Request) error {
+	if err := checkFields(r); err != nil {
+		return err
+	}
+	if err := checkKind(r, s.o.Member, s.o.Members); err != nil {
+		return err
+	}
+	if err := checkElements(r); err != nil {
+		return err
+	}
+	return checkOverlap(r, s.o.Member)
+}
+
+// checkFields checks codec, flags, dtype and op.
+func checkFields(r *feed.Request) error {
 	if r.Codec != feed.CodecRaw {
 		return fmt.Errorf("codec %d is not supported (this gbbridge knows only 0, raw)", r.Codec)
 	}
@@ -19,8 +35,7 @@ func (s *Server) validate(r *feed.Request) error {
 	if r.DType != 0 && r.DType.Size() == 0 {
 		return fmt.Errorf("unknown dtype %d", r.DType)
 	}
-	reduces := r.Kind == feed.MsgAllReduce || r.Kind == feed.MsgReduceScatter
-	if reduces {
+	if r.Kind == feed.MsgAllReduce || r.Kind == feed.MsgReduceScatter {
 		if r.DType == 0 {
 			return errors.New("a reduction needs a dtype")
 		}
@@ -36,80 +51,108 @@ func (s *Server) validate(r *feed.Request) error {
 			return fmt.Errorf("%s cannot be streamed", r.Kind)
 		}
 	}
-	n := uint64(s.o.Members)
-	member := func(what string) error {
-		if r.Peer < 0 || int64(r.Peer) >= int64(s.o.Members) {
-			return fmt.Errorf("%s %d is not a member (0..%d)", what, r.Peer, s.o.Members-1)
-		}
-		return nil
-	}
-	noOut := func() error {
-		if r.Out != (feed.Span{}) {
-			return fmt.Errorf("%s takes no output span", r.Kind)
-		}
-		return nil
-	}
-	noPeer := func() error {
-		if r.Peer != -1 || r.Tag != 0 {
-			return fmt.Errorf("%s takes no root, peer or tag (want -1 and 0)", r.Kind)
-		}
-		return nil
-	}
-	var err error
+	return nil
+}
+
+// checkKind checks the spans, root or peer, and tag that r's kind takes,
+// on a bridge of members members of which this server's is member.
+func checkKind(r *feed.Request, member, members int) error {
+	n := uint64(members)
 	switch r.Kind {
 	case feed.MsgAllReduce:
-		err = errors.Join(noOut(), noPeer())
+		return errors.Join(noOut(r), noPeer(r))
 	case feed.MsgBroadcast:
-		err = errors.Join(noOut(), member("root"))
-		if err == nil && r.Tag != 0 {
-			err = errors.New("broadcast takes no tag")
+		if err := errors.Join(noOut(r), isMember(r, "root", members)); err != nil {
+			return err
+		}
+		if r.Tag != 0 {
+			return errors.New("broadcast takes no tag")
 		}
 	case feed.MsgAllGather:
-		err = noPeer()
-		if err == nil && (r.Out.Len/n != r.Buf.Len || r.Out.Len%n != 0) {
-			err = fmt.Errorf("all_gather: output of %d bytes, want %d members × %d input bytes", r.Out.Len, n, r.Buf.Len)
+		if err := noPeer(r); err != nil {
+			return err
+		}
+		if !isMembersTimes(r.Out.Len, r.Buf.Len, n) {
+			return fmt.Errorf("all_gather: output of %d bytes, want %d members × %d input bytes", r.Out.Len, n, r.Buf.Len)
 		}
 	case feed.MsgReduceScatter:
-		err = noPeer()
-		if err == nil && (r.Buf.Len/n != r.Out.Len || r.Buf.Len%n != 0) {
-			err = fmt.Errorf("reduce_scatter: input of %d bytes, want %d members × %d output bytes", r.Buf.Len, n, r.Out.Len)
+		if err := noPeer(r); err != nil {
+			return err
+		}
+		if !isMembersTimes(r.Buf.Len, r.Out.Len, n) {
+			return fmt.Errorf("reduce_scatter: input of %d bytes, want %d members × %d output bytes", r.Buf.Len, n, r.Out.Len)
 		}
 	case feed.MsgBarrier:
-		err = errors.Join(noOut(), noPeer())
-		if err == nil && r.Buf != (feed.Span{}) {
-			err = errors.New("barrier takes no buffer")
+		if err := errors.Join(noOut(r), noPeer(r)); err != nil {
+			return err
 		}
-		if err == nil && r.DType != 0 {
-			err = errors.New("barrier takes no dtype")
+		if r.Buf != (feed.Span{}) {
+			return errors.New("barrier takes no buffer")
+		}
+		if r.DType != 0 {
+			return errors.New("barrier takes no dtype")
 		}
 	case feed.MsgSend, feed.MsgRecv:
-		err = errors.Join(noOut(), member("peer"))
-		if err == nil && int(r.Peer) == s.o.Member {
-			err = fmt.Errorf("peer %d is this member", r.Peer)
+		if err := errors.Join(noOut(r), isMember(r, "peer", members)); err != nil {
+			return err
 		}
-	}
-	if err != nil {
-		return err
-	}
-	if sz := uint64(r.DType.Size()); sz > 1 {
-		if r.Buf.Len%sz != 0 {
-			return fmt.Errorf("buffer of %d bytes is not a whole number of %s elements (%d bytes each)", r.Buf.Len, r.DType, sz)
-		}
-		if r.Out.Len%sz != 0 {
-			return fmt.Errorf("output of %d bytes is not a whole number of %s elements (%d bytes each)", r.Out.Len, r.DType, sz)
-		}
-	}
-	if r.Buf.Region != 0 && r.Buf.Region == r.Out.Region &&
-		r.Buf.Off < r.Out.Off+r.Out.Len && r.Out.Off < r.Buf.Off+r.Buf.Len && r.Buf.Len > 0 && r.Out.Len > 0 {
-		// The in-place forms: all_gather's input is this member's slot of
-		// the output; reduce_scatter's output is this member's segment of
-		// the input.
-		me := uint64(s.o.Member)
-		inPlace := r.Kind == feed.MsgAllGather && r.Buf.Off == r.Out.Off+me*r.Buf.Len ||
-			r.Kind == feed.MsgReduceScatter && r.Out.Off == r.Buf.Off+me*r.Out.Len
-		if !inPlace {
-			return errors.New("input and output overlap (only the in-place forms are allowed: all_gather's input as this member's slot of the output, reduce_scatter's output as this member's segment of the input)")
+		if int(r.Peer) == member {
+			return fmt.Errorf("peer %d is this member", r.Peer)
 		}
 	}
 	return nil
+}
+
+// isMembersTimes reports whether whole is n parts.
+func isMembersTimes(whole, part, n uint64) bool { return whole/n == part && whole%n == 0 }
+
+func isMember(r *feed.Request, what string, members int) error {
+	if r.Peer < 0 || int64(r.Peer) >= int64(members) {
+		return fmt.Errorf("%s %d is not a member (0..%d)", what, r.Peer, members-1)
+	}
+	return nil
+}
+
+func noOut(r *feed.Request) error {
+	if r.Out != (feed.Span{}) {
+		return fmt.Errorf("%s takes no output span", r.Kind)
+	}
+	return nil
+}
+
+func noPeer(r *feed.Request) error {
+	if r.Peer != -1 || r.Tag != 0 {
+		return fmt.Errorf("%s takes no root, peer or tag (want -1 and 0)", r.Kind)
+	}
+	return nil
+}
+
+// checkElements checks that both spans hold whole elements of the dtype.
+func checkElements(r *feed.Request) error {
+	sz := uint64(r.DType.Size())
+	if sz <= 1 {
+		return nil
+	}
+	if r.Buf.Len%sz != 0 {
+		return fmt.Errorf("buffer of %d bytes is not a whole number of %s elements (%d bytes each)", r.Buf.Len, r.DType, sz)
+	}
+	if r.Out.Len%sz != 0 {
+		return fmt.Errorf("output of %d bytes is not a whole number of %s elements (%d bytes each)", r.Out.Len, r.DType, sz)
+	}
+	return nil
+}
+
+// checkOverlap refuses input and output spans that overlap, except in the
+// in-place forms: all_gather's input as this member's slot of the output,
+// reduce_scatter's output as this member's segment of the input.
+func checkOverlap(r *feed.Request, member int) error {
+	b, o := r.Buf, r.Out
+	if b.Region == 0 || b.Region != o.Region || b.Len == 0 || o.Len == 0 || b.Off >= o.Off+o.Len || o.Off >= b.Off+b.Len {
+		return nil
+	}
+	me := uint64(member)
+	if r.Kind == feed.MsgAllGather && b.Off == o.Off+me*b.Len || r.Kind == feed.MsgReduceScatter && o.Off == b.Off+me*o.Len {
+		return nil
+	}
+	return errors.New("input and output overlap (only the in-place forms are allowed: all_gather's input as this member's slot of the output, reduce_scatter's output as this member's segment of the input)")
 }

@@ -9,27 +9,30 @@ import (
 	"github.com/gpubridge/gpubridge/lib/feed"
 )
 
+// write sends the message that appendMsg (a message's Append) encodes, from
+// whichever goroutine has it, under wmu. After a failed write nothing more
+// is written and the server stops.
+func (s *Server) write(appendMsg func(b []byte) []byte) error {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	s.wbuf = appendMsg(s.wbuf[:0])
+	return s.flush()
+}
+
 // reply sends a DONE with no bridge work behind it.
 func (s *Server) reply(id uint64, st feed.Status, msg string, arrived time.Time) {
 	us := uint64(time.Since(arrived).Microseconds())
 	d := feed.DoneMsg{ID: id, Status: st, Error: msg, TotalUS: us}
-	s.wmu.Lock()
-	s.wbuf = d.Append(s.wbuf[:0])
-	_ = s.flushLocked()
-	s.wmu.Unlock()
+	_ = s.write(d.Append)
 }
 
 func (s *Server) writeError(code uint32, text string) {
 	m := feed.ErrorMsg{Code: code, Text: text}
-	s.wmu.Lock()
-	s.wbuf = m.Append(s.wbuf[:0])
-	_ = s.flushLocked()
-	s.wmu.Unlock()
+	_ = s.write(m.Append)
 }
 
-// flushLocked writes wbuf; the caller holds wmu. After a failed write
-// nothing more is written and the server stops.
-func (s *Server) flushLocked() error {
+// flush writes wbuf; the caller holds wmu.
+func (s *Server) flush() error {
 	if s.werr != nil {
 		return s.werr
 	}
