@@ -13,12 +13,10 @@ import (
 )
 
 // worker alternates between reading the socket (while it holds the reader
-// role) and running collectives (after it read one while none was running).
-// While it runs collectives it hands the reader role to the standby worker:
-// at once before a streamed collective (which needs its READYs), else once
-// the collectives have run for HandoffDelay, so that a short collective
-// costs no thread wake-up and a long one does not keep later messages (a
-// send, a recv, a READY) waiting.
+// role) and running the collectives it read while none was running. It
+// hands the role to the standby worker at once before a streamed
+// collective (which needs its READYs), else after HandoffDelay
+// (docs/FEED.md §5).
 func (s *Server) worker() {
 	defer s.wg.Done()
 	w := &worker{s: s}
