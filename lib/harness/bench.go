@@ -6,13 +6,10 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/bridge"
 	"github.com/gpubridge/gpubridge/lib/reduce"
-	"github.com/gpubridge/gpubridge/lib/wire"
 )
 
 // BenchSchema is the schema of gbbridge bench's JSON lines.
@@ -55,68 +52,6 @@ type SweepOptions struct {
 	Row func(BenchRow)
 }
 
-// exchange is the ceiling the bridge is measured against: the two members
-// send each other buf at the same time over every data stream, in frames of
-// chunk bytes, and neither reduces nor copies what arrives — the traffic of
-// a 2-member all_reduce without its arithmetic. With got non-nil (the
-// checked call after timing) each frame is checked for its place in the
-// buffer and copied into got, so the caller can compare got with what the
-// peer sent.
-func exchange(ctx context.Context, m *bridge.Member, buf []byte, chunk int, got []byte) error {
-	if m.Size != 2 {
-		return fmt.Errorf("bench: the exchange needs 2 members, not %d", m.Size)
-	}
-	peer, streams := 1-m.Self, m.Mesh.Streams()
-	chunks := (len(buf) + chunk - 1) / chunk
-	// The first failure stops the other streams rather than leaving them
-	// waiting for frames that will not come.
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	errc := make(chan error, 2*streams)
-	for s := 0; s < streams; s++ {
-		st := m.Mesh.Stream(peer, s)
-		go func() {
-			for k := s; k < chunks; k += streams {
-				end := min((k+1)*chunk, len(buf))
-				if err := st.Send(ctx, wire.Header{Kind: wire.KindData, Chunk: uint32(k)}, buf[k*chunk:end]); err != nil {
-					errc <- err
-					return
-				}
-			}
-			errc <- nil
-		}()
-		go func() {
-			for k := s; k < chunks; k += streams {
-				keep := func(wire.Header, []byte) error { return nil }
-				if got != nil {
-					start, end := k*chunk, min((k+1)*chunk, len(buf))
-					keep = func(h wire.Header, p []byte) error {
-						if int(h.Chunk) != k || len(p) != end-start {
-							return fmt.Errorf("bench: exchange stream %d: got chunk %d of %d bytes, want chunk %d of %d bytes",
-								s, h.Chunk, len(p), k, end-start)
-						}
-						copy(got[start:end], p)
-						return nil
-					}
-				}
-				if err := st.Recv(ctx, keep); err != nil {
-					errc <- err
-					return
-				}
-			}
-			errc <- nil
-		}()
-	}
-	var first error
-	for i := 0; i < 2*streams; i++ {
-		if err := <-errc; err != nil && first == nil {
-			first = err
-			cancel()
-		}
-	}
-	return first
-}
-
 // BusFactor is nccl-tests' factor from algorithm to bus bandwidth.
 func BusFactor(coll string, n int) float64 {
 	switch coll {
@@ -126,50 +61,6 @@ func BusFactor(coll string, n int) float64 {
 		return float64(n-1) / float64(n)
 	}
 	return 1
-}
-
-// ParseSizes parses "8,1K,64M,1G" (powers of 1024) into bytes.
-func ParseSizes(s string) ([]int64, error) {
-	var out []int64
-	for _, f := range strings.Split(s, ",") {
-		v, err := ParseSize(f)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, v)
-	}
-	return out, nil
-}
-
-// ParseSize parses one size: a positive number of bytes with an optional
-// K, M or G suffix (powers of 1024) and an optional B, at most 1 TiB.
-func ParseSize(s string) (int64, error) {
-	f := strings.TrimSuffix(strings.ToUpper(strings.TrimSpace(s)), "B")
-	mult := int64(1)
-	if n := len(f); n > 0 {
-		switch f[n-1] {
-		case 'K':
-			mult, f = 1<<10, f[:n-1]
-		case 'M':
-			mult, f = 1<<20, f[:n-1]
-		case 'G':
-			mult, f = 1<<30, f[:n-1]
-		}
-	}
-	v, err := strconv.ParseInt(f, 10, 64)
-	if err != nil || v <= 0 || v > (1<<40)/mult {
-		return 0, fmt.Errorf("size %q: want a positive number of bytes with an optional K, M or G suffix (at most 1 TiB)", strings.TrimSpace(s))
-	}
-	return v * mult, nil
-}
-
-// DefaultSizes are 8 B … 1 GiB in steps of 8.
-func DefaultSizes() []int64 {
-	var out []int64
-	for s := int64(8); s <= 1<<30; s *= 8 {
-		out = append(out, s)
-	}
-	return out
 }
 
 // Sweep times one collective at every size. Every member runs it; rows are

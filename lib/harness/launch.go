@@ -1,7 +1,3 @@
-// Package harness runs gbbridge's selftest and bench: it starts members as
-// processes on this host over an embedded c10d store (or joins members on
-// other hosts through a given store), sets up the bridge between them, and
-// checks or times every collective.
 package harness
 
 import (
