@@ -612,6 +612,18 @@ func TestReleaseWaitsForRequests(t *testing.T) {
 }
 
 // rawFeed connects to a feed server without the Client, to break the
+// startStreamed serves one member and starts a streamed 64-byte
+// all_reduce on it whose input is not ready.
+func startStreamed(t *testing.T) (*feedEnv, *feedtest.Call) {
+	t.Helper()
+	e := startFeeds(t, bridges(newFakeGroup(1, 8)), nil)
+	reg, err := e.clients[0].Map(context.Background(), 4096)
+	require.NoError(t, err)
+	k, err := e.clients[0].Start(feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagStreamed, Buf: reg.Span(0, 64), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+	require.NoError(t, err)
+	return e, k
+}
+
 // protocol on purpose.
 func rawFeed(t *testing.T, b Bridge, o ServerOptions) (net.Conn, chan error) {
 	t.Helper()
@@ -793,25 +805,17 @@ func TestClientDisappears(t *testing.T) {
 		require.NoError(t, e.wait(1))
 	})
 	t.Run("streamed request waiting for input", func(t *testing.T) {
-		e := startFeeds(t, bridges(newFakeGroup(1, 8)), nil)
-		reg, err := e.clients[0].Map(context.Background(), 4096)
-		require.NoError(t, err)
-		k, err := e.clients[0].Start(feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagStreamed, Buf: reg.Span(0, 64), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
-		require.NoError(t, err)
+		e, k := startStreamed(t)
 		require.NoError(t, k.Ready(16))
 		e.clients[0].Abort()
 		assert.ErrorIs(t, e.wait(0), ErrFeedLost)
 	})
 	t.Run("bye with a streamed request short of input", func(t *testing.T) {
-		e := startFeeds(t, bridges(newFakeGroup(1, 8)), nil)
-		reg, err := e.clients[0].Map(context.Background(), 4096)
-		require.NoError(t, err)
-		k, err := e.clients[0].Start(feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagStreamed, Buf: reg.Span(0, 64), DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
-		require.NoError(t, err)
+		e, k := startStreamed(t)
 		ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(10*time.Second))
 		defer cancel()
 		require.NoError(t, e.clients[0].Close(ctx))
-		_, err = k.Wait(ctx)
+		_, err := k.Wait(ctx)
 		assert.ErrorContains(t, err, "closed the feed before input bytes [0,8)")
 		require.NoError(t, e.wait(0))
 	})
