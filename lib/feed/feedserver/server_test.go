@@ -611,7 +611,6 @@ func TestReleaseWaitsForRequests(t *testing.T) {
 	e.closeAll()
 }
 
-// rawFeed connects to a feed server without the Client, to break the
 // startStreamed serves one member and starts a streamed 64-byte
 // all_reduce on it whose input is not ready.
 func startStreamed(t *testing.T) (*feedEnv, *feedtest.Call) {
@@ -624,6 +623,7 @@ func startStreamed(t *testing.T) (*feedEnv, *feedtest.Call) {
 	return e, k
 }
 
+// rawFeed connects to a feed server without the Client, to break the
 // protocol on purpose.
 func rawFeed(t *testing.T, b Bridge, o ServerOptions) (net.Conn, chan error) {
 	t.Helper()
