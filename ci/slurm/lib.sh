@@ -101,7 +101,8 @@ slurm_cleanup() {
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 # slurm_init PREFIX: the work directory /tmp/PREFIX.XXXXXX (WORK), SLURM_CONF,
-# HOST, a free port pair (PORT, PORT+1), the munge key, the EXIT trap.
+# HOST, free ports from PORT on (a pair, or SLURM_TEST_PORTS of them), the
+# munge key, the EXIT trap.
 slurm_init() {
 	WORK=$(mktemp -d "/tmp/$1.XXXXXX")
 	chmod 755 "$WORK"
@@ -114,12 +115,17 @@ slurm_init() {
 	trap slurm_cleanup EXIT
 	trap 'exit 130' INT TERM
 
+	# PORT (slurmctld), PORT+1 (slurmd), and SLURM_TEST_PORTS-2 more for
+	# slurmds of further node names: all free.
+	local n=${SLURM_TEST_PORTS:-2} i ok
 	PORT=${SLURM_TEST_PORT:-16817}
 	for _ in $(seq 20); do
-		if port_free "$PORT" && port_free $((PORT + 1)); then break; fi
-		PORT=$((PORT + 2))
+		ok=1
+		for ((i = 0; i < n; i++)); do port_free $((PORT + i)) || ok=0; done
+		[ "$ok" = 1 ] && break
+		PORT=$((PORT + n))
 	done
-	port_free "$PORT" && port_free $((PORT + 1)) || skip "no free port pair near ${SLURM_TEST_PORT:-16817}"
+	[ "$ok" = 1 ] || skip "no $n free ports in a row near ${SLURM_TEST_PORT:-16817}"
 
 	dd if=/dev/urandom of="$WORK/munge-key/munge.key" bs=1024 count=1 status=none
 	chmod 400 "$WORK/munge-key/munge.key"
@@ -127,6 +133,8 @@ slurm_init() {
 
 # slurm_write_conf LINE...: slurm.conf (the settings every test shares, then
 # the given lines: nodes, partitions, Prolog) and cgroup.conf.
+# SLURM_TEST_SCHEDULER picks SchedulerType (default sched/builtin; a
+# heterogeneous job needs sched/backfill, the only one that starts them).
 slurm_write_conf() {
 	cat >"$SLURM_CONF" <<EOF
 ClusterName=gbslurmtest
@@ -139,16 +147,16 @@ CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$WORK/state
-SlurmdSpoolDir=$WORK/spool
+SlurmdSpoolDir=$WORK/spool/%n
 SlurmctldPidFile=$WORK/slurmctld.pid
-SlurmdPidFile=$WORK/slurmd.pid
+SlurmdPidFile=$WORK/slurmd.%n.pid
 SlurmctldLogFile=$WORK/log/slurmctld.log
-SlurmdLogFile=$WORK/log/slurmd.log
+SlurmdLogFile=$WORK/log/slurmd.%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-SchedulerType=sched/builtin
+SchedulerType=${SLURM_TEST_SCHEDULER:-sched/builtin}
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -160,8 +168,10 @@ EOF
 	echo "CgroupPlugin=cgroup/v1" >"$WORK/etc/cgroup.conf"
 }
 
-# slurm_start: munged, slurmctld and one slurmd for HOST, as children of the
-# test (stopped by slurm_cleanup).
+# slurm_start [NODE...]: munged, slurmctld and one slurmd per NODE (default
+# HOST), as children of the test (stopped by slurm_cleanup). Several node
+# names on one host need their own NodeHostname and Port in slurm.conf (a
+# slurmd without --enable-multiple-slurmd refuses a NodeHostname twice).
 slurm_start() {
 	munged -F --force --key-file="$WORK/munge-key/munge.key" --socket="$WORK/munge/munge.socket" \
 		--pid-file="$WORK/munge/munged.pid" --log-file="$WORK/log/munged.log" \
@@ -179,8 +189,12 @@ slurm_start() {
 	slurmctld -D -i >"$WORK/log/slurmctld.out" 2>&1 &
 	SLURMCTLD_PID=$!
 	PIDS+=($!)
-	slurmd -D -N "$HOST" >"$WORK/log/slurmd.out" 2>&1 &
-	PIDS+=($!)
+	local node
+	for node in "${@:-$HOST}"; do
+		mkdir -p "$WORK/spool/$node"
+		slurmd -D -N "$node" >"$WORK/log/slurmd.$node.out" 2>&1 &
+		PIDS+=($!)
+	done
 }
 
 node_state() { timeout 10 sinfo -h -n "$1" -o %T 2>/dev/null | head -n 1 || true; }
