@@ -7,8 +7,8 @@ import (
 	"os"
 	"strings"
 
-	"github.com/gpubridge/gpubridge/lib/cli"
 	"github.com/gpubridge/gpubridge/lib/probe"
+	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
 // MaxProbeBytes bounds the probe report gbdiscover reads.
@@ -39,14 +39,44 @@ func ReadProbe(in io.Reader) (*probe.Report, error) {
 	return &rep, nil
 }
 
+// RecordOptions are what a rank says about itself in its record, besides
+// its probe report.
+type RecordOptions struct {
+	Rank        int
+	WorldSize   int
+	LocalRank   int // -1: unknown
+	ToolVersion string
+	Bridge      transport.Kind // the transport asked for
+	Vendor      string         // auto, nvidia, amd
+	CPUOnly     bool
+	SplitTest   string
+	Settings    map[string]string
+	SimHostname string
+	// SimIsland, in simulation, puts the rank in island <vendor>-<SimIsland>
+	// instead of <vendor>, so one machine can stand in for three or more
+	// islands.
+	SimIsland string
+	// Problems are reasons this rank cannot run that the caller found (a
+	// bad LOCAL_RANK, a missing tool); they go into the rank's record.
+	Problems []string
+	Getenv   func(string) string // default os.Getenv
+}
+
+func (o *RecordOptions) getenv(k string) string {
+	if o.Getenv != nil {
+		return o.Getenv(k)
+	}
+	return os.Getenv(k)
+}
+
 // BuildRecord makes this rank's record from its options and probe report.
 // Nothing here fails: whatever is wrong with this rank (the caller's
 // o.Problems first) becomes a problem in its record, so that every rank
 // reports it.
-func BuildRecord(o RunOptions, probeIn io.Reader) *Record {
+func BuildRecord(o RecordOptions, probeIn io.Reader) *Record {
 	rec := &Record{
 		Schema: RecordSchema, Rank: o.Rank, WorldSize: o.WorldSize, LocalRank: o.LocalRank,
-		ToolVersion: cli.Version, Bridge: o.Bridge, SplitTest: o.SplitTest, Settings: o.Settings,
+		ToolVersion: o.ToolVersion, Bridge: o.Bridge, SplitTest: o.SplitTest, Settings: o.Settings,
 	}
 	problem := func(format string, args ...any) { rec.Problems = append(rec.Problems, fmt.Sprintf(format, args...)) }
 	for _, p := range o.Problems {

@@ -31,14 +31,14 @@ func TestBuildRecordCallerProblems(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			o := RunOptions{Rank: 1, WorldSize: 2, LocalRank: -1, Bridge: BridgeAuto, Problems: tt.problems,
+			o := RecordOptions{Rank: 1, WorldSize: 2, LocalRank: -1, Bridge: BridgeAuto, Problems: tt.problems,
 				Getenv: func(string) string { return "" }}
 			rec := BuildRecord(o, strings.NewReader(tt.probe))
 			assert.Equal(t, tt.want, rec.Problems)
 			assert.Equal(t, tt.vendor, rec.Vendor)
 
 			// A healthy rank 0 next to it: the verdict names rank 1's problems.
-			r0 := BuildRecord(RunOptions{Rank: 0, WorldSize: 2, LocalRank: 0, Bridge: BridgeAuto,
+			r0 := BuildRecord(RecordOptions{Rank: 0, WorldSize: 2, LocalRank: 0, Bridge: BridgeAuto,
 				Getenv: func(string) string { return "" }}, strings.NewReader(simProbe))
 			require.Empty(t, r0.Problems)
 			_, problems := Decide("ns", []*Record{r0, rec})
@@ -69,7 +69,7 @@ func TestBuildRecordSimIsland(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			rec := BuildRecord(RunOptions{Rank: 0, WorldSize: 1, LocalRank: -1, Bridge: BridgeAuto, SimIsland: tt.island,
+			rec := BuildRecord(RecordOptions{Rank: 0, WorldSize: 1, LocalRank: -1, Bridge: BridgeAuto, SimIsland: tt.island,
 				Getenv: func(string) string { return "" }}, strings.NewReader(tt.probe))
 			assert.Equal(t, tt.want, rec.SimIsland)
 			found := false

@@ -55,6 +55,23 @@ const KeyPrefix = "gpubridge"
 
 const gatherComplete = "complete"
 
+// DefaultNamespace is the namespace of a job and attempt as launchers name
+// them: job-<run id>/attempt-<restart count>.
+func DefaultNamespace(getenv func(string) string) string {
+	job := getenv("TORCHELASTIC_RUN_ID")
+	if job == "" {
+		job = getenv("SLURM_JOB_ID")
+	}
+	if job == "" {
+		job = "default"
+	}
+	attempt := getenv("TORCHELASTIC_RESTART_COUNT")
+	if attempt == "" {
+		attempt = "0"
+	}
+	return "job-" + job + "/attempt-" + attempt
+}
+
 // Exchange writes rec into the store, gathers every rank's record and
 // decides. It returns the topology, or a *Failure whose message is the same
 // on every rank; any other error means the store itself failed this rank.

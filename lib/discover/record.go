@@ -29,14 +29,14 @@ const (
 	ModeCPU = "cpu"
 )
 
-// Bridge transports a rank may ask for (transport.Choose decides), and
-// none: one island, no bridge.
+// Bridge transports: what a rank may ask for (transport.Choose decides,
+// these are its kinds), and none: one island, no bridge.
 const (
-	BridgeAuto  = string(transport.Auto)
-	BridgeTCP   = string(transport.TCP)
-	BridgeSHM   = string(transport.SHM)
-	BridgeVerbs = string(transport.Verbs)
-	BridgeNone  = "none"
+	BridgeAuto  = transport.Auto
+	BridgeTCP   = transport.TCP
+	BridgeSHM   = transport.SHM
+	BridgeVerbs = transport.Verbs
+	BridgeNone  = transport.Kind("none")
 )
 
 // Split-test modes: a single-vendor job labeled as two vendors.
@@ -77,7 +77,7 @@ type Record struct {
 	Mode string `json:"mode"`
 	GPU  *GPU   `json:"gpu,omitempty"`
 	// Bridge is the transport this rank asked for.
-	Bridge string `json:"bridge"`
+	Bridge transport.Kind `json:"bridge"`
 	// SimIsland is the simulated island name this rank asked for (CPU mode
 	// only): its island is <vendor>-<SimIsland>.
 	SimIsland string `json:"sim_island,omitempty"`
@@ -126,7 +126,7 @@ func (r *Record) encodeFit(max int) ([]byte, error) {
 		Schema: r.Schema, Rank: r.Rank, WorldSize: r.WorldSize, LocalRank: r.LocalRank,
 		Hostname: truncateText(r.Hostname, 255), ToolVersion: truncateText(r.ToolVersion, 64),
 		Vendor: truncateText(r.Vendor, 64), Simulated: r.Simulated, Mode: truncateText(r.Mode, 16),
-		Bridge: truncateText(r.Bridge, 16), Claim: r.Claim,
+		Bridge: transport.Kind(truncateText(string(r.Bridge), 16)), Claim: r.Claim,
 	}
 	for _, p := range r.Problems[:min(keep, len(r.Problems))] {
 		small.Problems = append(small.Problems, truncateText(p, textMax))

@@ -27,11 +27,11 @@ type Island struct {
 
 // Bridge is the link between island leaders.
 type Bridge struct {
-	Members   []int    `json:"members"`
-	Hosts     []string `json:"hosts"`
-	Requested string   `json:"requested"`
-	Transport string   `json:"transport"`
-	Reason    string   `json:"reason"`
+	Members   []int          `json:"members"`
+	Hosts     []string       `json:"hosts"`
+	Requested transport.Kind `json:"requested"`
+	Transport transport.Kind `json:"transport"`
+	Reason    string         `json:"reason"`
 }
 
 // RankInfo is one rank as every rank sees it.
@@ -128,7 +128,7 @@ func Decide(namespace string, recs []*Record) (*Shared, []string) {
 	}
 	mismatch("gpubridge version", func(r *Record) string { return r.ToolVersion })
 	mismatch("CPU/GPU mode (a CPU/GPU mix)", func(r *Record) string { return r.Mode })
-	mismatch("the requested bridge", func(r *Record) string { return r.Bridge })
+	mismatch("the requested bridge", func(r *Record) string { return string(r.Bridge) })
 	mismatch("GPUBRIDGE_SPLIT_TEST", func(r *Record) string { return r.SplitTest })
 	mismatch("simulation (GPUBRIDGE_VENDOR set on some ranks only)", func(r *Record) string { return fmt.Sprint(r.Simulated) })
 	keys := map[string]bool{}
@@ -304,7 +304,7 @@ func sameGPUProblems(recs []*Record, labels []string, islands []Island) []string
 	return problems
 }
 
-func chooseBridge(recs []*Record, islands []Island, requested string) (Bridge, []string) {
+func chooseBridge(recs []*Record, islands []Island, requested transport.Kind) (Bridge, []string) {
 	b := Bridge{Requested: requested}
 	members := make([]transport.MemberInfo, 0, len(islands))
 	for _, is := range islands {
@@ -319,11 +319,11 @@ func chooseBridge(recs []*Record, islands []Island, requested string) (Bridge, [
 		b.Transport, b.Reason = BridgeNone, "one island: every collective runs on the native library alone"
 		return b, nil
 	}
-	k, reason, err := transport.Choose(transport.Kind(requested), members)
+	k, reason, err := transport.Choose(requested, members)
 	if err != nil {
 		return b, []string{err.Error()}
 	}
-	b.Transport, b.Reason = string(k), reason
+	b.Transport, b.Reason = k, reason
 	return b, nil
 }
 

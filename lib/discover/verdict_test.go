@@ -7,6 +7,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
 // mk builds n records; vendors[i] is rank i's vendor, hosts[i] its host
@@ -42,7 +44,7 @@ func TestDecideTopologies(t *testing.T) {
 		kind      string
 		islands   map[string][]int
 		leaders   []int
-		transport string
+		transport transport.Kind
 	}{
 		{"2+2 one host", func() []*Record { return mk([]string{"nvidia", "nvidia", "amd", "amd"}, nil) },
 			KindGPUMixed, map[string][]int{"nvidia": {0, 1}, "amd": {2, 3}}, []int{0, 2}, BridgeSHM},
@@ -292,7 +294,7 @@ func FuzzReadProbe(f *testing.F) {
 		if err == nil {
 			require.NotNil(t, rep)
 			// A record can always be built from what parses.
-			rec := BuildRecord(RunOptions{Rank: 0, WorldSize: 1, LocalRank: 0, Bridge: BridgeAuto,
+			rec := BuildRecord(RecordOptions{Rank: 0, WorldSize: 1, LocalRank: 0, Bridge: BridgeAuto,
 				Getenv: func(string) string { return "" }}, bytes.NewReader(data))
 			_, err := rec.Encode()
 			require.NoError(t, err)

@@ -4,76 +4,12 @@
 package main
 
 import (
-	"fmt"
-	"os"
-	"time"
-
 	"github.com/gpubridge/gpubridge/lib/cli"
-	"github.com/gpubridge/gpubridge/lib/discover"
 )
 
 type grammar struct {
 	Run   runCmd   `cmd:"" default:"withargs" help:"Publish this rank's record, gather every rank's, print the topology (the default command)."`
 	Serve serveCmd `cmd:"" help:"Serve a c10d-compatible TCPStore (the embedded store for jobs and tests without torch)."`
-}
-
-type runCmd struct {
-	Store     string            `help:"The job's c10d store as HOST:PORT. Default: MASTER_ADDR:MASTER_PORT." env:"GPUBRIDGE_STORE" placeholder:"HOST:PORT"`
-	Rank      *int              `help:"This rank's global rank, from 0 to the world size - 1." env:"GPUBRIDGE_RANK,RANK"`
-	WorldSize *int              `help:"Number of ranks in the job." env:"GPUBRIDGE_WORLD_SIZE,WORLD_SIZE"`
-	PID       int               `help:"The rank's process: gbdiscover claims the rank in the store for it, and a second process claiming the same rank (another job on the same store) fails naming it. Default: gbdiscover's parent process." env:"GPUBRIDGE_RANK_PID" placeholder:"PID"`
-	LocalRank int               `help:"This rank's index on its node; picks its GPU. -1: unknown." env:"LOCAL_RANK,SLURM_LOCALID" default:"-1"`
-	Namespace string            `help:"Key namespace of this job and attempt. Default: job-<TORCHELASTIC_RUN_ID or SLURM_JOB_ID or default>/attempt-<TORCHELASTIC_RESTART_COUNT or 0>." env:"GPUBRIDGE_NAMESPACE"`
-	Timeout   time.Duration     `help:"Deadline of the whole discovery, store connection included." env:"GPUBRIDGE_DISCOVER_TIMEOUT" default:"60s"`
-	Bridge    string            `help:"Bridge transport to ask for." enum:"auto,tcp,shm,verbs" env:"GPUBRIDGE_BRIDGE" default:"auto"`
-	Vendor    string            `help:"Vendor of this rank's GPU stack (the torch build); auto takes the vendor of the node's GPUs." enum:"auto,nvidia,amd" default:"auto"`
-	CPUOnly   bool              `help:"Run this rank on CPU (Gloo islands) while keeping real vendor detection." env:"GPUBRIDGE_CPU_ONLY"`
-	SplitTest string            `help:"Label a single-vendor job as two vendors: half, alternate or node." env:"GPUBRIDGE_SPLIT_TEST" placeholder:"MODE"`
-	Setting   map[string]string `help:"A policy setting that must be equal on every rank (repeatable)." placeholder:"KEY=VALUE" env:"GPUBRIDGE_SETTINGS"`
-	Hostname  string            `help:"Host name a simulated rank reports, so processes on one machine can stand in for several nodes; ignored on GPUs." env:"GPUBRIDGE_SIM_HOSTNAME"`
-	SimIsland string            `help:"In simulation, put this rank in island <vendor>-NAME instead of <vendor>, so one machine can stand in for three or more islands; ignored on GPUs." env:"GPUBRIDGE_SIM_ISLAND" placeholder:"NAME"`
-	Probe     string            `help:"gbprobe --json output to read; - is stdin." default:"-" type:"path"`
-	Problem   []string          `help:"A problem the caller found on this rank (repeatable); it goes into this rank's record, so every rank's discovery fails naming it. The torch plugin passes a bad LOCAL_RANK and missing tools this way." sep:"none" placeholder:"TEXT"`
-}
-
-func (c *runCmd) Run(env *cli.Env) error {
-	o := discover.RunOptions{
-		Store: c.Store, Rank: orUnset(c.Rank), WorldSize: orUnset(c.WorldSize), LocalRank: c.LocalRank, PID: c.PID,
-		Namespace: c.Namespace, Timeout: c.Timeout, Bridge: c.Bridge, Vendor: c.Vendor,
-		CPUOnly: c.CPUOnly, SplitTest: c.SplitTest, Settings: c.Setting, SimHostname: c.Hostname, SimIsland: c.SimIsland,
-		Problems: c.Problem, Log: env.Log,
-	}
-	in := env.Stdin
-	if c.Probe != "-" {
-		f, err := os.Open(c.Probe)
-		if err != nil {
-			return cli.CannotRun(fmt.Errorf("open probe input: %w", err))
-		}
-		defer f.Close()
-		in = f
-	}
-	return discover.RunCLI(env.Ctx, o, in, env.Stdout, env.Stderr)
-}
-
-func orUnset(p *int) int {
-	if p == nil {
-		return discover.Unset
-	}
-	return *p
-}
-
-type serveCmd struct {
-	Listen        string `help:"Address to listen on; port 0 picks a free port (printed on stdout)." env:"GPUBRIDGE_STORE_LISTEN" default:"127.0.0.1:29500"`
-	DieWithParent bool   `help:"Exit when the parent process dies (PR_SET_PDEATHSIG)." default:"true" negatable:""`
-	MaxValueBytes int    `help:"Largest value a client may store." default:"8388608"`
-	MaxTotalBytes int64  `help:"Memory bound of all keys and values together." default:"1073741824"`
-}
-
-func (c *serveCmd) Run(env *cli.Env) error {
-	return discover.Serve(env.Ctx, discover.ServeOptions{
-		Listen: c.Listen, DieWithParent: c.DieWithParent,
-		MaxValueBytes: c.MaxValueBytes, MaxTotalBytes: c.MaxTotalBytes, Log: env.Log,
-	}, env.Stdout)
 }
 
 var tool = cli.Tool{
