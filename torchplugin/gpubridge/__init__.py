@@ -1,16 +1,17 @@
 """gpubridge: one PyTorch job across NVIDIA and AMD GPUs.
 
 ``import gpubridge`` registers the torch.distributed backend ``gpubridge``
-(:mod:`gpubridge._backend`): vendor islands on their native library (NCCL,
-RCCL under the "nccl" name; Gloo in simulation and CPU-only runs), island
-leaders joined by ``gbbridge serve``. Use it with
+(:mod:`gpubridge._backend`; the group is :mod:`gpubridge._group`): vendor
+islands on their native library (NCCL, RCCL under the "nccl" name; Gloo in
+simulation and CPU-only runs), island leaders joined by ``gbbridge serve``. Use it with
 ``dist.init_process_group(backend="gpubridge")``, or through the native API
 here (:func:`init`, :func:`all_reduce`, …); one or the other per process.
 :func:`in_flight` says which collective each thread is inside, without
 blocking. The data path to gbbridge is :mod:`gpubridge._feed` (docs/FEED.md).
 """
 
-from gpubridge._backend import BACKEND_NAME, GpubridgeProcessGroup, register
+from gpubridge._backend import register
+from gpubridge._group import BACKEND_NAME, GpubridgeProcessGroup
 from gpubridge._hook import ddp_comm_hook
 from gpubridge._inflight import in_flight
 from gpubridge._native import (

@@ -6,6 +6,7 @@ The feed itself (the socket and the regions) is :mod:`gpubridge._feed`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -20,7 +21,7 @@ from typing import IO, Any, Final
 
 from gpubridge._feed_protocol import MAX_MESSAGE, FeedError, FeedTimeout
 
-__all__ = ["BridgeProcess", "spawn_bridge", "start_bridge"]
+__all__ = ["BridgeProcess", "start_bridge"]
 
 _PR_SET_PDEATHSIG: Final = 1
 
@@ -117,6 +118,22 @@ class BridgeProcess:
         self._close_pipe()
         return self.proc.wait()
 
+    def exit_reason(self) -> str | None:
+        """How the process ended ("was killed by SIGKILL", "exited with
+        status 1: <its last line on stderr>"), or None while it runs."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(0.2)  # a killed child may not be reaped yet
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        if rc < 0:
+            try:
+                return f"was killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                return f"was killed by signal {-rc}"
+        last = self.stderr().strip().rsplit("\n", 1)[-1][-300:]
+        return f"exited with status {rc}" + (f": {last}" if last else "")
+
     def kill(self) -> None:
         """SIGKILL (if it still runs) and reap."""
         if self.proc.poll() is None:
@@ -138,9 +155,11 @@ def start_bridge(
     env: Mapping[str, str] | None = None,
 ) -> BridgeProcess:
     """Starts ``gbbridge serve --topology TOPOLOGY --feed FEED ARGS``; call
-    :meth:`BridgeProcess.wait_ready` next. The child gets SIGTERM when the
-    thread that called this dies (PR_SET_PDEATHSIG follows the thread that
-    forked): call it from a thread that lives as long as the job."""
+    :meth:`BridgeProcess.wait_ready` next. The ready line comes once the
+    bridge is up, so with several members on one host start them all before
+    waiting for any. The child gets SIGTERM when the thread that called this
+    dies (PR_SET_PDEATHSIG follows the thread that forked): call it from a
+    thread that lives as long as the job."""
     cmd = [os.fspath(gbbridge), "serve", "--topology", os.fspath(topology), "--feed", os.fspath(feed)]
     cmd += list(args)
     errf = tempfile.TemporaryFile()  # noqa: SIM115 (the BridgeProcess owns it)
@@ -158,20 +177,3 @@ def start_bridge(
         errf.close()
         raise
     return BridgeProcess(proc, {}, os.fspath(feed), errf)
-
-
-def spawn_bridge(
-    topology: str | os.PathLike[str],
-    feed: str | os.PathLike[str],
-    *,
-    gbbridge: str | os.PathLike[str] = "gbbridge",
-    args: Sequence[str] = (),
-    env: Mapping[str, str] | None = None,
-    timeout: float = 90.0,
-) -> BridgeProcess:
-    """:func:`start_bridge`, then :meth:`BridgeProcess.wait_ready`. The ready
-    line comes once the bridge is up, so with several members on one host
-    start them all before waiting for any."""
-    bp = start_bridge(topology, feed, gbbridge=gbbridge, args=args, env=env)
-    bp.wait_ready(timeout)
-    return bp

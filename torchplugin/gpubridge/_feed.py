@@ -136,6 +136,8 @@ def _new_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
 
 
 ProgressFn = Callable[[int, int], None]
+DTypeArg = DType | int | str  # what DType.of takes
+OpArg = Op | int | str  # what Op.of takes
 
 
 class Call:
@@ -459,8 +461,8 @@ class FeedClient:
         buf: Span = Span(),
         out: Span = Span(),
         *,
-        dtype: DType | int | str | None = None,
-        op: Op | int | str = Op.NONE,
+        dtype: DTypeArg | None = None,
+        op: OpArg = Op.NONE,
         peer: int = -1,
         tag: int = 0,
         streamed: bool = False,
@@ -517,28 +519,17 @@ class FeedClient:
         region._unmap()
 
     def all_reduce(
-        self,
-        region: Region,
-        offset: int,
-        nbytes: int,
-        dtype: DType | int | str,
-        op: Op | int | str,
-        *,
-        timeout: float | None = None,
-    ) -> Done:
+        self, region: Region, offset: int, nbytes: int, dtype: DTypeArg, op: OpArg,
+        *, timeout: float | None = None,
+    ) -> Done:  # fmt: skip
         """Reduces bytes [offset, offset+nbytes) of region in place across the
         bridge members; the input must be in place."""
         return self.request(Kind.ALL_REDUCE, timeout, buf=region.span(offset, nbytes), dtype=dtype, op=op)
 
     def start_all_reduce(
-        self,
-        region: Region,
-        offset: int,
-        nbytes: int,
-        dtype: DType | int | str,
-        op: Op | int | str,
+        self, region: Region, offset: int, nbytes: int, dtype: DTypeArg, op: OpArg,
         on_progress: ProgressFn | None = None,
-    ) -> Call:
+    ) -> Call:  # fmt: skip
         """Starts a streamed all_reduce: call ``ready(end)`` as input bytes
         [offset, offset+end) come in; ``on_progress(off, n)`` says which
         result bytes (relative to offset) are final; ``wait()`` ends it."""
@@ -548,32 +539,20 @@ class FeedClient:
         )  # fmt: skip
 
     def broadcast(
-        self,
-        region: Region,
-        offset: int,
-        nbytes: int,
-        root: int,
-        *,
-        timeout: float | None = None,
+        self, region: Region, offset: int, nbytes: int, root: int, *, timeout: float | None = None
     ) -> Done:
         """Copies member root's bytes into every member's, in place."""
         return self.request(Kind.BROADCAST, timeout, buf=region.span(offset, nbytes), peer=root)
 
     def all_gather(
-        self, out: Span, inp: Span, dtype: DType | int | str | None = None, *, timeout: float | None = None
+        self, out: Span, inp: Span, dtype: DTypeArg | None = None, *, timeout: float | None = None
     ) -> Done:
         """Concatenates every member's inp into out (members x inp.nbytes), in
         member order."""
         return self.request(Kind.ALL_GATHER, timeout, buf=inp, out=out, dtype=dtype)
 
     def reduce_scatter(
-        self,
-        out: Span,
-        inp: Span,
-        dtype: DType | int | str,
-        op: Op | int | str,
-        *,
-        timeout: float | None = None,
+        self, out: Span, inp: Span, dtype: DTypeArg, op: OpArg, *, timeout: float | None = None
     ) -> Done:
         """Reduces inp (members x out.nbytes) across members and leaves this
         member's share in out."""

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from gpubridge import _backend, _tools
+from gpubridge import _tools
+from gpubridge._group import GpubridgeProcessGroup, live_groups
 
 __all__ = [
     "all_gather_into_tensor",
@@ -33,7 +34,7 @@ __all__ = [
     "reduce_scatter_tensor",
 ]
 
-_pg: _backend.GpubridgeProcessGroup | None = None
+_pg: GpubridgeProcessGroup | None = None
 _OPS = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.AVG,
@@ -62,7 +63,7 @@ def init(
     global _pg  # noqa: PLW0603 - one group per process
     if _pg is not None:
         raise RuntimeError("gpubridge.init(): already initialized (call gpubridge.destroy() first)")
-    if _backend.live_groups():
+    if live_groups():
         raise RuntimeError(
             "gpubridge.init(): this process already has a gpubridge group from "
             "torch.distributed.init_process_group: use one or the other"
@@ -78,9 +79,7 @@ def init(
         )
     )
     store.set_timeout(timeout)
-    _pg = _backend.GpubridgeProcessGroup(
-        _c10d.PrefixStore("gpubridge-native/", store), r, n, timeout, "native"
-    )
+    _pg = GpubridgeProcessGroup(_c10d.PrefixStore("gpubridge-native/", store), r, n, timeout, "native")
     return _pg.topology
 
 
@@ -88,7 +87,7 @@ def is_initialized() -> bool:
     return _pg is not None
 
 
-def _group() -> _backend.GpubridgeProcessGroup:
+def _group() -> GpubridgeProcessGroup:
     if _pg is None:
         raise RuntimeError("gpubridge: not initialized: call gpubridge.init() first")
     return _pg
@@ -151,8 +150,8 @@ def get_topology(group: Any = None) -> dict[str, Any]:
     group (``group``), or of the first gpubridge group this process made."""
     if _pg is not None and group is None:
         return _pg.topology
-    groups = _backend.live_groups()
-    if isinstance(group, _backend.GpubridgeProcessGroup):
+    groups = live_groups()
+    if isinstance(group, GpubridgeProcessGroup):
         return group.topology
     if group is not None:
         name = getattr(group, "group_name", None)

@@ -263,7 +263,7 @@ def main() -> int:
         "transport": pg.topology["bridge"]["transport"],
         "islands": [i["ranks"] for i in pg.topology["islands"]],
         "role": pg.topology["self"]["role"],
-        "bridge_pid": pg._bridge.proc.pid if pg._bridge is not None else None,
+        "bridge_pid": pg._endpoint.process.proc.pid if pg._endpoint is not None else None,
     }
     try:  # one or the other in a process: the native API is refused now
         gpubridge.init()

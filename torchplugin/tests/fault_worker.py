@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gpubridge
-from gpubridge._backend import live_groups
+from gpubridge._group import live_groups
 
 faulthandler.enable()
 rank = int(os.environ["RANK"])
@@ -59,10 +59,10 @@ def watchdog() -> None:
 
 def fault() -> None:
     if mode == "bridge":
-        bridge = live_groups()[0]._bridge
+        bridge = live_groups()[0]._endpoint
         assert bridge is not None, f"rank {rank} runs no gbbridge serve"
-        (outdir / "victim").write_text(json.dumps({"at": time.time(), "pid": bridge.proc.pid}))
-        os.kill(bridge.proc.pid, signal.SIGKILL)
+        (outdir / "victim").write_text(json.dumps({"at": time.time(), "pid": bridge.process.proc.pid}))
+        os.kill(bridge.process.proc.pid, signal.SIGKILL)
         return
     (outdir / "victim").write_text(json.dumps({"at": time.time(), "pid": os.getpid()}))
     if mode == "exit":

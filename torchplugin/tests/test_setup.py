@@ -172,7 +172,7 @@ def test_second_job_on_the_same_port(tmp_path: Path) -> None:
 def test_stale_private_dirs_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A killed rank leaves its gpubridge-<pid>-* directory; the next group
     created by this user removes it (and keeps the live ones)."""
-    from gpubridge import _backend  # noqa: PLC0415
+    from gpubridge import _setup  # noqa: PLC0415
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile  # noqa: PLC0415
@@ -186,6 +186,6 @@ def test_stale_private_dirs_are_removed(tmp_path: Path, monkeypatch: pytest.Monk
     live.mkdir()
     other = tmp_path / "gpubridge-notapid-x"
     other.mkdir()
-    _backend._remove_stale_dirs()
+    _setup.remove_stale_dirs()
     assert not stale.exists()
     assert live.exists() and other.exists()

@@ -214,8 +214,8 @@ def main() -> int:
         return 3
     assert dist.get_backend() == "gpubridge", dist.get_backend()
     pg = dist.distributed_c10d._get_default_group()
-    bridge = getattr(pg, "_bridge", None)
-    bridge_pid = bridge.proc.pid if bridge is not None else None
+    bridge = getattr(pg, "_endpoint", None)
+    bridge_pid = bridge.process.proc.pid if bridge is not None else None
     gloo = dist.new_group(backend="gloo")
     out: dict[str, Any] = {}
     for variant in variants:

@@ -1,0 +1,84 @@
+"""The staging region of a bridged rank: a feed region (shared memory that
+gbbridge serve maps too) seen as a uint8 tensor, grown as needed, and
+page-locked on GPUs so that copies to and from the GPU use it directly."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from typing import Any
+
+import torch
+
+from gpubridge import _gpu
+from gpubridge import _inflight as fl
+from gpubridge._feed import FeedClient, FeedError, Region
+
+__all__ = ["Staging"]
+
+MIN_REGION = 1 << 20
+
+
+class Staging:
+    """The region and the copies into and out of it. On GPUs the copies in
+    run on stream (the worker's) and the copies out on h2d; both are done
+    before the region is unpinned."""
+
+    def __init__(self, feed: FeedClient, device: torch.device, stream: Any, h2d: Any, secs: float) -> None:
+        self._feed = feed
+        self._gpu = device.type == "cuda"
+        self._stream = stream
+        self._h2d = h2d
+        self._secs = secs  # how long a copy may take on the GPU
+        self.region: Region | None = None
+        self._t: torch.Tensor | None = None
+        self._pinned = 0
+
+    def tensor(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over the first nbytes of the region (grown, and
+        page-locked on GPUs, as needed)."""
+        r = self.region
+        if r is None or r.size < nbytes:
+            size = max(MIN_REGION, nbytes, 2 * r.size if r is not None else 0)
+            size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+            self.drop()
+            r = self.region = self._feed.map_region(size)
+            t = torch.frombuffer(r.mem, dtype=torch.uint8, count=size)
+            if self._gpu:
+                _gpu.host_register(t.data_ptr(), size, f"the {size}-byte feed region")
+                self._pinned = t.data_ptr()
+            self._t = t
+        assert self._t is not None
+        return self._t[:nbytes]
+
+    def drop(self) -> None:
+        """Unpins and releases the region (once the copies are done)."""
+        r, self.region = self.region, None
+        self._t = None
+        if self._pinned:
+            if self._stream is not None:
+                self.sync(self._stream, "the copies into the feed region")
+                self.sync(self._h2d, "the copies out of the feed region")
+            _gpu.host_unregister(self._pinned)
+            self._pinned = 0
+        if r is not None and self._feed.error is None:
+            with contextlib.suppress(FeedError):
+                self._feed.release(r)
+
+    def sync(self, stream: Any, what: str) -> None:
+        _gpu.sync_stream(stream, what, self._secs)
+
+    def copy_in(self, e: fl.Entry, host: torch.Tensor, src: torch.Tensor) -> None:
+        """Copies src into host (a view of the region), done on return."""
+        e.set_step(fl.COPY)
+        if self._gpu:
+            host.copy_(src, non_blocking=True)
+            self.sync(self._stream, "the copy into the feed region")
+        else:
+            host.copy_(src)
+
+    def copy_out(self, e: fl.Entry, dst: torch.Tensor, host: torch.Tensor) -> None:
+        """Copies host (a view of the region) into dst, queued on the current
+        stream on GPUs."""
+        e.set_step(fl.COPY_BACK)
+        dst.copy_(host, non_blocking=self._gpu)
