@@ -1,0 +1,115 @@
+"""The feed's message codec (gpubridge._feed_protocol) against the layouts
+of docs/FEED.md, without a server: what the Python side writes, and what it
+refuses to read."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from gpubridge._feed_protocol import (
+    DType,
+    Kind,
+    Op,
+    ProtocolError,
+    Span,
+    Status,
+    decode_done,
+    decode_error,
+    decode_progress,
+    decode_welcome,
+    encode_hello,
+    encode_ready,
+    encode_region,
+    encode_release,
+    encode_request,
+    parse_header,
+)
+
+
+def header(kind: Kind, body: bytes) -> bytes:
+    return struct.pack("<IHH", 8 + len(body), kind, 0) + body
+
+
+def text(s: str) -> bytes:
+    return struct.pack("<H", len(s.encode())) + s.encode()
+
+
+def test_request_layout() -> None:
+    """The 64-byte request body, field by field (docs/FEED.md §3)."""
+    msg = encode_request(
+        Kind.ALL_REDUCE, 7, DType.BFLOAT16, Op.MAX, 1, Span(2, 16, 4096), Span(3, 32, 8192), -1, 9
+    )
+    assert parse_header(msg) == (8 + 64, Kind.ALL_REDUCE)
+    body = msg[8:]
+    assert len(body) == 64
+    assert struct.unpack_from("<Q", body, 0) == (7,)
+    assert body[8:12] == bytes([DType.BFLOAT16, Op.MAX, 0, 0])
+    assert struct.unpack_from("<IIIQQQQiI", body, 12) == (1, 2, 3, 16, 4096, 32, 8192, -1, 9)
+
+
+def test_session_messages() -> None:
+    hello = encode_hello(1234, "rank 0")
+    assert hello == header(Kind.HELLO, struct.pack("<IHHI", 0x44464247, 1, 1, 1234) + text("rank 0"))
+    assert encode_region(5, 2, 1 << 20) == header(Kind.REGION, struct.pack("<QIIQ", 5, 2, 0, 1 << 20))
+    assert encode_release(6, 2) == header(Kind.RELEASE, struct.pack("<QI", 6, 2))
+    assert encode_ready(7, 4096) == header(Kind.READY, struct.pack("<QQ", 7, 4096))
+
+
+def test_long_text_is_cut_at_a_character() -> None:
+    name = "é" * 3000  # 6000 bytes: cut to 4096, which ends inside no character
+    body = encode_hello(1, name)[8 + 12 :]
+    (n,) = struct.unpack_from("<H", body)
+    assert n == 4096 and body[2:].decode() == "é" * 2048
+
+
+def test_replies_decode() -> None:
+    welcome = struct.pack("<HHIIIIIQ", 1, 0, 1, 2, 65536, 256, 1024, 1 << 36) + text("tcp x2")
+    w = decode_welcome(welcome + struct.pack("<HH", 7, 2) + b"ab")  # an extension, skipped
+    assert (w.version, w.member, w.members, w.max_region_bytes, w.transport) == (1, 1, 2, 1 << 36, "tcp x2")
+    done = decode_done(struct.pack("<QIIQQQQ", 9, 2, 0, 3, 64, 5, 6) + text("peer 1 gone"))
+    assert (done.request_id, done.status, done.seq, done.nbytes, done.error) == (
+        9, Status.BRIDGE_ERROR, 3, 64, "peer 1 gone",
+    )  # fmt: skip
+    assert decode_progress(struct.pack("<QQQ", 9, 0, 4096)) == (9, 0, 4096)
+    err = struct.pack("<I", 2) + text("version")
+    assert decode_error(err) == (2, "version")
+    assert decode_error(err + b"x", whole=False) == (2, "version")
+
+
+@pytest.mark.parametrize(
+    ("decode", "body", "want"),
+    [
+        (decode_done, struct.pack("<QIIQQQQ", 1, 9, 0, 0, 0, 0, 0) + text(""), "done: unknown status 9"),
+        (decode_done, struct.pack("<QIIQQQQ", 1, 0, 1, 0, 0, 0, 0) + text(""), "reserved field is not zero"),
+        (decode_done, struct.pack("<QII", 1, 0, 0), "done: body too short"),
+        (decode_progress, struct.pack("<QQQ", 1, 0, 0) + b"x", "progress: 1 trailing bytes"),
+        (decode_error, struct.pack("<IH", 1, 5000) + b"x" * 5000, "string of 5000 bytes is over 4096"),
+        (decode_error, struct.pack("<I", 1) + text("a") + b"x", "error: 1 trailing bytes"),
+        (
+            decode_welcome,
+            struct.pack("<HHIIIIIQ", 1, 0, 0, 2, 1, 1, 1, 1) + text("") + struct.pack("<HH", 0x8001, 0),
+            "unknown critical extension 0x8001",
+        ),
+    ],
+    ids=["status", "reserved", "short", "trailing", "long-string", "error-trailing", "critical-ext"],
+)
+def test_malformed_replies_are_refused(decode: object, body: bytes, want: str) -> None:
+    with pytest.raises(ProtocolError, match="malformed message from the server") as e:
+        decode(body)  # type: ignore[operator]
+    assert want in str(e.value), e.value
+
+
+@pytest.mark.parametrize(
+    ("head", "want"),
+    [
+        (struct.pack("<IHH", 16, Kind.DONE, 1), "done: header flags 0x1 are not zero"),
+        (struct.pack("<IHH", 4, Kind.DONE, 0), "done: size 4 is outside 8..65536"),
+        (struct.pack("<IHH", 1 << 17, 99, 0), "type(99): size 131072 is outside 8..65536"),
+    ],
+)
+def test_bad_headers_are_refused(head: bytes, want: str) -> None:
+    with pytest.raises(ProtocolError) as e:
+        parse_header(head)
+    assert want in str(e.value), e.value
