@@ -211,7 +211,12 @@ def section_sweep(rows: Rows) -> list[str]:
         nat = {n["island"]: n for n in r.get("native", [])}
         body.append(
             [size(r.get("bytes")), gb(r["bridged"]["busbw_gbps"]), gb(r["bridged"]["time_us"])]
-            + [f"{gb(nat[x]['busbw_gbps'])} ({gb(nat[x]['time_us'])} us)" for x in labels]
+            + [
+                f"{gb(nat[x]['busbw_gbps'])} ({gb(nat[x]['time_us'])} us)"
+                if nat[x].get("ranks", 2) > 1
+                else "1 rank: nothing to reduce"
+                for x in labels
+            ]
             + [r.get("bridged_over_native"), "yes" if r.get("exact") else "**no**"]
         )
     head = (

@@ -215,12 +215,11 @@ def main() -> int:
     checks, total = run(job, sizes, rs_size, ag_size)
     if gpu:
         torch.cuda.synchronize()
-    every: list[Any] = [None] * job.world
-    dist.all_gather_object(every, checks.wrong)
+    every = kitdist.gather_objects(checks.wrong, job.device)
     wrong: dict[int, dict[int, dict[str, Any]]] = {}
     for r, w in enumerate(every):
-        for idx, detail in w.items():
-            wrong.setdefault(idx, {})[r] = detail
+        for idx, detail in w.items():  # JSON made the check numbers strings
+            wrong.setdefault(int(idx), {})[r] = detail
     if job.lead:
         for idx, what in enumerate(checks.names):
             bad = wrong.get(idx, {})

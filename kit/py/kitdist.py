@@ -5,6 +5,7 @@ ranks in its vendor's island, nothing else in that island)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import traceback
@@ -36,6 +37,25 @@ def pick_device() -> torch.device:
         torch.cuda.set_device(dev)
         return dev
     return torch.device("cpu")
+
+
+def gather_objects(obj: Any, device: torch.device) -> list[Any]:
+    """Every rank's obj (JSON-able), through tensors on the rank's device.
+    dist.all_gather_object would stage them on the CPU for a backend that
+    serves both cpu and cuda, and a gpubridge rank on a GPU takes only
+    tensors on its GPU."""
+    mine = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
+    world = dist.get_world_size()
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    sizes[dist.get_rank()] = mine.numel()
+    dist.all_reduce(sizes)
+    most = int(sizes.max().item())
+    padded = torch.zeros(most, dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    every = torch.empty(world * most, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(every, padded)
+    rows = every.view(world, most).cpu()
+    return [json.loads(bytes(rows[r, : int(sizes[r])].tolist()).decode()) for r in range(world)]
 
 
 def layout_problems(
@@ -147,8 +167,7 @@ def start(timeout_s: float = 600) -> Job:
         "launcher": "torchrun" if os.environ.get("TORCHELASTIC_RUN_ID") else "srun",
         "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
     }
-    rows: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
+    rows = gather_objects(row, device)
     problems = layout_problems(rows, components(), topo)
     job = Job(device, topo, rows)
     if job.lead:

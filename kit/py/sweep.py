@@ -6,8 +6,10 @@ island's ranks with backend "nccl"), over a sweep of sizes. Needs GPUs.
 Per size: --warmup untimed calls, then --iters timed calls back to back;
 time = the slowest rank's mean (islands run their native all_reduce at the
 same time, as in training). algbw = bytes / time, busbw = algbw * 2(n-1)/n
-(nccl-tests' factor, n the ranks of the call). After timing, each size is
-checked exactly (every rank adds rank+1: the sum is exact in float32).
+(nccl-tests' factor, n the ranks of the call). An island of one rank has
+nothing to reduce: its row says so, and the bridged/native ratio takes the
+islands of two or more ranks only. After timing, each size is checked
+exactly (every rank adds rank+1: the sum is exact in float32).
 
 Rank 0 prints one row per size (gpubridge.kit-sweep/v1) and a summary
 (gpubridge.kit-sweep-summary/v1; not_run when the job has no GPUs). Exit
@@ -122,7 +124,9 @@ def main() -> int:
                     {"island": i["label"], "backend": i["backend"], **figures(n * 4, t, len(i["ranks"]))}
                 )
             bridged = figures(n * 4, float(pr[:, 0].max()), job.world)
-            slowest = max(nat["time_us"] for nat in native)
+            # An island of one rank reduces nothing: no time to compare with.
+            multi = [nat["time_us"] for nat in native if nat["ranks"] > 1]
+            slowest = max(multi) if multi else 0.0
             row = {
                 "schema": "gpubridge.kit-sweep/v1",
                 "bytes": n * 4,
@@ -149,14 +153,21 @@ def main() -> int:
             bad = [r["bytes"] for r in rows if not r["exact"]]
             reason = f"all_reduce result wrong at sizes {bad} bytes"
         elif big:
-            nat = ", ".join(f"{v['island']} {v['busbw_gbps']:.2f} GB/s" for v in big["native"])
             b = big["bridged"]
             reason = (
                 f"{len(rows)} sizes exact; at {big['bytes'] >> 20} MiB the bridged all_reduce over "
-                f"{job.world} ranks: {b['busbw_gbps']:.2f} GB/s busbw ({b['time_us']:.0f} us), "
-                f"native in the islands: {nat}; "
-                f"bridged takes {big['bridged_over_native']}x the slowest island's time"
+                f"{job.world} ranks: {b['busbw_gbps']:.2f} GB/s busbw ({b['time_us']:.0f} us)"
             )
+            if big["bridged_over_native"] is None:
+                reason += "; every island has one rank: no native all_reduce to compare with"
+            else:
+                nat = ", ".join(
+                    f"{v['island']} {v['busbw_gbps']:.2f} GB/s" for v in big["native"] if v["ranks"] > 1
+                )
+                reason += (
+                    f", native in the islands: {nat}; bridged takes {big['bridged_over_native']}x "
+                    "the slowest island's time"
+                )
         else:
             reason = "no sizes given"
         emit(

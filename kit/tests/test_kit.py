@@ -532,3 +532,114 @@ def test_summary_report(tmp_path: Path) -> None:
     p = summary(out, "--job", "10", "--job", "11", "--job", "13")
     assert p.returncode == 0 and "| 1 | probe | gbprobe --require on every node | PASS | 10 |" in p.stdout
     assert summary(tmp_path / "empty").returncode == 2
+
+
+# --- gathering rows without all_gather_object ---------------------------------
+
+
+def test_gather_objects_round_trips_through_tensors(tmp_path: Path) -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        row = {"rank": 0, "island": "amd", "wrong": {"3": {"index": 1}}, "text": "é ✓"}
+        assert kitdist.gather_objects(row, torch.device("cpu")) == [row]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_summary_sweep_table_says_when_an_island_has_one_rank(tmp_path: Path) -> None:
+    fig = {"ranks": 2, "time_us": 100.0, "algbw_gbps": 4.0, "busbw_gbps": 4.0}
+    row = {
+        "schema": "gpubridge.kit-sweep/v1",
+        "bytes": 1 << 30,
+        "bridged": {**fig, "ranks": 3, "time_us": 300.0, "busbw_gbps": 1.5},
+        "native": [{"island": "nvidia", **fig}, {"island": "amd", **fig, "ranks": 1, "busbw_gbps": 0.0}],
+        "bridged_over_native": 3.0,
+        "exact": True,
+    }
+    write_step(tmp_path, 4, "sweep", 5, [row], "PASS")
+    md = summary(tmp_path).stdout
+    assert "| 1 GiB | 1.50 | 300.00 | 4.00 (100.00 us) | 1 rank: nothing to reduce | 3.0 | yes |" in md
+
+
+# --- kit_begin: the layout from Slurm's variables --------------------------------
+
+FAKE_SCONTROL = """#!/bin/bash
+# scontrol for tests: show hostnames (name[a-b] ranges) and show node -o.
+if [ "$1 $2" = "show hostnames" ]; then
+    IFS=, read -r -a parts <<<"$3"
+    for p in "${parts[@]}"; do
+        if [[ $p =~ ^(.*)\\[([0-9]+)-([0-9]+)\\]$ ]]; then
+            for ((i = BASH_REMATCH[2]; i <= BASH_REMATCH[3]; i++)); do echo "${BASH_REMATCH[1]}$i"; done
+        else
+            echo "$p"
+        fi
+    done
+elif [ "$1 $2 $3" = "show node -o" ]; then
+    echo "NodeName=$4 Arch=x86_64 NodeAddr=10.1.0.${4: -1} NodeHostName=$4"
+fi
+"""
+
+
+def kit_begin(tmp_path: Path, site: str, **slurm: str) -> subprocess.CompletedProcess[str]:
+    kit = copy_kit(tmp_path)
+    (kit / "site.env").write_text(site)
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(FAKE_SCONTROL)
+    (fake / "scontrol").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "KIT_"))}
+    env.update(PATH=f"{fake}:{env['PATH']}", KIT_DIR=str(kit), SLURM_JOB_ID="4242", **slurm)
+    script = f". {kit}/lib/kit.sh; kit_begin 3 collectives 2>/dev/null; "
+    script += "env | grep -E '^(KIT_|WORLD_SIZE|MASTER_)' | sort"
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=False)
+
+
+HET = {
+    "SLURM_HET_SIZE": "2",
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "nv[0-1]",
+    "SLURM_TASKS_PER_NODE_HET_GROUP_0": "2(x2)",
+    "SLURM_JOB_PARTITION_HET_GROUP_0": "p-nv",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "amd[0-2]",
+    "SLURM_TASKS_PER_NODE_HET_GROUP_1": "4,4,3",
+    "SLURM_JOB_PARTITION_HET_GROUP_1": "p-amd",
+}
+
+
+def test_kit_begin_derives_the_layout_across_components(tmp_path: Path) -> None:
+    p = kit_begin(tmp_path, SITE + "KIT_OUT=" + str(tmp_path / "out") + "\n", **HET)
+    assert p.returncode == 0, p.stderr + p.stdout
+    e = env_of(p.stdout)
+    assert (e["WORLD_SIZE"], e["KIT_K"], e["KIT_NNODES"]) == ("15", "2", "5")
+    assert (e["KIT_NODES_0"], e["KIT_TPN_0"], e["KIT_OFFSET_0"], e["KIT_NTASKS_0"]) == (
+        "nv0 nv1",
+        "2 2",
+        "0",
+        "4",
+    )
+    assert (e["KIT_NODES_1"], e["KIT_TPN_1"], e["KIT_OFFSET_1"], e["KIT_NTASKS_1"]) == (
+        "amd0 amd1 amd2",
+        "4 4 3",
+        "4",
+        "11",
+    )
+    assert (e["KIT_NODE_OFFSET_1"], e["KIT_VENDOR_1"], e["KIT_PYTHON_1"]) == ("2", "amd", "/b")
+    assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("10.1.0.0", str(20000 + 4242 % 12000))
+    rows = (tmp_path / "out" / "step3-collectives-4242" / "rows.jsonl").read_text().splitlines()
+    lay = json.loads(rows[0])
+    assert [c["ranks"] for c in lay["components"]] == [[0, 3], [4, 14]]
+    assert lay["components"][1]["tasks_per_node"] == [4, 4, 3]
+
+
+def test_kit_begin_refuses_a_job_that_is_not_the_configured_one(tmp_path: Path) -> None:
+    het = {**HET, "SLURM_JOB_PARTITION_HET_GROUP_1": "debug"}
+    p = kit_begin(tmp_path, SITE + "KIT_OUT=" + str(tmp_path / "out") + "\n", **het)
+    assert p.returncode == 2
+    assert p.stdout.startswith(
+        "kit step 3 collectives: ERROR: component 1 runs in partition 'debug', site.env says 'p-amd'"
+    )
+    p = kit_begin(tmp_path / "b", SITE, SLURM_JOB_NODELIST="nv0")
+    assert p.returncode == 2
+    assert "is not a heterogeneous job" in p.stdout
