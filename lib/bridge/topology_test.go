@@ -52,13 +52,13 @@ func TestReadTopology(t *testing.T) {
 }
 
 func TestFromTopology(t *testing.T) {
-	topo := func(self int, transport string, members []int, hosts []string) *discover.Topology {
+	topo := func(self int, kind transport.Kind, members []int, hosts []string) *discover.Topology {
 		ranks := make([]discover.RankInfo, 4)
 		for i := range ranks {
 			ranks[i].Hostname = fmt.Sprintf("node%d", i)
 		}
 		return &discover.Topology{Shared: discover.Shared{Schema: discover.TopologySchema, WorldSize: 4,
-			Bridge: discover.Bridge{Members: members, Hosts: hosts, Transport: transport}, Ranks: ranks},
+			Bridge: discover.Bridge{Members: members, Hosts: hosts, Transport: kind}, Ranks: ranks},
 			Self: discover.RankInfo{Rank: self}}
 	}
 	cases := []struct {

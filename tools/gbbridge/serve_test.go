@@ -31,6 +31,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/feed/feedtest"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/testenv"
+	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
 var bin string
@@ -88,7 +89,7 @@ func runChecked(m *testing.M) int {
 // two islands (ranks 0,1 nvidia; 2,3 amd): the leaders 0 and 2 are the
 // bridge members. The islands are on host-a and host-b, or both on host-a
 // for the shm transport (one host).
-func topology(ns string, self int, bridgeTransport string) []byte {
+func topology(ns string, self int, bridgeTransport transport.Kind) []byte {
 	hostB := "host-b"
 	if bridgeTransport == discover.BridgeSHM {
 		hostB = "host-a"
@@ -142,10 +143,10 @@ func (p *serveProc) wait(t testing.TB) int {
 
 // cluster is a store and a topology per member of a 2-member bridge.
 type cluster struct {
-	dir       string
-	store     string
-	ns        string
-	transport string // the topology's bridge transport; "": tcp
+	dir   string
+	store string
+	ns    string
+	kind  transport.Kind // the topology's bridge transport; "": tcp
 }
 
 func newCluster(t testing.TB) *cluster {
@@ -156,15 +157,15 @@ func newCluster(t testing.TB) *cluster {
 	return &cluster{dir: dir, store: storetest.Start(t), ns: "job-" + strings.ReplaceAll(t.Name(), "/", "-")}
 }
 
-func (c *cluster) topoFile(t testing.TB, rank int, transport string) string {
+func (c *cluster) topoFile(t testing.TB, rank int, kind transport.Kind) string {
 	path := filepath.Join(c.dir, fmt.Sprintf("topo%d.json", rank))
-	require.NoError(t, os.WriteFile(path, topology(c.ns, rank, transport), 0o600))
+	require.NoError(t, os.WriteFile(path, topology(c.ns, rank, kind), 0o600))
 	return path
 }
 
 // args returns serve's arguments for rank.
 func (c *cluster) args(t testing.TB, rank int, extra ...string) []string {
-	tr := c.transport
+	tr := c.kind
 	if tr == "" {
 		tr = discover.BridgeTCP
 	}
@@ -217,6 +218,12 @@ func startEnv(t testing.TB, args, env []string, ready bool) *serveProc {
 		t.Fatalf("gbbridge serve not ready; stderr:\n%s", p.stderr.String())
 	}
 	return p
+}
+
+// dialedPair starts both members over TCP and connects a client to each.
+func dialedPair(t testing.TB) ([]*serveProc, []*feedtest.Client) {
+	ps := startPair(t, newCluster(t))
+	return ps, []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
 }
 
 // startPair starts both members at once (each waits for the other in setup).
@@ -396,10 +403,10 @@ func TestServeParentDies(t *testing.T) {
 // gbbridge, not of the rank. The error names the process that died for
 // what it is.
 func TestServeKilled(t *testing.T) {
-	for _, tr := range []string{discover.BridgeTCP, discover.BridgeSHM} {
-		t.Run(tr, func(t *testing.T) {
+	for _, tr := range []transport.Kind{discover.BridgeTCP, discover.BridgeSHM} {
+		t.Run(string(tr), func(t *testing.T) {
 			c := newCluster(t)
-			c.transport = tr
+			c.kind = tr
 			ps := startPair(t, c)
 			cl1 := dial(t, ps[1])
 			ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(30*time.Second))
@@ -450,9 +457,7 @@ func gone(pid int) bool {
 // aborts the bridge (the other member's collective fails naming it) and
 // exits 1.
 func TestServeSIGTERM(t *testing.T) {
-	c := newCluster(t)
-	ps := startPair(t, c)
-	cls := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
+	ps, cls := dialedPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	call, err := cls[1].Start(feed.Request{Kind: feed.MsgBarrier, Peer: -1}, nil)
@@ -475,9 +480,7 @@ func TestServeSIGTERM(t *testing.T) {
 // TestServeFeedLost: the client goes away with a request in flight; serve
 // aborts the bridge and exits 1.
 func TestServeFeedLost(t *testing.T) {
-	c := newCluster(t)
-	ps := startPair(t, c)
-	cls := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
+	ps, cls := dialedPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
 	defer cancel()
 	_, err := cls[0].Start(feed.Request{Kind: feed.MsgBarrier, Peer: -1}, nil)
