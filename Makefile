@@ -95,13 +95,14 @@ man-check: build
 	done; exit $$stale
 	@echo "man pages are fresh"
 
-# A real one-node Slurm with a gbprobe prolog; needs root (it installs
-# slurm-wlm and munge and starts their daemons).
+# A real one-node Slurm with a gbprobe prolog, then the cluster kit (kit/) on
+# a real Slurm of two node names (hetjob launch, validation steps, prolog);
+# needs root (it installs slurm-wlm and munge and starts their daemons).
 slurm-test: build
 	@mkdir -p $(TESTOUT); rm -f $(TESTOUT)/slurm.skip
 	@if [ "$$(id -u)" -ne 0 ]; then echo "slurm-test: skipped: needs root to install and start Slurm"; \
-	  printf 'slurm-test\tneeds root: installs and starts Slurm (make test as root runs it)\n' > $(TESTOUT)/slurm.skip; \
-	else GBPROBE=$(BIN)/gbprobe ci/slurm/prolog-test.sh; fi
+	  printf 'slurm-test\tneeds root: installs and starts Slurm for the gbprobe prolog and the kit hetjob tests (make test as root runs them)\n' > $(TESTOUT)/slurm.skip; \
+	else GBPROBE=$(BIN)/gbprobe ci/slurm/prolog-test.sh && $(MAKE) --no-print-directory venv && ci/slurm/hetjob-test.sh $(BIN) $(PY); fi
 
 # Every table of docs/BENCHMARKS.md is regenerated from docs/bench/ and
 # must match.

@@ -33,6 +33,7 @@ REPO=$(cd "$HERE/../.." && pwd)
 # shellcheck source=ci/slurm/lib.sh
 . "$HERE/lib.sh"
 
+slurm_need_root "installs slurm-wlm and munge, runs slurmd"
 BIN=${1:-${GPUBRIDGE_BIN_DIR:-}}
 PY=${2:-${KIT_TEST_PYTHON:-}}
 for t in gbprobe gbdiscover gbbridge; do
@@ -48,7 +49,6 @@ fi
 BIN=$(cd "$BIN" && pwd)
 # The plugin the ranks import (default: this checkout's torchplugin/).
 PLUGIN=${KIT_TEST_PYTHONPATH:-$REPO/torchplugin}
-slurm_need_root "installs slurm-wlm and munge, runs slurmd"
 
 T0=$SECONDS
 # --- the kit's unit tests (no Slurm) -----------------------------------------
