@@ -68,31 +68,10 @@ var ErrSetup = errors.New("probe cannot run")
 // Report with Problems, not an error.
 func Run(ctx context.Context, opts Options) (*Report, error) {
 	start := time.Now()
-	root := opts.SysfsRoot
-	if root == "" {
-		root = "/"
-	}
-	root = filepath.Clean(root)
-	fakeRoot := root != "/"
-	if err := checkRoot(root); err != nil {
+	root, nvmlOn, err := opts.check()
+	if err != nil {
 		return nil, err
 	}
-	sim := opts.SimulateVendor
-	if sim != "" && sim != VendorNVIDIA && sim != VendorAMD {
-		return nil, fmt.Errorf("%w: simulated vendor %q: want nvidia or amd", ErrSetup, sim)
-	}
-	mode := opts.NVML
-	switch mode {
-	case "", NVMLModeAuto:
-		mode = NVMLModeOn
-		if fakeRoot {
-			mode = NVMLModeOff
-		}
-	case NVMLModeOn, NVMLModeOff:
-	default:
-		return nil, fmt.Errorf("%w: NVML mode %q: want auto, on or off", ErrSetup, opts.NVML)
-	}
-
 	rep := &Report{
 		Schema:         Schema,
 		SysfsRoot:      root,
@@ -114,58 +93,112 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 	// seconds on a node without persistence mode.
 	var wg sync.WaitGroup
 	var nvInfo *NVMLInfo
-	var nvStatus NVMLStatus
-	if mode == NVMLModeOn {
-		lib := opts.NVMLLib
-		if lib == nil {
-			lib = RealNVML(opts.NVMLLibrary)
-		}
-		timeout := opts.NVMLTimeout
-		if timeout <= 0 {
-			timeout = DefaultNVMLTimeout
-		}
-		wg.Go(func() { nvInfo, nvStatus = queryNVML(ctx, lib, timeout) })
-	} else {
-		why := "not consulted (--nvml=off)"
-		if opts.NVML == "" || opts.NVML == NVMLModeAuto {
-			why = "not consulted under a fake sysfs root (--nvml=auto; use --nvml=on to consult it)"
-		}
-		nvStatus = NVMLStatus{State: NVMLOff, Error: why}
+	nvStatus := NVMLStatus{State: NVMLOff, Error: "not consulted (--nvml=off)"}
+	switch {
+	case nvmlOn:
+		wg.Go(func() { nvInfo, nvStatus = opts.queryNVML(ctx) })
+	case opts.NVML == "" || opts.NVML == NVMLModeAuto:
+		nvStatus.Error = "not consulted under a fake sysfs root (--nvml=auto; use --nvml=on to consult it)"
 	}
-	var nics []NIC
-	var route *Route
-	var nicErr error
+	var nw network
 	if !opts.NoNICs {
-		wg.Go(func() { nics, route, nicErr = probeNetwork(ctx, opts.RouteTo) })
+		wg.Go(func() { nw = probeNetwork(ctx, opts.RouteTo) })
 	}
-
-	s := sysfs{root: root}
-	var problems []string
-	pci, err := s.pciGPUs()
-	if err != nil {
-		problems = append(problems, fmt.Sprintf("PCI scan: %v", err))
-	}
-	cards, err := s.amdCards()
-	if err != nil {
-		problems = append(problems, fmt.Sprintf("DRM scan: %v", err))
-	}
-	nodes, kfdProblems, err := s.kfdGPUs()
-	if err != nil {
-		problems = append(problems, fmt.Sprintf("KFD scan: %v", err))
-	}
-	problems = append(problems, kfdProblems...)
-	_, kfdErr := os.Stat(s.path("sys/class/kfd/kfd/topology/nodes"))
-	rdma, err := s.rdmaDevices()
-	if err != nil {
-		problems = append(problems, fmt.Sprintf("RDMA scan: %v", err))
-	} else {
-		rep.RDMA = rdma
-	}
-
+	found := scanSysfs(sysfs{root: root})
 	wg.Wait()
 
-	f := joinGPUs(pci, amdGPUs(cards, nodes), kfdErr == nil, nvInfo, nvStatus)
+	rep.addGPUs(found, nvInfo, nvStatus)
+	rep.addNetwork(opts, nw)
+	rep.RealVendor = vendorOf(rep.GPUs)
+	rep.Vendor = rep.RealVendor
+	if opts.SimulateVendor != "" {
+		rep.Vendor, rep.Simulated = opts.SimulateVendor, true
+	}
+	rep.Requirements = rep.Check(opts.Requirements)
+	rep.ProbeMS = math.Round(float64(time.Since(start).Microseconds())/10) / 100
+	return rep, nil
+}
+
+// check refuses options the probe cannot run with, and returns the sysfs
+// root and whether NVML is consulted.
+func (o *Options) check() (root string, nvmlOn bool, err error) {
+	root = o.SysfsRoot
+	if root == "" {
+		root = "/"
+	}
+	root = filepath.Clean(root)
+	if err := checkRoot(root); err != nil {
+		return "", false, err
+	}
+	if sim := o.SimulateVendor; sim != "" && sim != VendorNVIDIA && sim != VendorAMD {
+		return "", false, fmt.Errorf("%w: simulated vendor %q: want nvidia or amd", ErrSetup, sim)
+	}
+	switch o.NVML {
+	case "", NVMLModeAuto:
+		// A fake root's GPUs are unknown to NVML.
+		return root, root == "/", nil
+	case NVMLModeOn:
+		return root, true, nil
+	case NVMLModeOff:
+		return root, false, nil
+	}
+	return "", false, fmt.Errorf("%w: NVML mode %q: want auto, on or off", ErrSetup, o.NVML)
+}
+
+// queryNVML asks the NVML of the options, within their timeout.
+func (o *Options) queryNVML(ctx context.Context) (*NVMLInfo, NVMLStatus) {
+	lib := o.NVMLLib
+	if lib == nil {
+		lib = RealNVML(o.NVMLLibrary)
+	}
+	timeout := o.NVMLTimeout
+	if timeout <= 0 {
+		timeout = DefaultNVMLTimeout
+	}
+	return queryNVML(ctx, lib, timeout)
+}
+
+// sysfsFindings is what the sysfs tree holds: GPUs by PCI, DRM and KFD,
+// and RDMA devices.
+type sysfsFindings struct {
+	pci        []PCIDevice
+	cards      []amdCard
+	nodes      []kfdNode
+	kfdPresent bool
+	rdma       []RDMADevice
+	problems   []string
+}
+
+func scanSysfs(s sysfs) sysfsFindings {
+	var f sysfsFindings
+	var err error
+	if f.pci, err = s.pciGPUs(); err != nil {
+		f.problems = append(f.problems, fmt.Sprintf("PCI scan: %v", err))
+	}
+	if f.cards, err = s.amdCards(); err != nil {
+		f.problems = append(f.problems, fmt.Sprintf("DRM scan: %v", err))
+	}
+	var kfdProblems []string
+	if f.nodes, kfdProblems, err = s.kfdGPUs(); err != nil {
+		f.problems = append(f.problems, fmt.Sprintf("KFD scan: %v", err))
+	}
+	f.problems = append(f.problems, kfdProblems...)
+	_, err = os.Stat(s.path("sys/class/kfd/kfd/topology/nodes"))
+	f.kfdPresent = err == nil
+	if f.rdma, err = s.rdmaDevices(); err != nil {
+		f.problems = append(f.problems, fmt.Sprintf("RDMA scan: %v", err))
+	}
+	return f
+}
+
+// addGPUs puts the GPUs, their PCI devices, NVML's state and the RDMA
+// devices into the report, with their problems.
+func (rep *Report) addGPUs(found sysfsFindings, nvInfo *NVMLInfo, nvStatus NVMLStatus) {
+	f := joinGPUs(found.pci, amdGPUs(found.cards, found.nodes), found.kfdPresent, nvInfo, nvStatus)
 	rep.GPUs, rep.PCIGPUs, rep.NVML = f.gpus, f.pci, nvStatus
+	if found.rdma != nil {
+		rep.RDMA = found.rdma
+	}
 	switch nvStatus.State {
 	case NVMLTimeout:
 		rep.Problems = append(rep.Problems, "NVML "+nvStatus.Error+": broken driver?")
@@ -173,36 +206,32 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		rep.Problems = append(rep.Problems, "NVML failed: "+nvStatus.Error)
 	}
 	rep.Problems = append(rep.Problems, f.problems...)
-	rep.Problems = append(rep.Problems, problems...)
+	rep.Problems = append(rep.Problems, found.problems...)
+}
 
-	if !opts.NoNICs {
-		if nicErr != nil {
-			rep.Problems = append(rep.Problems, fmt.Sprintf("NICs: %v", nicErr))
-		} else {
-			rep.NICsProbed = true
-			rep.NICs = nics
-		}
+// addNetwork puts the NICs and the route into the report, with their
+// problems.
+func (rep *Report) addNetwork(opts Options, nw network) {
+	switch {
+	case opts.NoNICs:
 		if opts.RouteTo != "" {
-			if route == nil {
-				route = &Route{To: opts.RouteTo, Error: "not probed: netlink failed"}
-			}
-			rep.Route = route
+			rep.Route = &Route{To: opts.RouteTo, Error: "not probed (--no-nics)"}
 		}
-	} else if opts.RouteTo != "" {
-		rep.Route = &Route{To: opts.RouteTo, Error: "not probed (--no-nics)"}
+	case nw.err != nil:
+		rep.Problems = append(rep.Problems, fmt.Sprintf("NICs: %v", nw.err))
+	default:
+		rep.NICsProbed = true
+		rep.NICs = nw.nics
+	}
+	if !opts.NoNICs && opts.RouteTo != "" {
+		rep.Route = nw.route
+		if rep.Route == nil {
+			rep.Route = &Route{To: opts.RouteTo, Error: "not probed: netlink failed"}
+		}
 	}
 	if rep.Route != nil && rep.Route.Error != "" {
 		rep.Problems = append(rep.Problems, "route: "+rep.Route.Error)
 	}
-
-	rep.RealVendor = vendorOf(rep.GPUs)
-	rep.Vendor = rep.RealVendor
-	if sim != "" {
-		rep.Vendor, rep.Simulated = sim, true
-	}
-	rep.Requirements = rep.Check(opts.Requirements)
-	rep.ProbeMS = math.Round(float64(time.Since(start).Microseconds())/10) / 100
-	return rep, nil
 }
 
 // checkRoot makes sure the sysfs root can be read at all: a typo in
@@ -226,22 +255,29 @@ func checkRoot(root string) error {
 	return nil
 }
 
+// network is what netlink says: the NICs and, when asked, the route.
+type network struct {
+	nics  []NIC
+	route *Route
+	err   error
+}
+
 // probeNetwork lists NICs and, when asked, the route to a host, all in the
 // calling goroutine's network namespace. NIC speeds come from the host's
 // /sys/class/net, never from a fake sysfs root.
-func probeNetwork(ctx context.Context, routeTarget string) ([]NIC, *Route, error) {
+func probeNetwork(ctx context.Context, routeTarget string) network {
 	h, err := netif.Open()
 	if err != nil {
-		return nil, nil, err
+		return network{err: err}
 	}
 	defer h.Close()
 	nics, err := probeNICs(h, "/")
 	if err != nil {
-		return nil, nil, err
+		return network{err: err}
 	}
-	var r *Route
+	nw := network{nics: nics}
 	if strings.TrimSpace(routeTarget) != "" {
-		r = routeTo(ctx, h, strings.TrimSpace(routeTarget))
+		nw.route = routeTo(ctx, h, strings.TrimSpace(routeTarget))
 	}
-	return nics, r, nil
+	return nw
 }
