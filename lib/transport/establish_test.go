@@ -30,9 +30,7 @@ func TestExchange(t *testing.T) {
 					b := newBridge(t, tr, n, 2, crc)
 					if n > 2 {
 						// Small rings: 4 MiB frames take the split path.
-						for i := range b.cfgs {
-							b.cfgs[i].RingBytes = 1 << 20
-						}
+						b.set(func(c *Config) { c.RingBytes = 1 << 20 })
 					}
 					meshes := b.mustEstablish(t)
 					sizes := sizes
@@ -89,9 +87,7 @@ func TestConcurrentStreamsManyFrames(t *testing.T) {
 	for _, tr := range transports {
 		t.Run(string(tr), func(t *testing.T) {
 			b := newBridge(t, tr, 2, 4, true)
-			for i := range b.cfgs {
-				b.cfgs[i].RingBytes = 256 << 10
-			}
+			b.set(func(c *Config) { c.RingBytes = 256 << 10 })
 			meshes := b.mustEstablish(t)
 			sizes := make([]int, 200)
 			for i := range sizes {
@@ -149,13 +145,7 @@ func TestStrangerRefused(t *testing.T) {
 	b := newBridge(t, "tcp", 2, 1, false)
 	logs := &storetest.SyncBuffer{}
 	b.cfgs[0].Log = slog.New(slog.NewTextHandler(logs, nil))
-	var meshes []Mesh
-	var errs []error
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		meshes, errs = b.establish(t, 0)
-	}()
+	join := b.twoStep(t)
 
 	// Find member 0's endpoint through the store, as a stranger on the
 	// network would find its port.
@@ -198,12 +188,7 @@ func TestStrangerRefused(t *testing.T) {
 	})
 
 	// The real member 1 still joins, and the bridge works.
-	m1, err := Establish(context.Background(), b.cfgs[1])
-	require.NoError(t, err)
-	defer m1.Close()
-	<-done
-	require.NoError(t, errs[0])
-	exchange(t, []Mesh{meshes[0], m1}, []int{5, 1 << 20})
+	exchange(t, join(), []int{5, 1 << 20})
 	assert.Contains(t, logs.String(), "failed authentication")
 	assert.Contains(t, logs.String(), "refused bridge connection")
 }
@@ -275,9 +260,7 @@ func TestMissingMember(t *testing.T) {
 		t.Run(string(tr), func(t *testing.T) {
 			b := newBridge(t, tr, 3, 1, false)
 			timeout := testenv.Scale(1500 * time.Millisecond)
-			for i := range b.cfgs {
-				b.cfgs[i].Timeout = timeout
-			}
+			b.set(func(c *Config) { c.Timeout = timeout })
 			start := time.Now()
 			_, errs := b.establish(t, 0, 1)
 			assert.Less(t, time.Since(start), timeout+testenv.Scale(5*time.Second), "bounded by the set-up timeout")
@@ -486,9 +469,7 @@ func TestCancel(t *testing.T) {
 	for _, tr := range transports {
 		t.Run(string(tr), func(t *testing.T) {
 			b := newBridge(t, tr, 2, 1, false)
-			for i := range b.cfgs {
-				b.cfgs[i].RingBytes = 1 << 20
-			}
+			b.set(func(c *Config) { c.RingBytes = 1 << 20 })
 			meshes := b.mustEstablish(t)
 			in := meshes[1].Stream(0, 0)
 

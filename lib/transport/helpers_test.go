@@ -108,6 +108,38 @@ func (b *bridge) establish(t testing.TB, which ...int) ([]Mesh, []error) {
 	return meshes, errs
 }
 
+// set applies f to every member's config.
+func (b *bridge) set(f func(c *Config)) *bridge {
+	for i := range b.cfgs {
+		f(&b.cfgs[i])
+	}
+	return b
+}
+
+// twoStep starts member 0's Establish of a two-member bridge; join then
+// establishes member 1 and returns both meshes (closed when the test ends)
+// once member 0 is done too, failing the test on an error.
+func (b *bridge) twoStep(t *testing.T) (join func() []Mesh) {
+	t.Helper()
+	var m0 Mesh
+	var err0 error
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		ms, errs := b.establish(t, 0)
+		m0, err0 = ms[0], errs[0]
+	}()
+	return func() []Mesh {
+		t.Helper()
+		m1, err := Establish(context.Background(), b.cfgs[1])
+		require.NoError(t, err, "member 1 could not join")
+		t.Cleanup(func() { _ = m1.Close() })
+		<-done
+		require.NoError(t, err0)
+		return []Mesh{m0, m1}
+	}
+}
+
 // mustEstablish establishes every member and fails the test on an error.
 func (b *bridge) mustEstablish(t testing.TB) []Mesh {
 	t.Helper()
@@ -133,6 +165,17 @@ func pattern(p []byte, from, to, stream int, seq uint64) {
 			binary.LittleEndian.PutUint64(p[off:], uint64(off)^seq)
 		}
 	}
+}
+
+// patterned returns the pattern of frame k of size bytes from member from
+// to member to on stream s, in *buf (grown when too small).
+func patterned(buf *[]byte, size, from, to, s, k int) []byte {
+	if cap(*buf) < size {
+		*buf = make([]byte, size)
+	}
+	p := (*buf)[:size]
+	pattern(p, from, to, s, uint64(k))
+	return p
 }
 
 // streamOf returns data stream i, or the control stream for i == Streams.
@@ -163,11 +206,7 @@ func exchange(t *testing.T, meshes []Mesh, sizes []int) {
 					out := streamOf(meshes[a], b, s)
 					buf := make([]byte, 0, 1<<20)
 					for k, size := range sizes {
-						if cap(buf) < size {
-							buf = make([]byte, size)
-						}
-						p := buf[:size]
-						pattern(p, a, b, s, uint64(k))
+						p := patterned(&buf, size, a, b, s, k)
 						h := wire.Header{Kind: wire.KindData, Seq: uint64(k), Step: uint32(s), Chunk: uint32(a)}
 						if err := out.Send(ctx, h, p); err != nil {
 							errc <- fmt.Errorf("send %d->%d stream %d frame %d: %w", a, b, s, k, err)
@@ -179,11 +218,7 @@ func exchange(t *testing.T, meshes []Mesh, sizes []int) {
 					in := streamOf(meshes[a], b, s)
 					want := make([]byte, 0, 1<<20)
 					for k, size := range sizes {
-						if cap(want) < size {
-							want = make([]byte, size)
-						}
-						w := want[:size]
-						pattern(w, b, a, s, uint64(k))
+						w := patterned(&want, size, b, a, s, k)
 						err := in.Recv(ctx, func(h wire.Header, p []byte) error {
 							if h.Seq != uint64(k) || h.Step != uint32(s) || h.Chunk != uint32(b) || h.Kind != wire.KindData {
 								return fmt.Errorf("header %+v, want seq %d step %d chunk %d", h, k, s, b)

@@ -30,9 +30,7 @@ func holdMeshes(t *testing.T, tr Kind, crc bool) []Mesh {
 		return ms
 	}
 	b := newBridge(t, tr, 2, 1, crc)
-	for i := range b.cfgs {
-		b.cfgs[i].RingBytes = 1 << 20
-	}
+	b.set(func(c *Config) { c.RingBytes = 1 << 20 })
 	return b.mustEstablish(t)
 }
 

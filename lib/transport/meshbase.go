@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"context"
 	"fmt"
 	"sync"
 	"time"
@@ -90,4 +91,23 @@ func lockUntil(mu *sync.Mutex, t time.Time) bool {
 		time.Sleep(time.Millisecond)
 	}
 	return true
+}
+
+// takeHeld takes one of a stream's free RecvHold buffers (held), waiting
+// for a release unless ctx ends or the mesh closes (done). peer and idx
+// name the stream in errors.
+func takeHeld(ctx context.Context, held chan []byte, done <-chan struct{}, peer string, idx int) ([]byte, error) {
+	select {
+	case b := <-held:
+		return b, nil
+	default:
+	}
+	select {
+	case b := <-held:
+		return b, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("receive from %s on stream %d: %w", peer, idx, ctx.Err())
+	case <-done:
+		return nil, fmt.Errorf("receive from %s: %w", peer, ErrClosed)
+	}
 }

@@ -596,19 +596,10 @@ func (s *shmStream) RecvHold(ctx context.Context) (wire.Header, []byte, func(), 
 		m.exit()
 		return wire.Header{}, nil, nil, s.rbroken
 	}
-	var b []byte
-	select {
-	case b = <-s.held:
-	default:
-		select {
-		case b = <-s.held:
-		case <-ctx.Done():
-			m.exit()
-			return wire.Header{}, nil, nil, fmt.Errorf("receive from %s on stream %d: %w", m.Peer(s.peer), s.idx, ctx.Err())
-		case <-m.done:
-			m.exit()
-			return wire.Header{}, nil, nil, fmt.Errorf("receive from %s: %w", m.Peer(s.peer), ErrClosed)
-		}
+	b, err := takeHeld(ctx, s.held, m.done, m.Peer(s.peer), s.idx)
+	if err != nil {
+		m.exit()
+		return wire.Header{}, nil, nil, err
 	}
 	h, p, rl, err := s.next(ctx, &b)
 	if err == nil {

@@ -133,17 +133,8 @@ func TestStrangersCannotStarveSetup(t *testing.T) {
 	logs := &storetest.SyncBuffer{}
 	b.cfgs[0].Log = slog.New(slog.NewJSONHandler(logs, nil))
 	b.cfgs[1].Log = slog.New(slog.NewJSONHandler(logs, nil))
-	for i := range b.cfgs {
-		b.cfgs[i].Timeout = testenv.Scale(30 * time.Second)
-	}
-	var m0 Mesh
-	var err0 error
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		ms, errs := b.establish(t, 0)
-		m0, err0 = ms[0], errs[0]
-	}()
+	b.set(func(c *Config) { c.Timeout = testenv.Scale(30 * time.Second) })
+	join := b.twoStep(t)
 	target := endpointAddr(t, b, 0)
 	tag := jobTag(secretOf(t, b))
 	other := jobTag([]byte("another job's secret"))
@@ -166,14 +157,10 @@ func TestStrangersCannotStarveSetup(t *testing.T) {
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "too many handshakes in progress") },
 		testenv.Scale(20*time.Second), 10*time.Millisecond, "the strangers never filled the listener")
 
-	m1, err := Establish(context.Background(), b.cfgs[1])
-	require.NoError(t, err, "member 1 could not join past the strangers")
-	defer m1.Close()
-	<-done
-	require.NoError(t, err0)
+	meshes := join() // past the strangers
 	cancel()
 	wg.Wait()
-	exchange(t, []Mesh{m0, m1}, []int{5, 1 << 20})
+	exchange(t, meshes, []int{5, 1 << 20})
 
 	warns := 0
 	for _, l := range parseLogs(t, logs.String()) {
@@ -196,14 +183,7 @@ func TestStrangerHelloLogged(t *testing.T) {
 	b := newBridge(t, "tcp", 2, 1, false)
 	logs := &storetest.SyncBuffer{}
 	b.cfgs[0].Log = slog.New(slog.NewJSONHandler(logs, nil))
-	done := make(chan struct{})
-	var m0 Mesh
-	var err0 error
-	go func() {
-		defer close(done)
-		ms, errs := b.establish(t, 0)
-		m0, err0 = ms[0], errs[0]
-	}()
+	join := b.twoStep(t)
 	target := endpointAddr(t, b, 0)
 	tag := jobTag(secretOf(t, b))
 
@@ -263,12 +243,7 @@ func TestStrangerHelloLogged(t *testing.T) {
 	assert.Equal(t, logBurst, strangers, "stranger warnings are rate-limited: %s", logs.String())
 
 	// The real member still joins.
-	m1, err := Establish(context.Background(), b.cfgs[1])
-	require.NoError(t, err)
-	defer m1.Close()
-	<-done
-	require.NoError(t, err0)
-	require.NotNil(t, m0)
+	require.Len(t, join(), 2)
 }
 
 // A dialer whose connection is closed before the listener took it (a

@@ -209,17 +209,9 @@ func (s *tcpStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error
 // RecvHold implements Holder: the frame is read into one of MaxHeld
 // buffers of the stream, which returns to the stream on release.
 func (s *tcpStream) RecvHold(ctx context.Context) (wire.Header, []byte, func(), error) {
-	var b []byte
-	select {
-	case b = <-s.held:
-	default:
-		select {
-		case b = <-s.held:
-		case <-ctx.Done():
-			return wire.Header{}, nil, nil, fmt.Errorf("receive from %s on stream %d: %w", s.m.Peer(s.peer), s.idx, ctx.Err())
-		case <-s.m.done:
-			return wire.Header{}, nil, nil, fmt.Errorf("receive from %s: %w", s.m.Peer(s.peer), ErrClosed)
-		}
+	b, err := takeHeld(ctx, s.held, s.m.done, s.m.Peer(s.peer), s.idx)
+	if err != nil {
+		return wire.Header{}, nil, nil, err
 	}
 	h, p, err := s.read(ctx, &b)
 	if err != nil {
