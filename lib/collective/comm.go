@@ -191,15 +191,8 @@ func (c *Comm) Close() error {
 		return nil
 	}
 	c.closed = true
-	if c.cause == nil {
-		c.cause = ErrClosed
-		close(c.stop)
-	}
-	cur := c.cur
 	c.mu.Unlock()
-	if cur != nil {
-		cur.cancel(ErrClosed)
-	}
+	c.stopWith(ErrClosed)
 	c.dcancel()
 	err := c.mesh.Close()
 	c.wg.Wait()
@@ -289,16 +282,15 @@ func (c *Comm) causeNow() error {
 	return c.cause
 }
 
-// fail breaks the communicator with cause, unless it has stopped already:
-// the collective in progress is cancelled, waiting calls wake, and the mesh
-// is aborted so that the peers fail promptly with cause's text. It returns
-// the cause that stands (an earlier one if there was one).
-func (c *Comm) fail(cause error) error {
+// stopWith makes cause the communicator's cause unless it has one already,
+// and cancels the collective in progress with it. It returns the cause
+// that stands and whether it is this one.
+func (c *Comm) stopWith(cause error) (error, bool) {
 	c.mu.Lock()
 	if c.cause != nil {
 		prev := c.cause
 		c.mu.Unlock()
-		return prev
+		return prev, false
 	}
 	c.cause = cause
 	close(c.stop)
@@ -306,6 +298,17 @@ func (c *Comm) fail(cause error) error {
 	c.mu.Unlock()
 	if cur != nil {
 		cur.cancel(cause)
+	}
+	return cause, true
+}
+
+// fail breaks the communicator with cause, unless it has stopped already:
+// the collective in progress is cancelled, waiting calls wake, and the mesh
+// is aborted so that the peers fail promptly with cause's text. It returns
+// the cause that stands (an earlier one if there was one).
+func (c *Comm) fail(cause error) error {
+	if prev, ok := c.stopWith(cause); !ok {
+		return prev
 	}
 	c.log.Error("bridge broken", "member", c.self, "err", cause)
 	c.mesh.Abort(cause)

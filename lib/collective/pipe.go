@@ -112,10 +112,8 @@ func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}) 
 		j := pp.sendSeg(t)
 		for c := s; c < pp.nchunks(j); c += S {
 			if pp.sendWaits(t) {
-				select {
-				case <-recvTok:
-				case <-cl.ctx.Done():
-					return errSibling
+				if err := cl.await(recvTok); err != nil {
+					return err
 				}
 			}
 			off, n := pp.span(j, c)
@@ -141,49 +139,74 @@ func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}) 
 
 func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}) error {
 	cl := pp.cl
-	S := cl.c.streams
 	st := cl.c.mesh.Stream(pp.prev, s)
+	return pp.recvChunks(s, func(k chunkAt) error {
+		// The chunk is read off the stream first and waits in the
+		// transport's receive buffer for the send it depends on:
+		// waiting before the read would leave the socket undrained
+		// while the peer's send of the same chunk blocks on it, and
+		// the two directions of a stream would take turns.
+		waitSend := pp.recvWaits(k.t)
+		err := cl.recv(st, pp.prev, k.t, k.c, k.n, pp.primary, func(p []byte) error {
+			if waitSend {
+				if err := cl.await(sendTok); err != nil {
+					return err
+				}
+			}
+			return pp.recv(k.t, k.j, k.c, k.off, k.n, p)
+		})
+		if err == nil && pp.unblocksSend(k.t) {
+			recvTok <- struct{}{}
+		}
+		return err
+	})
+}
+
+// chunkAt is a chunk of the schedule: step t, segment j, chunk c, bytes
+// [off, off+n) of the segment.
+type chunkAt struct{ t, j, c, off, n int }
+
+// recvChunks calls fn for every chunk data stream s receives, in order,
+// each once pp.prep (when set) made it ready; the first error ends it.
+func (pp *pipe) recvChunks(s int, fn func(k chunkAt) error) error {
 	for t := range pp.steps {
 		j := pp.recvSeg(t)
-		for c := s; c < pp.nchunks(j); c += S {
+		for c := s; c < pp.nchunks(j); c += pp.cl.c.streams {
 			off, n := pp.span(j, c)
 			if pp.prep != nil {
 				if err := pp.prep(t, j, c, off, n); err != nil {
 					return err
 				}
 			}
-			// The chunk is read off the stream first and waits in the
-			// transport's receive buffer for the send it depends on:
-			// waiting before the read would leave the socket undrained
-			// while the peer's send of the same chunk blocks on it, and
-			// the two directions of a stream would take turns.
-			waitSend := pp.recvWaits(t)
-			err := cl.recv(st, pp.prev, t, c, n, pp.primary, func(p []byte) error {
-				if waitSend {
-					select {
-					case <-sendTok:
-					case <-cl.ctx.Done():
-						return errSibling
-					}
-				}
-				return pp.recv(t, j, c, off, n, p)
-			})
-			if err != nil {
+			if err := fn(chunkAt{t, j, c, off, n}); err != nil {
 				return err
-			}
-			if pp.next >= 0 && pp.sendLag >= 0 && t+pp.sendLag < pp.steps {
-				recvTok <- struct{}{}
 			}
 		}
 	}
 	return nil
 }
 
+// unblocksSend says whether the receive of step t lets this member's
+// sender go on (a token on recvTok).
+func (pp *pipe) unblocksSend(t int) bool {
+	return pp.next >= 0 && pp.sendLag >= 0 && t+pp.sendLag < pp.steps
+}
+
+// await takes a token from ch, or gives up when the call is stopped.
+func (cl *call) await(ch <-chan struct{}) error {
+	select {
+	case <-ch:
+		return nil
+	case <-cl.ctx.Done():
+		return errSibling
+	}
+}
+
 // heldChunk is a chunk read off a stream and held for the consumer.
 type heldChunk struct {
-	t, j, c, off, n int
-	p               []byte
-	release         func()
+	chunkAt
+	p       []byte
+	release func()
 }
 
 // holdReceiver reads the chunks of data stream s off the stream and hands
@@ -192,29 +215,19 @@ type heldChunk struct {
 func (pp *pipe) holdReceiver(s int, st transport.Holder, held chan<- heldChunk) error {
 	defer close(held)
 	cl := pp.cl
-	S := cl.c.streams
-	for t := range pp.steps {
-		j := pp.recvSeg(t)
-		for c := s; c < pp.nchunks(j); c += S {
-			off, n := pp.span(j, c)
-			if pp.prep != nil {
-				if err := pp.prep(t, j, c, off, n); err != nil {
-					return err
-				}
-			}
-			p, release, err := cl.recvHold(st, pp.prev, t, c, n, pp.primary)
-			if err != nil {
-				return err
-			}
-			select {
-			case held <- heldChunk{t: t, j: j, c: c, off: off, n: n, p: p, release: release}:
-			case <-cl.ctx.Done():
-				release()
-				return errSibling
-			}
+	return pp.recvChunks(s, func(k chunkAt) error {
+		p, release, err := cl.recvHold(st, pp.prev, k.t, k.c, k.n, pp.primary)
+		if err != nil {
+			return err
 		}
-	}
-	return nil
+		select {
+		case held <- heldChunk{chunkAt: k, p: p, release: release}:
+			return nil
+		case <-cl.ctx.Done():
+			release()
+			return errSibling
+		}
+	})
 }
 
 // consumer consumes the chunks holdReceiver hands it, in order: it waits
@@ -234,11 +247,9 @@ func (pp *pipe) consumer(held <-chan heldChunk, recvTok chan<- struct{}, sendTok
 	}()
 	for h := range held {
 		if pp.recvWaits(h.t) {
-			select {
-			case <-sendTok:
-			case <-cl.ctx.Done():
+			if err := cl.await(sendTok); err != nil {
 				h.release()
-				return errSibling
+				return err
 			}
 		}
 		err := pp.recv(h.t, h.j, h.c, h.off, h.n, h.p)
@@ -246,7 +257,7 @@ func (pp *pipe) consumer(held <-chan heldChunk, recvTok chan<- struct{}, sendTok
 		if err != nil {
 			return cl.recvErr(&localError{err}, pp.prev, pp.primary)
 		}
-		if pp.next >= 0 && pp.sendLag >= 0 && h.t+pp.sendLag < pp.steps {
+		if pp.unblocksSend(h.t) {
 			recvTok <- struct{}{}
 		}
 	}
