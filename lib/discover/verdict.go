@@ -88,6 +88,56 @@ func BackendFor(vendor, mode string) string {
 // i). It is a pure function: the same records give the same topology, or the
 // same problems in the same order, on every rank.
 func Decide(namespace string, recs []*Record) (*Shared, []string) {
+	problems := recordProblems(recs)
+	n := len(recs)
+	if len(problems) > 0 || n == 0 {
+		if n == 0 {
+			problems = append(problems, "no ranks")
+		}
+		return nil, problems
+	}
+
+	first := recs[0]
+	labels, lp := labelRanks(recs, first.SplitTest)
+	problems = append(problems, lp...)
+	if len(problems) > 0 {
+		return nil, problems
+	}
+
+	islands := buildIslands(recs, labels, first.Mode)
+	problems = append(problems, sameGPUProblems(recs, labels, islands)...)
+	bridge, bp := chooseBridge(recs, islands, first.Bridge)
+	problems = append(problems, bp...)
+	if len(problems) > 0 {
+		return nil, problems
+	}
+
+	sh := &Shared{
+		Schema: TopologySchema, Namespace: namespace, WorldSize: n,
+		Mode: first.Mode, Simulated: first.Simulated, SplitTest: first.SplitTest,
+		Version: first.ToolVersion, Settings: first.Settings,
+		Islands: islands, Bridge: bridge,
+	}
+	sh.RunKind = runKind(sh)
+	leaders := map[int]bool{}
+	for _, is := range islands {
+		leaders[is.Leader] = true
+	}
+	for _, r := range recs {
+		role := RoleMember
+		if leaders[r.Rank] {
+			role = RoleLeader
+		}
+		sh.Ranks = append(sh.Ranks, RankInfo{Rank: r.Rank, LocalRank: r.LocalRank, Hostname: r.Hostname,
+			Island: labels[r.Rank], Role: role, GPU: r.GPU})
+	}
+	return sh, nil
+}
+
+// recordProblems lists what the records say is wrong before any topology
+// is built: each rank's own problems, a wrong world size or no vendor, and
+// settings that differ between ranks.
+func recordProblems(recs []*Record) []string {
 	var problems []string
 	add := func(format string, args ...any) { problems = append(problems, fmt.Sprintf(format, args...)) }
 	n := len(recs)
@@ -140,48 +190,7 @@ func Decide(namespace string, recs []*Record) (*Shared, []string) {
 	for _, k := range sortedKeys(keys) {
 		mismatch("setting "+k, func(r *Record) string { return r.Settings[k] })
 	}
-	if len(problems) > 0 || n == 0 {
-		if n == 0 {
-			add("no ranks")
-		}
-		return nil, problems
-	}
-
-	first := recs[0]
-	labels, lp := labelRanks(recs, first.SplitTest)
-	problems = append(problems, lp...)
-	if len(problems) > 0 {
-		return nil, problems
-	}
-
-	islands := buildIslands(recs, labels, first.Mode)
-	problems = append(problems, sameGPUProblems(recs, labels, islands)...)
-	bridge, bp := chooseBridge(recs, islands, first.Bridge)
-	problems = append(problems, bp...)
-	if len(problems) > 0 {
-		return nil, problems
-	}
-
-	sh := &Shared{
-		Schema: TopologySchema, Namespace: namespace, WorldSize: n,
-		Mode: first.Mode, Simulated: first.Simulated, SplitTest: first.SplitTest,
-		Version: first.ToolVersion, Settings: first.Settings,
-		Islands: islands, Bridge: bridge,
-	}
-	sh.RunKind = runKind(sh)
-	leaders := map[int]bool{}
-	for _, is := range islands {
-		leaders[is.Leader] = true
-	}
-	for _, r := range recs {
-		role := RoleMember
-		if leaders[r.Rank] {
-			role = RoleLeader
-		}
-		sh.Ranks = append(sh.Ranks, RankInfo{Rank: r.Rank, LocalRank: r.LocalRank, Hostname: r.Hostname,
-			Island: labels[r.Rank], Role: role, GPU: r.GPU})
-	}
-	return sh, nil
+	return problems
 }
 
 // labelRanks gives every rank its island label: its vendor (with a simulated

@@ -67,15 +67,8 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 	if err != nil {
 		return nil, err
 	}
-	for i, e := range eps {
-		if e.Hostname != eps[0].Hostname {
-			return nil, &rendezvous.SharedError{Err: fmt.Errorf("the shm transport needs every member on one host: %s is on %s, %s on %s; use tcp",
-				s.rv.Who(0), eps[0].Hostname, s.rv.Who(i), e.Hostname)}
-		}
-		if e.PIDNS != eps[0].PIDNS {
-			return nil, &rendezvous.SharedError{Err: fmt.Errorf("the shm transport needs every member in one pid namespace: %s is in %s, %s in %s; use tcp",
-				s.rv.Who(0), eps[0].PIDNS, s.rv.Who(i), e.PIDNS)}
-		}
+	if err := s.oneHost(eps); err != nil {
+		return nil, err
 	}
 
 	m.peers = make([]string, n)
@@ -120,6 +113,22 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 	m.desc = fmt.Sprintf("shm, %d streams per peer, %s, %d MiB rings on %s", s.cfg.Streams, crcWords(s.cfg.CRC),
 		(lay.dataCap-4096)>>20, eps[self].Hostname)
 	return m, nil
+}
+
+// oneHost refuses members on several hosts or in several pid namespaces
+// (the same error on every member).
+func (s *setup) oneHost(eps []shmEndpoint) error {
+	for i, e := range eps {
+		if e.Hostname != eps[0].Hostname {
+			return &rendezvous.SharedError{Err: fmt.Errorf("the shm transport needs every member on one host: %s is on %s, %s on %s; use tcp",
+				s.rv.Who(0), eps[0].Hostname, s.rv.Who(i), e.Hostname)}
+		}
+		if e.PIDNS != eps[0].PIDNS {
+			return &rendezvous.SharedError{Err: fmt.Errorf("the shm transport needs every member in one pid namespace: %s is in %s, %s in %s; use tcp",
+				s.rv.Who(0), eps[0].PIDNS, s.rv.Who(i), e.PIDNS)}
+		}
+	}
+	return nil
 }
 
 // createRingFile creates (replacing a stale one of an earlier attempt of
