@@ -2,15 +2,11 @@ package transport
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 
 	"github.com/gpubridge/gpubridge/lib/wire"
 )
-
-// ErrClosed is returned by streams of a closed mesh.
-var ErrClosed = errors.New("bridge closed")
 
 // memQueue frames a directed in-memory stream may hold before Send blocks.
 const memQueue = 4

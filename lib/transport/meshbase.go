@@ -111,3 +111,11 @@ func takeHeld(ctx context.Context, held chan []byte, done <-chan struct{}, peer 
 		return nil, fmt.Errorf("receive from %s: %w", peer, ErrClosed)
 	}
 }
+
+// crcWords says whether frames carry a CRC, for Describe.
+func crcWords(crc bool) string {
+	if crc {
+		return "crc32c"
+	}
+	return "no crc"
+}

@@ -81,6 +81,7 @@ const (
 	shmMagic    = "GBSHMv1\x00"
 	ctlRingCap  = 1<<20 + 4096
 	shmMACLabel = "shm\x00"
+	shmMACSize  = sha256.Size
 )
 
 // shmDir is where the ring files live.
@@ -205,14 +206,14 @@ func (h *shmHeader) put(b []byte, secret []byte) {
 	le.PutUint64(b[40:], h.ctlCap)
 	copy(b[48:], h.job[:])
 	mac := shmMAC(secret, b)
-	copy(b[shmHdrSize-hsMAC:], mac[:])
+	copy(b[shmHdrSize-shmMACSize:], mac[:])
 }
 
-func shmMAC(secret, b []byte) [hsMAC]byte {
+func shmMAC(secret, b []byte) [shmMACSize]byte {
 	h := hmac.New(sha256.New, secret)
 	h.Write([]byte(shmMACLabel))
-	h.Write(b[:shmHdrSize-hsMAC])
-	var out [hsMAC]byte
+	h.Write(b[:shmHdrSize-shmMACSize])
+	var out [shmMACSize]byte
 	h.Sum(out[:0])
 	return out
 }
@@ -222,7 +223,7 @@ func parseSHMHeader(b []byte, secret []byte) (shmHeader, error) {
 		return shmHeader{}, errors.New("not a gpubridge ring file")
 	}
 	mac := shmMAC(secret, b)
-	if !hmac.Equal(mac[:], b[shmHdrSize-hsMAC:shmHdrSize]) {
+	if !hmac.Equal(mac[:], b[shmHdrSize-shmMACSize:shmHdrSize]) {
 		return shmHeader{}, errors.New("ring file header is not signed with this job's secret")
 	}
 	le := binary.LittleEndian

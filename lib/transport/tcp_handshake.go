@@ -44,7 +44,6 @@ const (
 	hsMaxText  = 512
 	hsNonce    = 32
 	hsMAC      = sha256.Size
-	jobTagSize = 16
 )
 
 // Handshake message types.

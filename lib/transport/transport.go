@@ -18,6 +18,7 @@ package transport
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/gpubridge/gpubridge/lib/wire"
@@ -82,6 +83,38 @@ type Mesh interface {
 	// Close closes every stream; blocked Send and Recv calls return errors.
 	Close() error
 }
+
+// ErrClosed is returned by streams of a closed mesh.
+var ErrClosed = errors.New("bridge closed")
+
+// Errors a stream returns, wrapped in a *PeerError.
+var (
+	// ErrConnClosed: the peer's end of a connection went away without an
+	// orderly close (EOF or reset). The error names the peer's process
+	// and asks whether it died.
+	ErrConnClosed = errors.New("connection closed")
+	// ErrPeerClosed: the peer closed its mesh.
+	ErrPeerClosed = errors.New("closed its end of the bridge")
+	// ErrPeerDied: the peer's process is gone (shm); the error is a
+	// *ProcessDiedError.
+	ErrPeerDied = errors.New("process died")
+)
+
+// ProcessDiedError is a peer member's process found dead (shm: through its
+// pidfd). The process is the bridge member's (gbbridge serve), not the
+// rank's: the pid is the one the member published in its endpoint record.
+type ProcessDiedError struct {
+	Program string // Config.Process of the members: "gbbridge serve"
+	Rank    int    // the global rank the process served
+	PID     int
+}
+
+func (e *ProcessDiedError) Error() string {
+	return fmt.Sprintf("%s of rank %d (pid %d) died", e.Program, e.Rank, e.PID)
+}
+
+// Is makes errors.Is(err, ErrPeerDied) true.
+func (e *ProcessDiedError) Is(target error) bool { return target == ErrPeerDied }
 
 // PeerError is a failure of, or reported by, a peer member.
 type PeerError struct {

@@ -1,0 +1,115 @@
+package transport
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/gpubridge/gpubridge/lib/rendezvous"
+	"github.com/gpubridge/gpubridge/lib/wire"
+)
+
+// Store is the job's store as Establish uses it: the rendezvous's
+// operations, and its address, whose route picks the TCP interface.
+// lib/store's Client satisfies it.
+type Store interface {
+	rendezvous.Store
+	Addr() string
+}
+
+// Config is what Establish needs to join a bridge.
+type Config struct {
+	// Store is the job's store, already prefixed to the job namespace;
+	// the bridge uses the keys under "bridge/" in it.
+	Store Store
+	// Self is this member's index in Members.
+	Self int
+	// Members are every bridge member (island leader), in member order.
+	Members []MemberInfo
+	// Transport is what Choose picked: tcp or shm.
+	Transport Kind
+	// Streams is the number of data streams per pair of members (default 8).
+	Streams int
+	// CRC turns on a CRC32C of every frame's payload.
+	CRC bool
+	// Interface is the NIC to listen on and advertise (GPUBRIDGE_IFNAME);
+	// "" is the interface that routes to the store's host.
+	Interface string
+	// ListenHost is an explicit IP (or host name) to bind and advertise; it
+	// wins over Interface.
+	ListenHost string
+	// Timeout bounds the whole setup (default 60s).
+	Timeout time.Duration
+	// RingBytes is the size of each shm data ring (default 8 MiB, at least
+	// 64 KiB, at most 1 GiB; control rings have 1 MiB). A frame of up to
+	// half of it is handed to Recv's fn in place; larger frames are split
+	// and reassembled (one more copy). 2 x the chunk size double-buffers.
+	RingBytes int
+	// Log receives setup events and refused connections (default: discard).
+	Log *slog.Logger
+	// Process names the program that runs Establish on every member (they
+	// all run the same: "gbbridge serve"), for the messages that name a
+	// peer's process: "gbbridge serve of rank 2 (pid 1234) died". Default:
+	// this executable's name.
+	Process string
+
+	// proto overrides the protocol version this member speaks (tests).
+	proto uint16
+}
+
+// MemberInfo is one bridge member as discovery describes it.
+type MemberInfo = rendezvous.Member
+
+// Defaults and limits of Config.
+const (
+	DefaultStreams   = 8
+	DefaultTimeout   = 60 * time.Second
+	DefaultRingBytes = 8 << 20
+	MaxStreams       = 64
+	minRingBytes     = 64 << 10
+	maxRingBytes     = 1 << 30
+)
+
+func (c *Config) normalize() error {
+	if c.Store == nil {
+		return errors.New("no store")
+	}
+	if len(c.Members) < 2 {
+		return fmt.Errorf("a bridge needs 2 or more members, got %d", len(c.Members))
+	}
+	if c.Self < 0 || c.Self >= len(c.Members) {
+		return fmt.Errorf("member %d of %d", c.Self, len(c.Members))
+	}
+	if c.Streams == 0 {
+		c.Streams = DefaultStreams
+	}
+	if c.Streams < 1 || c.Streams > MaxStreams {
+		return fmt.Errorf("%d streams per peer (1..%d allowed)", c.Streams, MaxStreams)
+	}
+	if c.Timeout <= 0 {
+		c.Timeout = DefaultTimeout
+	}
+	if c.RingBytes == 0 {
+		c.RingBytes = DefaultRingBytes
+	}
+	if c.RingBytes < 0 || c.RingBytes > maxRingBytes {
+		return fmt.Errorf("ring of %d bytes (at most %d allowed)", c.RingBytes, maxRingBytes)
+	}
+	c.RingBytes = max(c.RingBytes, minRingBytes)
+	if c.Log == nil {
+		c.Log = slog.New(slog.DiscardHandler)
+	}
+	if c.Process == "" {
+		c.Process = "the bridge process"
+		if exe, err := os.Executable(); err == nil {
+			c.Process = filepath.Base(exe)
+		}
+	}
+	if c.proto == 0 {
+		c.proto = wire.ProtocolVersion
+	}
+	return nil
+}
