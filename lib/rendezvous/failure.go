@@ -109,3 +109,41 @@ func PeerText(b []byte, max int) string {
 }
 
 func isControl(r rune) bool { return r < 0x20 || r == 0x7f }
+
+// Explain turns an error met while ctx may be done into the set-up's
+// error: another member's failure, the set-up timeout (naming the members
+// waited for, as a *SharedError every member words the same), or the
+// cancellation. While ctx is live it is err, saying what was being done.
+func (s *Session) Explain(ctx context.Context, err error, what string, waitingFor ...int) error {
+	cause := DoneCause(ctx)
+	if cause == nil {
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	var re *RemoteError
+	if errors.As(cause, &re) {
+		return re
+	}
+	if errors.Is(cause, context.DeadlineExceeded) {
+		if len(waitingFor) > 0 {
+			return &SharedError{fmt.Errorf("%s did not %s within %v: %w", s.whoAll(waitingFor), what, s.cfg.Timeout, context.DeadlineExceeded)}
+		}
+		return fmt.Errorf("%s: no progress within %v: %w", what, s.cfg.Timeout, context.DeadlineExceeded)
+	}
+	return fmt.Errorf("%s: %w", what, cause)
+}
+
+// DoneCause is ctx's cause once it is done, and context.DeadlineExceeded
+// once its deadline has passed even if ctx does not say so yet: a store
+// call or a connection whose I/O deadline is ctx's may time out an instant
+// before ctx's own timer fires (on a loaded machine, much longer), and the
+// error must then be the set-up timeout, not the call's i/o timeout. nil
+// while ctx is live.
+func DoneCause(ctx context.Context) error {
+	if ctx.Err() != nil {
+		return context.Cause(ctx)
+	}
+	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+		return context.DeadlineExceeded
+	}
+	return nil
+}

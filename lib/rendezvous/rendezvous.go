@@ -10,11 +10,9 @@ package rendezvous
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"time"
 )
 
@@ -73,36 +71,6 @@ type Session struct {
 	secret []byte
 }
 
-// Run joins the rendezvous (member 0 makes the job's secret, the others
-// wait for it) and calls connect. While connect runs, a failure another
-// member records cancels connect's context with a *RemoteError. Any other
-// error, of joining or of connect, is recorded for the other members
-// before Run returns it.
-func Run(ctx context.Context, cfg Config, connect func(ctx context.Context, s *Session) error) error {
-	if cfg.Log == nil {
-		cfg.Log = slog.New(slog.DiscardHandler)
-	}
-	s := &Session{cfg: cfg}
-	err := s.run(ctx, connect)
-	var re *RemoteError
-	if err != nil && !errors.As(err, &re) {
-		s.fail(ctx, err)
-	}
-	return err
-}
-
-func (s *Session) run(ctx context.Context, connect func(context.Context, *Session) error) error {
-	if err := s.join(ctx); err != nil {
-		return err
-	}
-	ctx, cancel := context.WithCancelCause(ctx)
-	var wg sync.WaitGroup
-	wg.Go(func() { s.watch(ctx, cancel) })
-	defer wg.Wait()
-	defer cancel(nil)
-	return connect(ctx, s)
-}
-
 // Secret is the job's secret: 32 random bytes, the same for every member.
 func (s *Session) Secret() []byte { return s.secret }
 
@@ -125,41 +93,3 @@ func (s *Session) whoAll(is []int) string {
 }
 
 func (s *Session) key(k string) string { return s.cfg.Scope + "/" + k }
-
-// Explain turns an error met while ctx may be done into the set-up's
-// error: another member's failure, the set-up timeout (naming the members
-// waited for, as a *SharedError every member words the same), or the
-// cancellation. While ctx is live it is err, saying what was being done.
-func (s *Session) Explain(ctx context.Context, err error, what string, waitingFor ...int) error {
-	cause := DoneCause(ctx)
-	if cause == nil {
-		return fmt.Errorf("%s: %w", what, err)
-	}
-	var re *RemoteError
-	if errors.As(cause, &re) {
-		return re
-	}
-	if errors.Is(cause, context.DeadlineExceeded) {
-		if len(waitingFor) > 0 {
-			return &SharedError{fmt.Errorf("%s did not %s within %v: %w", s.whoAll(waitingFor), what, s.cfg.Timeout, context.DeadlineExceeded)}
-		}
-		return fmt.Errorf("%s: no progress within %v: %w", what, s.cfg.Timeout, context.DeadlineExceeded)
-	}
-	return fmt.Errorf("%s: %w", what, cause)
-}
-
-// DoneCause is ctx's cause once it is done, and context.DeadlineExceeded
-// once its deadline has passed even if ctx does not say so yet: a store
-// call or a connection whose I/O deadline is ctx's may time out an instant
-// before ctx's own timer fires (on a loaded machine, much longer), and the
-// error must then be the set-up timeout, not the call's i/o timeout. nil
-// while ctx is live.
-func DoneCause(ctx context.Context) error {
-	if ctx.Err() != nil {
-		return context.Cause(ctx)
-	}
-	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
-		return context.DeadlineExceeded
-	}
-	return nil
-}
