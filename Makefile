@@ -68,7 +68,7 @@ gotest: venv build $(REPORT)
 	@# allocations or time the feed, and the check of every float32 against
 	@# the half-precision references (~80 CPU-s), run once more without it.
 	GPUBRIDGE_EXHAUSTIVE=1 $(GO) test -count=1 -timeout 10m -json -run 'TestNoAllocs|TestLatencyInProcess|TestF32ToHalfAllFloat32' \
-	  ./lib/transport ./lib/feed ./lib/reduce | $(REPORT) tee $(TESTOUT)/go-norace.json
+	  ./lib/transport ./lib/feed/feedserver ./lib/reduce | $(REPORT) tee $(TESTOUT)/go-norace.json
 
 # The plugin's tests on the project's torch (the GPU machine's version),
 # including a pip install of the package into a fresh venv that runs the

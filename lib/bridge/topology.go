@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"slices"
 
 	"github.com/gpubridge/gpubridge/lib/discover"
 	"github.com/gpubridge/gpubridge/lib/transport"
@@ -81,8 +82,8 @@ func FromTopology(t *discover.Topology) (Membership, error) {
 	if b.Transport == discover.BridgeNone || b.Transport == "" || len(b.Members) < 2 {
 		return refuse("the job has no bridge (transport %q, %d member(s)): a single island needs no gbbridge", b.Transport, len(b.Members))
 	}
-	if b.Transport != discover.BridgeTCP && b.Transport != discover.BridgeSHM {
-		return refuse("bridge transport %q is not supported by this gbbridge (tcp, shm)", b.Transport)
+	if run := transport.Runnable(); !slices.Contains(run, transport.Kind(b.Transport)) {
+		return refuse("bridge transport %q is not supported by this gbbridge (%s)", b.Transport, transport.RunnableNames())
 	}
 	m := Membership{Member: -1, Transport: transport.Kind(b.Transport)}
 	for i, rank := range b.Members {

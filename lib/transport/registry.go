@@ -47,3 +47,19 @@ func built() []Kind {
 	})
 	return ks
 }
+
+// Runnable lists the kinds a topology may name for Establish to run: the
+// requestable ones this binary has a driver for (auto is a request, not a
+// kind that runs).
+func Runnable() []Kind {
+	var ks []Kind
+	for _, k := range built() {
+		if k != Auto && slices.Contains(requestable, k) {
+			ks = append(ks, k)
+		}
+	}
+	return ks
+}
+
+// RunnableNames is Runnable as a list for messages ("tcp, shm").
+func RunnableNames() string { return strings.Join(names(Runnable()), ", ") }
