@@ -63,6 +63,10 @@ slurm_install
 # --- the cluster ------------------------------------------------------------
 SLURM_TEST_SCHEDULER=sched/backfill # the only scheduler that starts heterogeneous jobs
 SLURM_TEST_PORTS=4                  # slurmctld, and a slurmd per node name
+# A requeued job waits the credentials' lifetime + 1 s before it runs again
+# (its earlier credential is revoked until then): 30 s instead of 120 keeps
+# the requeue check short and is still ample for a step to launch.
+SLURM_TEST_CRED_EXPIRE=30
 slurm_init gbkit-slurm
 MEM=$(awk '/^MemTotal:/ {print int($2 / 1024 * 0.3)}' /proc/meminfo)
 mkdir -p "$WORK/prolog"
@@ -150,6 +154,13 @@ submit() {
 		JOB_EXIT=""
 		return
 	}
+	wait_job "$name" "$JOB"
+}
+
+# wait_job NAME JOB: wait until every component of JOB has ended; set
+# JOB_IDS, JOB_STATE, JOB_EXIT.
+wait_job() {
+	local name=$1 JOB=$2 t0=$SECONDS
 	local deadline=$((SECONDS + $(slurm_scale 300))) lines states
 	while :; do
 		lines=$(timeout 10 scontrol show job -o "$JOB" 2>/dev/null || true)
@@ -167,7 +178,7 @@ submit() {
 	JOB_IDS=$(grep -o '^JobId=[0-9]*' <<<"$lines" | cut -d= -f2 | tr '\n' ' ' || true)
 	JOB_STATE=$(head -n 1 <<<"$lines" | grep -o 'JobState=[A-Z_]*' | cut -d= -f2 || true)
 	JOB_EXIT=$(head -n 1 <<<"$lines" | grep -o ' ExitCode=[0-9]*' | cut -d= -f2 || true)
-	say "$name: job $JOB $JOB_STATE, exit ${JOB_EXIT:-?} ($(tr '\n' ' ' <<<"$states"))"
+	say "$name: job $JOB $JOB_STATE, exit ${JOB_EXIT:-?} ($(tr '\n' ' ' <<<"$states")), $((SECONDS - t0)) s"
 }
 
 # job_output JOB: the job's output file (the scripts' --output).
@@ -232,6 +243,37 @@ else
 	show_job "$JOB"
 fi
 LAUNCH_IDS=$JOB_IDS
+LAUNCH_JOB=$JOB
+
+# 1b. The same job requeued (same job id, SLURM_RESTART_COUNT=1) discovers
+# in a fresh namespace. It may start again once its earlier credential has
+# expired (EligibleTime: SLURM_TEST_CRED_EXPIRE above); this Slurm then
+# leaves it pending for a minute or two more (Reason=BeginTime), so once it
+# is eligible the test asks for it to start now.
+requeue_now() { # requeue_now JOB
+	timeout 10 scontrol requeue "$1" || return 1
+	local el e deadline=$((SECONDS + $(slurm_scale 120)))
+	el=$(timeout 10 scontrol show job -o "$1" | head -n 1 | grep -o 'EligibleTime=[^ ]*' | cut -d= -f2)
+	e=$(date -d "$el" +%s) || return 1
+	while [ "$(date +%s)" -le "$e" ] && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.5; done
+	timeout 10 scontrol update jobid="$1" StartTime=now
+}
+if [ "$JOB_STATE" = COMPLETED ] && requeue_now "$LAUNCH_JOB"; then
+	wait_job "launch (srun), requeued" "$LAUNCH_JOB"
+	restarts=$(timeout 10 scontrol show job -o "$LAUNCH_JOB" | grep -o -m1 'Restarts=[0-9]*' | head -n 1 | cut -d= -f2)
+	if [ "$JOB_STATE" != COMPLETED ] || [ "$JOB_EXIT" != 0 ] || [ "$restarts" != 1 ]; then
+		fail "requeued launch: job $LAUNCH_JOB $JOB_STATE exit $JOB_EXIT restarts $restarts"
+		show_job "$LAUNCH_JOB"
+	elif p=$(check_ranks "$LAUNCH_JOB" srun "job-$LAUNCH_JOB/attempt-1/") && [ -z "$p" ] &&
+		[ -s "$OUT/launch-srun-$LAUNCH_JOB/rows.before-restart-1.jsonl" ]; then
+		pass "requeued launch (restart 1): namespace job-$LAUNCH_JOB/attempt-1, the first attempt's rows kept aside"
+	else
+		fail "requeued launch: ${p:-no rows.before-restart-1.jsonl with the first attempt}"
+		show_job "$LAUNCH_JOB"
+	fi
+else
+	fail "could not requeue job $LAUNCH_JOB ($JOB_STATE)"
+fi
 
 # 2. The same through one torchrun per node.
 submit "launch (torchrun)" -- launch/hetjob-torchrun.sbatch

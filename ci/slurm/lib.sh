@@ -135,6 +135,8 @@ slurm_init() {
 # the given lines: nodes, partitions, Prolog) and cgroup.conf.
 # SLURM_TEST_SCHEDULER picks SchedulerType (default sched/builtin; a
 # heterogeneous job needs sched/backfill, the only one that starts them).
+# SLURM_TEST_CRED_EXPIRE sets the job credentials' lifetime (Slurm's default
+# 120 s), which is also how long a requeued job waits before it starts again.
 slurm_write_conf() {
 	cat >"$SLURM_CONF" <<EOF
 ClusterName=gbslurmtest
@@ -142,7 +144,7 @@ SlurmctldHost=$HOST(127.0.0.1)
 SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))
 AuthType=auth/munge
-AuthInfo=socket=$WORK/munge/munge.socket
+AuthInfo=socket=$WORK/munge/munge.socket${SLURM_TEST_CRED_EXPIRE:+,cred_expire=$SLURM_TEST_CRED_EXPIRE}
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root

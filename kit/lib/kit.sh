@@ -94,17 +94,20 @@ kit_begin() {
 	done
 	export WORLD_SIZE=$rank KIT_NNODES=$node_rank
 	# The store lives on component 0's first node (where this script runs):
-	# its address as Slurm reaches it, and a port per job so that two kit jobs
-	# sharing a node do not collide (KIT_MASTER_PORT overrides).
+	# its address as Slurm reaches it, and a port per job and attempt, so that
+	# two kit jobs sharing a node, or a requeued job and what is left of its
+	# earlier attempt, do not collide (KIT_MASTER_PORT overrides).
 	local first=${KIT_NODES_0%% *} addr
 	addr=$(scontrol show node -o "$first" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 	export MASTER_ADDR=${addr:-$first}
-	export MASTER_PORT=${KIT_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 12000))}
+	export MASTER_PORT=${KIT_MASTER_PORT:-$((20000 + (SLURM_JOB_ID * 7 + ${SLURM_RESTART_COUNT:-0}) % 12000))}
 	KIT_STEP_DIR=$KIT_OUT/step$KIT_STEP-$KIT_STEP_NAME-$SLURM_JOB_ID
 	[ "$KIT_STEP" = launch ] && KIT_STEP_DIR=$KIT_OUT/launch-$KIT_STEP_NAME-$SLURM_JOB_ID
 	mkdir -p "$KIT_STEP_DIR" || kit_die "cannot create $KIT_STEP_DIR (KIT_OUT must be writable, on a file system the login node sees)"
 	export KIT_STEP_DIR KIT_OUT KIT_STEP KIT_STEP_NAME
 	KIT_ROWS=$KIT_STEP_DIR/rows.jsonl
+	# A requeued job (the same job id) keeps its earlier attempt's rows aside.
+	[ -s "$KIT_ROWS" ] && mv "$KIT_ROWS" "$KIT_STEP_DIR/rows.before-restart-${SLURM_RESTART_COUNT:-0}.jsonl"
 	: >"$KIT_ROWS"
 	kit_layout_row >>"$KIT_ROWS"
 	echo "kit step $KIT_STEP $KIT_STEP_NAME: job $SLURM_JOB_ID${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)}, $K components, $WORLD_SIZE ranks on $KIT_NNODES nodes; store $MASTER_ADDR:$MASTER_PORT; output $KIT_STEP_DIR" >&2

@@ -626,7 +626,7 @@ def test_kit_begin_derives_the_layout_across_components(tmp_path: Path) -> None:
         "11",
     )
     assert (e["KIT_NODE_OFFSET_1"], e["KIT_VENDOR_1"], e["KIT_PYTHON_1"]) == ("2", "amd", "/b")
-    assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("10.1.0.0", str(20000 + 4242 % 12000))
+    assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("10.1.0.0", str(20000 + 4242 * 7 % 12000))
     rows = (tmp_path / "out" / "step3-collectives-4242" / "rows.jsonl").read_text().splitlines()
     lay = json.loads(rows[0])
     assert [c["ranks"] for c in lay["components"]] == [[0, 3], [4, 14]]
