@@ -54,6 +54,9 @@ pylint: venv
 	cd torchplugin && $(CURDIR)/.venv/bin/ruff check . && $(CURDIR)/.venv/bin/ruff format --check . && $(CURDIR)/.venv/bin/mypy gpubridge
 	$(CURDIR)/.venv/bin/ruff check --config torchplugin/pyproject.toml examples ci bench
 	$(CURDIR)/.venv/bin/ruff format --check --config torchplugin/pyproject.toml examples ci bench
+	$(CURDIR)/.venv/bin/ruff check --config kit/pyproject.toml kit
+	$(CURDIR)/.venv/bin/ruff format --check --config kit/pyproject.toml kit
+	cd kit && $(CURDIR)/.venv/bin/mypy
 
 $(REPORT): ci/testreport/main.go
 	@mkdir -p $(TESTOUT)
@@ -76,6 +79,7 @@ gotest: venv build $(REPORT)
 pytest: venv build
 	@mkdir -p $(TESTOUT)
 	cd torchplugin && GPUBRIDGE_BIN=$(BIN) GPUBRIDGE_INSTALL_TEST=1 $(PY) -m pytest -q --junitxml=$(TESTOUT)/pytest.xml tests
+	cd kit && PYTHONPATH=$(CURDIR)/torchplugin GPUBRIDGE_BIN_DIR=$(BIN) $(PY) -m pytest -q --junitxml=$(TESTOUT)/pytest-kit.xml tests
 
 # The plugin's tests on the oldest and the newest torch that
 # torchplugin/pyproject.toml allows, each in its own venv (ci/torch-venv.sh).
