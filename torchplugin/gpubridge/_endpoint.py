@@ -18,7 +18,7 @@ from gpubridge import _gpu, _tools
 from gpubridge import _inflight as fl
 from gpubridge._bridge_process import BridgeProcess, start_bridge
 from gpubridge._dtypes import DTYPES, as_bytes
-from gpubridge._feed import FeedClient, FeedError, Op
+from gpubridge._feed import DType, FeedClient, FeedError, Op, Region
 from gpubridge._staging import Staging
 
 __all__ = ["BridgeEndpoint"]
@@ -111,76 +111,83 @@ class BridgeEndpoint:
 
     def all_reduce(self, e: fl.Entry, t: torch.Tensor, op: Op) -> None:
         """All-reduces t in place over the bridge, through the region."""
-        feed, staging = self.feed, self.staging
         src = as_bytes(t)
         n = src.numel()
-        host = staging.tensor(n)
-        region = staging.region
+        host = self.staging.tensor(n)
+        region = self.staging.region
         assert region is not None
         dt = DTYPES[t.dtype]
         try:
-            if self._device.type != "cuda":
-                e.set_step(fl.COPY)
-                host.copy_(src)
-                e.set_step(fl.BRIDGE)
-                feed.all_reduce(region, 0, n, dt, op)
-                e.set_step(fl.COPY_BACK)
-                src.copy_(host)
+            if self._device.type == "cuda":
+                self._all_reduce_streamed(e, src, host, region, dt, op)
                 return
-            # GPU: chunked copies on the worker's stream; the bridge starts on
-            # each chunk once its copy is done and hands results back as it
-            # finishes them, copied back on a second stream meanwhile. While
-            # a chunk's copy runs, this thread reads the feed, so results are
-            # copied back while input still goes in. Chunks: an eighth of the
-            # tensor, 1 to 8 MiB (GPUBRIDGE_COPY_CHUNK caps them).
             e.set_step(fl.COPY)
-            chunk = min(_CHUNK, max(1 << 20, -(-n // 8)))
-            chunk = -(-chunk // 4096) * 4096
-            # The copies back wait for the island reduce (queued before), not
-            # for the copies in: a result range comes only after the bridge
-            # read its input, whose copy was done by then.
-            self._h2d.wait_stream(self._stream)
-            trace: list[tuple[str, float]] | None = [] if _TRACE_COPIES and n >= (16 << 20) else None
-            t0 = time.perf_counter()
-            ends = []
-            for off in range(0, n, chunk):
-                end = min(n, off + chunk)
-                host[off:end].copy_(src[off:end], non_blocking=True)
-                ev = _gpu.new_event()
-                ev.record(self._stream)
-                ends.append((end, ev))
-            dev = self._device
-            if trace is not None:
-                trace.append(("copies queued", time.perf_counter() - t0))
-
-            def back(off: int, k: int) -> None:
-                if trace is not None:
-                    trace.append((f"result {off >> 20}+{k >> 10}K", time.perf_counter() - t0))
-                with torch.cuda.device(dev), torch.cuda.stream(self._h2d):
-                    src[off : off + k].copy_(host[off : off + k], non_blocking=True)
-
-            call = feed.start_all_reduce(region, 0, n, dt, op, on_progress=back)
+            host.copy_(src)
             e.set_step(fl.BRIDGE)
-            for end, ev in ends:
-                _gpu.wait_event(
-                    ev, f"the copy of bytes [0, {end}) into the feed region", self._secs,
-                    pump=lambda: feed.pump(0.0),  # what has arrived, without blocking
-                )  # fmt: skip
-                call.ready(end)
-                if trace is not None:
-                    trace.append((f"ready {end >> 20}M", time.perf_counter() - t0))
-            call.wait()
+            self.feed.all_reduce(region, 0, n, dt, op)
             e.set_step(fl.COPY_BACK)
-            self._stream.wait_stream(self._h2d)
-            if trace is not None:
-                staging.sync(self._h2d, "the copies out of the feed region")
-                trace.append(("copied back", time.perf_counter() - t0))
-                log.warning(
-                    "gpubridge: rank %d: %d-byte all_reduce (chunks of %d): %s", self._rank, n, chunk,
-                    ", ".join(f"{w} {t * 1e3:.3f}" for w, t in trace),
-                )  # fmt: skip
+            src.copy_(host)
         except FeedError as exc:
             raise RuntimeError(f"bridge all_reduce: {exc}") from exc
+
+    def _all_reduce_streamed(
+        self, e: fl.Entry, src: torch.Tensor, host: torch.Tensor, region: Region, dt: DType, op: Op
+    ) -> None:
+        """The GPU all_reduce of src (its bytes) through host (the region's
+        view): chunked copies on the worker's stream; the bridge starts on
+        each chunk once its copy is done and hands results back as it
+        finishes them, copied back on a second stream meanwhile. While a
+        chunk's copy runs, this thread reads the feed, so results are copied
+        back while input still goes in. Chunks: an eighth of the tensor, 1
+        to 8 MiB (GPUBRIDGE_COPY_CHUNK caps them)."""
+        feed, staging = self.feed, self.staging
+        n = src.numel()
+        e.set_step(fl.COPY)
+        chunk = min(_CHUNK, max(1 << 20, -(-n // 8)))
+        chunk = -(-chunk // 4096) * 4096
+        # The copies back wait for the island reduce (queued before), not
+        # for the copies in: a result range comes only after the bridge
+        # read its input, whose copy was done by then.
+        self._h2d.wait_stream(self._stream)
+        trace: list[tuple[str, float]] | None = [] if _TRACE_COPIES and n >= (16 << 20) else None
+        t0 = time.perf_counter()
+        ends = []
+        for off in range(0, n, chunk):
+            end = min(n, off + chunk)
+            host[off:end].copy_(src[off:end], non_blocking=True)
+            ev = _gpu.new_event()
+            ev.record(self._stream)
+            ends.append((end, ev))
+        dev = self._device
+        if trace is not None:
+            trace.append(("copies queued", time.perf_counter() - t0))
+
+        def back(off: int, k: int) -> None:
+            if trace is not None:
+                trace.append((f"result {off >> 20}+{k >> 10}K", time.perf_counter() - t0))
+            with torch.cuda.device(dev), torch.cuda.stream(self._h2d):
+                src[off : off + k].copy_(host[off : off + k], non_blocking=True)
+
+        call = feed.start_all_reduce(region, 0, n, dt, op, on_progress=back)
+        e.set_step(fl.BRIDGE)
+        for end, ev in ends:
+            _gpu.wait_event(
+                ev, f"the copy of bytes [0, {end}) into the feed region", self._secs,
+                pump=lambda: feed.pump(0.0),  # what has arrived, without blocking
+            )  # fmt: skip
+            call.ready(end)
+            if trace is not None:
+                trace.append((f"ready {end >> 20}M", time.perf_counter() - t0))
+        call.wait()
+        e.set_step(fl.COPY_BACK)
+        self._stream.wait_stream(self._h2d)
+        if trace is not None:
+            staging.sync(self._h2d, "the copies out of the feed region")
+            trace.append(("copied back", time.perf_counter() - t0))
+            log.warning(
+                "gpubridge: rank %d: %d-byte all_reduce (chunks of %d): %s", self._rank, n, chunk,
+                ", ".join(f"{w} {t * 1e3:.3f}" for w, t in trace),
+            )  # fmt: skip
 
     def broadcast(self, e: fl.Entry, t: torch.Tensor, root: int, mine: bool) -> None:
         """Copies member root's t into every member's; mine: this member
