@@ -40,6 +40,21 @@ class Checks:
             )
         return self.tensor(op, tensors[0])
 
+    def one_list(
+        self, op: str, lists: list[list[torch.Tensor]], like: torch.Tensor, names: tuple[str, str, str]
+    ) -> list[torch.Tensor]:
+        """The one list of group-size tensors of a list-of-tensors call, each
+        of like's size and dtype. names: what the list, each of its tensors
+        and like are called in this call."""
+        what, each, other = names
+        if len(lists) != 1 or len(lists[0]) != self._size:
+            raise RuntimeError(f"gpubridge: {op}: the {what} must be one list of {self._size} tensors")
+        for t in lists[0]:
+            self.tensor(op, t)
+            if t.numel() != like.numel() or t.dtype != like.dtype:
+                raise RuntimeError(f"gpubridge: {op}: {each} must match the {other}'s size and dtype")
+        return lists[0]
+
     def sizes(self, op: str, big: torch.Tensor, small: torch.Tensor, names: tuple[str, str]) -> None:
         """Checks both tensors, and that big holds group-size x small of its
         dtype (names: what big and small are called in this call)."""

@@ -249,15 +249,9 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> Any:
         inp = self._one("allgather", input_tensors)
-        if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
-            raise RuntimeError(f"gpubridge: allgather: the output must be one list of {self._size} tensors")
-        outs = output_tensors[0]
-        for o in outs:
-            self._checks.tensor("allgather", o)
-            if o.numel() != inp.numel() or o.dtype != inp.dtype:
-                raise RuntimeError(
-                    "gpubridge: allgather: every output tensor must match the input's size and dtype"
-                )
+        outs = self._checks.one_list(
+            "allgather", output_tensors, inp, ("output", "every output tensor", "input")
+        )
 
         def run(e: fl.Entry) -> None:
             flat = torch.empty(self._size * inp.numel(), dtype=inp.dtype, device=inp.device)
@@ -325,17 +319,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
         out = self._one("reduce_scatter", output_tensors)
-        if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
-            raise RuntimeError(
-                f"gpubridge: reduce_scatter: the input must be one list of {self._size} tensors"
-            )
-        ins = input_tensors[0]
-        for i in ins:
-            self._checks.tensor("reduce_scatter", i)
-            if i.numel() != out.numel() or i.dtype != out.dtype:
-                raise RuntimeError(
-                    "gpubridge: reduce_scatter: every input must match the output's size and dtype"
-                )
+        ins = self._checks.one_list("reduce_scatter", input_tensors, out, ("input", "every input", "output"))
         op = self._checks.reduce_op("reduce_scatter", opts, out.dtype)
 
         def run(e: fl.Entry) -> None:
