@@ -51,9 +51,11 @@ def profile(pg: gpubridge.GpubridgeProcessGroup, nccl: object, n: int, chunk: in
     """One size: each part alone, then the whole, then NCCL."""
     t = torch.ones(n // 4, device=pg.device)
     src = t.view(torch.uint8)
-    host = pg._region_for(n)
-    region, feed = pg._region, pg._feed
-    assert region is not None and feed is not None
+    ep = pg._endpoint  # this leader's end of the bridge (gpubridge._endpoint)
+    assert ep is not None
+    host = ep.staging.tensor(n)
+    region, feed = ep.staging.region, ep.feed
+    assert region is not None
     stream = torch.cuda.current_stream()
 
     def d2h() -> None:

@@ -3,7 +3,7 @@
 The plugin puts a tensor's bytes in a shared-memory :class:`Region` (a sealed
 memfd that ``gbbridge serve`` maps too) and asks for a collective over the
 control socket; gbbridge runs it over the bridge, in place, and answers DONE.
-This module mirrors ``lib/feed.Client`` (Go, the reference client); the wire
+This module mirrors ``lib/feed/feedtest.Client`` (Go, the reference client); the wire
 format is :mod:`gpubridge._feed_protocol`, whose names a caller needs are
 exported here too. Whether a request makes sense (spans, dtypes, ops, roots)
 is the server's to check: it answers DONE with a bad-request status, raised
@@ -179,7 +179,7 @@ class Call:
 
 
 class FeedClient:
-    """A connection to one ``gbbridge serve``; mirrors lib/feed.Client.
+    """A connection to one ``gbbridge serve``; mirrors lib/feed/feedtest.Client.
 
     Create it with :meth:`connect`. Every method that waits takes a
     ``timeout`` in seconds (default: the client's ``timeout``)."""
