@@ -24,6 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "py"))
+from judge import Rows, load, of  # the steps' own reader
+
 STEPS = [
     (1, "probe", "gbprobe --require on every node"),
     (2, "bridge", "gbbridge selftest between the components' leaders"),
@@ -33,24 +36,6 @@ STEPS = [
     (6, "trace", "gbtrace summary of the training run"),
 ]
 DIR = re.compile(r"^step(\d+)-([a-z]+)-(\d+)$")
-Rows = list[dict[str, Any]]
-
-
-def load(path: Path) -> Rows:
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(r, dict):
-                rows.append(r)
-    return rows
-
-
-def of(rows: Rows, schema: str) -> Rows:
-    return [r for r in rows if r.get("schema") == schema]
 
 
 def cell(v: Any) -> str:

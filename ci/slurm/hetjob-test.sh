@@ -121,17 +121,7 @@ sed 's/^KIT_REQUIRE=.*/KIT_REQUIRE=("nvidia,nic=lo" "nvidia")/' "$KIT/site.env" 
 "$KIT/configure" >&2
 OUT=$KIT/out
 
-# --- checks -----------------------------------------------------------------
-passed=0
-failed=0
-pass() {
-	say "PASS: $*"
-	passed=$((passed + 1))
-}
-fail() {
-	say "FAIL: $*"
-	failed=$((failed + 1))
-}
+# --- checks (pass/fail count into $passed/$failed: lib.sh) -----------------
 
 FINAL='^(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE|PREEMPTED)$'
 JOB_STATE=""

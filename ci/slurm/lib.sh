@@ -16,6 +16,18 @@ SKIP=77
 SLURM_TEST_NAME=${SLURM_TEST_NAME:-slurm test}
 
 say() { printf '%s: %s\n' "$SLURM_TEST_NAME" "$*" >&2; }
+
+# A check's outcome, counted for the test's last line.
+passed=0
+failed=0
+pass() {
+	say "PASS: $*"
+	passed=$((passed + 1))
+}
+fail() {
+	say "FAIL: $*"
+	failed=$((failed + 1))
+}
 skip() {
 	say "SKIPPED (exit $SKIP): $*"
 	exit $SKIP

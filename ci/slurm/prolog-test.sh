@@ -63,17 +63,7 @@ slurm_start
 slurm_wait_idle "$HOST"
 say "cluster up: node $HOST idle, ports $PORT/$((PORT + 1)), config $SLURM_CONF"
 
-# --- checks -----------------------------------------------------------------
-passed=0
-failed=0
-pass() {
-	say "PASS: $*"
-	passed=$((passed + 1))
-}
-fail() {
-	say "FAIL: $*"
-	failed=$((failed + 1))
-}
+# --- checks (pass/fail count into $passed/$failed: lib.sh) -----------------
 
 T60=$(slurm_scale 60) # a hung srun, not a slow one
 

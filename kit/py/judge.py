@@ -5,6 +5,7 @@ script's kit_verdict. No torch: it runs on the batch node in any python."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -12,9 +13,11 @@ from typing import Any
 Rows = list[dict[str, Any]]
 
 
-def load(path: str) -> Rows:
+def load(path: str | os.PathLike[str]) -> Rows:
+    """The JSON objects among a step's output lines (logs and torchrun noise
+    in between are passed over)."""
     rows = []
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         for raw in f:
             line = raw.strip()
             if not line.startswith("{"):
