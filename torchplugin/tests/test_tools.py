@@ -28,6 +28,7 @@ import torch.distributed as dist
 from gpubridge import _tools
 from gpubridge._discovery import discover, rank_problems
 from gpubridge._tools import ToolNotFoundError, find_tool
+from testenv import scale
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE.parent
@@ -497,6 +498,12 @@ def test_left_behind_sees_marked_processes(tmp_path: Path) -> None:
     mark = f"{os.getpid()}-{tmp_path.name}"
     p = subprocess.Popen(["sleep", "60"], env=dict(os.environ, GPUBRIDGE_TEST_MARK=mark))
     try:
+        # Popen returns when the child's close-on-exec pipe closes, which the
+        # kernel does before it maps the new environment: for a moment (longer
+        # under load) /proc/PID/environ reads empty. Wait for it, as a hang guard.
+        deadline = time.monotonic() + scale(10)
+        while not left_behind(mark) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert [x.split(":")[0] for x in left_behind(mark)] == [str(p.pid)]
     finally:
         p.kill()
