@@ -20,8 +20,17 @@ func (c *Comm) AllGather(ctx context.Context, out, in []byte, p *Progress) error
 		return a.refuse("the input overlaps the output other than as this member's own slot")
 	}
 	return c.collect(ctx, a, p, func() error { copy(slot, in); return nil }, func(cl *call) error {
+		descs, err := c.describe(cl, in)
+		if err != nil {
+			return err
+		}
+		if descs != nil {
+			c.ran(AlgoDirect)
+			return c.directAllGather(cl, out, in, descs)
+		}
 		// A ring: at step t member r sends slot r-t to r+1 and receives
 		// slot r-t-1 from r-1.
+		c.ran(AlgoRing)
 		n, r := c.size, c.self
 		pp := &pipe{
 			cl: cl, next: mod(r+1, n), prev: mod(r-1, n), steps: n - 1,

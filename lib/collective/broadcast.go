@@ -15,6 +15,7 @@ func (c *Comm) Broadcast(ctx context.Context, buf []byte, root int, p *Progress)
 	return c.collect(ctx, a, p, func() error { return nil }, func(cl *call) error {
 		// A chain root, root+1, ..., root-1: each member forwards every
 		// chunk as soon as it has it.
+		c.ran(AlgoChain)
 		n, r := c.size, c.self
 		pos := mod(r-root, n)
 		pp := &pipe{

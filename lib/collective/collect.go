@@ -66,8 +66,10 @@ func (c *Comm) collect(ctx context.Context, a args, p *Progress, alone func() er
 	return c.run(cl, func() error {
 		switch {
 		case a.n == 0:
+			c.ran(AlgoLocal)
 			return nil
 		case c.size == 1:
+			c.ran(AlgoLocal)
 			return cl.whole(a.n, alone)
 		}
 		return algorithm(cl)

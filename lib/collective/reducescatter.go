@@ -26,6 +26,7 @@ func (c *Comm) ReduceScatter(ctx context.Context, out, in []byte, dt reduce.DTyp
 	}
 	a.chunk = c.chunkFor(dt.Size())
 	return c.collect(ctx, a, p, func() error { copy(out, in); return reduce.Finish(op, dt, out, 1) }, func(cl *call) error {
+		c.ran(AlgoRing)
 		return c.ringReduceScatter(cl, out, in, dt, op, a.chunk)
 	})
 }

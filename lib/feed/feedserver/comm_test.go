@@ -237,3 +237,35 @@ func allReduceBitExact(t *testing.T, cs []*feedtest.Client, regs []*feedtest.Reg
 		}
 	}
 }
+
+// Over a mesh that shares memory the regions are offered to the other
+// members, and a large all_reduce reduces straight from them; with NoShare
+// the collectives copy through the transport. Both are exact, and released
+// regions are withdrawn (a new region of the same id works).
+func TestSharedRegions(t *testing.T) {
+	for _, noShare := range []bool{false, true} {
+		t.Run(fmt.Sprint("noShare=", noShare), func(t *testing.T) {
+			bs := commBridges(t, 2, 64<<10)
+			e := startFeeds(t, bs, func(o *ServerOptions) { o.NoShare = noShare })
+			ctx := context.Background()
+			r := rand.New(rand.NewPCG(5, 6))
+			want := collective.AlgoDirect
+			if noShare {
+				want = collective.AlgoExchange
+			}
+			for round := range 2 {
+				regs := mapRegions(t, e.clients, 1<<20)
+				for _, streamed := range []bool{false, true} {
+					allReduceBitExact(t, e.clients, regs, r, 4*65537, streamed)
+					for i, b := range bs {
+						assert.Equal(t, want, b.(*collective.Comm).Algorithm(), "round %d, member %d", round, i)
+					}
+				}
+				for i, c := range e.clients {
+					require.NoError(t, c.Release(ctx, regs[i]))
+				}
+			}
+			e.closeAll()
+		})
+	}
+}
