@@ -245,6 +245,29 @@ func (cl *call) recvHold(st transport.Holder, peer, step, chunk, n int, primary 
 	return p, release, nil
 }
 
+// recvPieces is recv for a stream that hands out pieces: fn gets the
+// payload of the data frame (step, chunk) of n bytes from peer piece by
+// piece (off within the payload), each valid only during the call. Errors
+// are recv's.
+func (cl *call) recvPieces(st transport.PieceReceiver, peer, step, chunk, n int, primary bool, fn func(off int, p []byte) error) error {
+	err := st.RecvPieces(cl.ctx, func(h wire.Header) error {
+		if err := cl.check(peer, h, step, chunk, n); err != nil {
+			return &localError{err}
+		}
+		cl.heard[peer].Store(true)
+		return nil
+	}, func(off int, p []byte) error {
+		if err := fn(off, p); err != nil {
+			return &localError{err}
+		}
+		return nil
+	})
+	if err == nil {
+		return nil
+	}
+	return cl.recvErr(err, peer, primary)
+}
+
 // recvErr classifies an error of a receive from peer; primary is recv's.
 func (cl *call) recvErr(err error, peer int, primary bool) error {
 	err = corruptHint(err)

@@ -2,6 +2,7 @@ package collective
 
 import (
 	"fmt"
+	"sync/atomic"
 
 	"github.com/gpubridge/gpubridge/lib/transport"
 )
@@ -21,10 +22,15 @@ import (
 //     send of (t-recvLag, c) (the received bytes overwrite memory that send
 //     reads); the frame itself is read off the stream before that wait.
 //
-// Over a stream that can hold frames (transport.Holder) the receive side
-// is two goroutines: one reads chunks off the stream and holds them, one
-// consumes them (waits for the send, reduces, releases), so that the stream
-// is read while the previous chunk is reduced, without copying it.
+// Over a stream that hands out frames in pieces (transport.PieceReceiver:
+// TCP) the receiver consumes each piece as it arrives, from a buffer that
+// stays in cache, straight into the destination; pieces that arrive
+// before the send they depend on is done wait in a spill buffer (the
+// socket is never left undrained), and are consumed once it is. Over a
+// stream that can hold frames (transport.Holder) the receive side is two
+// goroutines: one reads chunks off the stream and holds them, one consumes
+// them (waits for the send, reduces, releases), so that the stream is read
+// while the previous chunk is reduced, without copying it.
 //
 // Both require the chunk lists of the paired segments to agree; run checks.
 type pipe struct {
@@ -92,7 +98,10 @@ func (pp *pipe) run() error {
 			pp.cl.spawn(func() error { return pp.sender(s, recvTok, sendTok) })
 		}
 		if nrecv > 0 {
-			if h, ok := pp.cl.c.mesh.Stream(pp.prev, s).(transport.Holder); ok {
+			st := pp.cl.c.mesh.Stream(pp.prev, s)
+			if pr, ok := st.(transport.PieceReceiver); ok && pr.PieceSize() > 0 {
+				pp.cl.spawn(func() error { return pp.pieceReceiver(s, pr, recvTok, sendTok) })
+			} else if h, ok := st.(transport.Holder); ok {
 				held := make(chan heldChunk, 1)
 				pp.cl.spawn(func() error { return pp.holdReceiver(s, h, held) })
 				pp.cl.spawn(func() error { return pp.consumer(held, recvTok, sendTok) })
@@ -161,6 +170,59 @@ func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}
 		return err
 	})
 }
+
+// pieceReceiver receives the chunks of data stream s piece by piece
+// (transport.PieceReceiver) and consumes every piece at once when the send
+// the chunk depends on is done, else keeps it in a spill buffer (one chunk
+// per stream, made on first need) until the frame is in and that send done.
+func (pp *pipe) pieceReceiver(s int, st transport.PieceReceiver, recvTok chan<- struct{}, sendTok <-chan struct{}) error {
+	cl := pp.cl
+	var spill []byte
+	return pp.recvChunks(s, func(k chunkAt) error {
+		sent := !pp.recvWaits(k.t)
+		spilled := 0
+		err := cl.recvPieces(st, pp.prev, k.t, k.c, k.n, pp.primary, func(off int, p []byte) error {
+			if !sent {
+				select {
+				case <-sendTok:
+					sent = true
+				default:
+				}
+			}
+			if sent {
+				return pp.recv(k.t, k.j, k.c, k.off+off, len(p), p)
+			}
+			if spill == nil {
+				spill = make([]byte, pp.chunk)
+			}
+			if off == 0 {
+				spills.Add(1)
+			}
+			spilled += copy(spill[off:], p)
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		if spilled > 0 {
+			if !sent {
+				if err := cl.await(sendTok); err != nil {
+					return err
+				}
+			}
+			if err := pp.recv(k.t, k.j, k.c, k.off, spilled, spill[:spilled]); err != nil {
+				return cl.recvErr(&localError{err}, pp.prev, pp.primary)
+			}
+		}
+		if pp.unblocksSend(k.t) {
+			recvTok <- struct{}{}
+		}
+		return nil
+	})
+}
+
+// spills counts the chunks that began in a spill buffer (tests).
+var spills atomic.Int64
 
 // chunkAt is a chunk of the schedule: step t, segment j, chunk c, bytes
 // [off, off+n) of the segment.
