@@ -465,3 +465,31 @@ def test_caller_reduces_like_the_bridge(pair: Pair, dtype: torch.dtype, op: Op) 
                 f"x0={xs[0].view(BITS[dtype])[bad[0]]:#x} x1={xs[1].view(BITS[dtype])[bad[0]]:#x} "
                 f"want {w[bad[0]]:#x} got {g[bad[0]]:#x}"
             )
+
+
+def test_peer_killed_mid_exchange(pair: Pair) -> None:
+    """A member killed in the middle of a streamed exchange (feed protocol 2,
+    the GPU path's all_reduce; both members in it, half their input ready):
+    the other's call fails naming the dead gbbridge, and every later one at
+    once."""
+    c0, c1 = pair.clients
+    n = 4 << 20
+    r0, r1 = c0.map_region(2 * n), c1.map_region(2 * n)
+    k0 = c0.start_exchange(r0.span(0, n), r0.span(0, 2 * n), DType.FLOAT32, Op.SUM)
+    k1 = c1.start_exchange(r1.span(n, n), r1.span(0, 2 * n), DType.FLOAT32, Op.SUM)
+    k0.ready(n // 2)
+    k1.ready(n // 2)
+    time.sleep(0.2)  # both are in the exchange, waiting for the second half
+    pid = pair.bridges[1].proc.pid
+    pair.bridges[1].proc.send_signal(signal.SIGKILL)
+    pair.bridges[1].proc.wait(TIMEOUT)
+    with pytest.raises(BridgeError) as ei:
+        k0.wait(TIMEOUT)
+    msg = ei.value.message
+    assert "member 1" in msg and f"pid {pid}) died" in msg, msg
+    with pytest.raises(BridgeError) as ei2:
+        c0.barrier(timeout=5)
+    assert ei2.value.status == Status.BROKEN
+    c0.abort()
+    c1.abort()
+    assert pair.bridges[0].wait(TIMEOUT) == 1
