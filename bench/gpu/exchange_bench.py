@@ -69,30 +69,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The sizes' spelling and the NVLink settings are plugin_bench's.
+from plugin_bench import BITS, human, parse_size
+
 SCHEMA = "gpubridge.plugin-exchange/v1"
-UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = s[-1] if s and s[-1] in UNITS else ""
-    return int(float(s[: len(s) - len(unit)]) * UNITS[unit])
 
 
 def op_name(op: object) -> str:
     return str(getattr(op, "op", op)).rsplit(".", 1)[-1]
-
-
-def human(n: int) -> str:
-    for u in ("G", "M", "K"):
-        if n >= UNITS[u] and n % UNITS[u] == 0:
-            return f"{n // UNITS[u]}{u}"
-    return str(n)
 
 
 class Bench:
