@@ -57,12 +57,14 @@ func (c *Comm) AllGather(ctx context.Context, out, in []byte, p *Progress) error
 				cl.done(j*L+off, m)
 				return nil
 			},
-			recv: func(t, j, _, off, m int, p []byte) error {
+			recv: func(_, j, _, off, m int, p []byte) error {
 				copy(out[j*L+off:j*L+off+m], p)
+				return nil
+			},
+			received: func(t, j, _, off, m int) {
 				if t == n-2 {
 					cl.done(j*L+off, m)
 				}
-				return nil
 			},
 		}
 		return pp.run()

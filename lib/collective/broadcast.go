@@ -40,10 +40,12 @@ func (c *Comm) Broadcast(ctx context.Context, buf []byte, root int, p *Progress)
 			},
 			recv: func(_, _, _, off, m int, p []byte) error {
 				copy(buf[off:off+m], p)
+				return nil
+			},
+			received: func(_, _, _, off, m int) {
 				if pos == n-1 {
 					cl.done(off, m)
 				}
-				return nil
 			},
 		}
 		if pos > 0 {

@@ -366,3 +366,20 @@ func garbage(b []byte) {
 		b[i] = 0xA5 ^ byte(i*7)
 	}
 }
+
+// Over piece streams a chunk's result is reported once, when the whole
+// chunk is in (the feed sends a PROGRESS per range: not one per piece).
+func TestPiecesReportChunks(t *testing.T) {
+	pieces = true
+	defer func() { pieces = false }()
+	cl := newCluster(t, 2, 2, Options{ChunkBytes: testChunk})
+	const n = 10*testChunk + 64
+	bufs := [][]byte{make([]byte, n), make([]byte, n)}
+	recs := []*doneRecorder{{buf: bufs[0]}, {buf: bufs[1]}}
+	requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+		return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, &Progress{Done: recs[m].done})
+	}))
+	for m, r := range recs {
+		assert.Len(t, r.ranges, 11, "member %d: one range per chunk", m)
+	}
+}

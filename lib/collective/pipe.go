@@ -52,9 +52,14 @@ type pipe struct {
 	sent func(t, j, c, off, n int) error
 	// prep runs before chunk (t, c) is received; may be nil.
 	prep func(t, j, c, off, n int) error
-	// recv consumes the payload of chunk (t, c); it is a view valid only
-	// during the call.
+	// recv consumes the payload of chunk (t, c), or of part of it (over a
+	// stream that hands out pieces, bytes [off, off+n) of the segment); p
+	// is a view valid only during the call.
 	recv func(t, j, c, off, n int, p []byte) error
+	// received runs once chunk (t, c) was wholly consumed (it reports
+	// final results: one Progress range per chunk, not per piece); may be
+	// nil.
+	received func(t, j, c, off, n int)
 	// primary: whether a receive timeout points at prev itself.
 	primary bool
 }
@@ -164,11 +169,22 @@ func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}
 			}
 			return pp.recv(k.t, k.j, k.c, k.off, k.n, p)
 		})
-		if err == nil && pp.unblocksSend(k.t) {
+		if err != nil {
+			return err
+		}
+		pp.consumed(k)
+		if pp.unblocksSend(k.t) {
 			recvTok <- struct{}{}
 		}
-		return err
+		return nil
 	})
+}
+
+// consumed runs the received hook of chunk k.
+func (pp *pipe) consumed(k chunkAt) {
+	if pp.received != nil {
+		pp.received(k.t, k.j, k.c, k.off, k.n)
+	}
 }
 
 // pieceReceiver receives the chunks of data stream s piece by piece
@@ -214,6 +230,7 @@ func (pp *pipe) pieceReceiver(s int, st transport.PieceReceiver, recvTok chan<- 
 				return cl.recvErr(&localError{err}, pp.prev, pp.primary)
 			}
 		}
+		pp.consumed(k)
 		if pp.unblocksSend(k.t) {
 			recvTok <- struct{}{}
 		}
@@ -319,6 +336,7 @@ func (pp *pipe) consumer(held <-chan heldChunk, recvTok chan<- struct{}, sendTok
 		if err != nil {
 			return cl.recvErr(&localError{err}, pp.prev, pp.primary)
 		}
+		pp.consumed(h.chunkAt)
 		if pp.unblocksSend(h.t) {
 			recvTok <- struct{}{}
 		}

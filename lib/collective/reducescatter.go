@@ -87,11 +87,12 @@ func (c *Comm) ringReduceScatter(cl *call, out, in []byte, dt reduce.DType, op r
 			if err == nil {
 				err = reduce.Finish(op, dt, dst, n)
 			}
-			if err != nil {
-				return err
+			return err
+		},
+		received: func(t, _, _, off, m int) {
+			if t == n-2 {
+				cl.done(off, m)
 			}
-			cl.done(off, m)
-			return nil
 		},
 	}
 	return pp.run()
