@@ -37,7 +37,7 @@ const (
 // tcpPiece is the piece of RecvPieces: small enough to stay in a core's
 // L2 cache between the kernel's copy and the consumer's pass over it, large
 // enough that a read costs little next to the copy. A variable for the
-// benchmarks that tune it (GPUBRIDGE_TCP_PIECE).
+// tests.
 var tcpPiece = 256 << 10
 
 type tcpMesh struct {
