@@ -202,8 +202,20 @@ func (cl *call) wait() error {
 
 // send sends one data frame to peer on st.
 func (cl *call) send(st transport.Stream, peer, step, chunk int, payload []byte) error {
+	return cl.sendProgress(st, peer, step, chunk, payload, nil)
+}
+
+// sendProgress is send, telling progress how much of the payload is out
+// as it goes when the stream can say (transport.ProgressSender).
+func (cl *call) sendProgress(st transport.Stream, peer, step, chunk int, payload []byte, progress func(int)) error {
 	h := wire.Header{Kind: wire.KindData, Seq: cl.seq, Step: encodeStep(cl.kind, step, cl.fp), Chunk: uint32(chunk)}
-	if err := st.Send(cl.ctx, h, payload); err != nil {
+	var err error
+	if ps, ok := st.(transport.ProgressSender); ok && progress != nil {
+		err = ps.SendProgress(cl.ctx, h, payload, progress)
+	} else {
+		err = st.Send(cl.ctx, h, payload)
+	}
+	if err != nil {
 		return cl.c.classify(cl.ctx, err, peer, cl.limit, false, "it is not reading")
 	}
 	return nil

@@ -383,3 +383,69 @@ func TestPiecesReportChunks(t *testing.T) {
 		assert.Len(t, r.ranges, 11, "member %d: one range per chunk", m)
 	}
 }
+
+// progressStream reports how far its Send got (transport.ProgressSender)
+// in steps, as the TCP stream does: it takes the payload first (so what it
+// reports out is out), then reports thirds with pauses, then sends.
+type progressStream struct{ pieceStream }
+
+func (s progressStream) SendProgress(ctx context.Context, h wire.Header, p []byte, progress func(int)) error {
+	own := slices.Clone(p)
+	if progress != nil {
+		for k := 1; k <= 2; k++ {
+			progress(len(p) * k / 3)
+			time.Sleep(100 * time.Microsecond)
+		}
+	}
+	err := s.pieceStream.Send(ctx, h, own)
+	if err == nil && progress != nil {
+		progress(len(p))
+	}
+	return err
+}
+
+type progressMesh struct{ transport.Mesh }
+
+func (m progressMesh) Stream(peer, i int) transport.Stream {
+	return progressStream{pieceStream{m.Mesh.Stream(peer, i)}}
+}
+
+// Pieces whose send is reported out go straight to the destination, the
+// others wait or spill; every way gives the reference's bits, streamed
+// input too.
+func TestPiecesProgress(t *testing.T) {
+	for _, members := range []int{2, 3} {
+		t.Run(fmt.Sprint("members=", members), func(t *testing.T) {
+			meshes := transport.NewMem(members, 2, false)
+			for i, m := range meshes {
+				meshes[i] = progressMesh{m}
+			}
+			cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk}, DefaultMaxUnexpected)
+			rng := rand.New(rand.NewPCG(23, uint64(members)))
+			for _, streamed := range []bool{false, true} {
+				inputs := make([][]byte, members)
+				for m := range inputs {
+					inputs[m] = randData(rng, reduce.BFloat16, 30*testChunk/2+5)
+				}
+				want := ReferenceAllReduce(reduce.Sum, reduce.BFloat16, inputs, members)
+				bufs := make([][]byte, members)
+				requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+					bufs[m] = make([]byte, len(inputs[m]))
+					var p *Progress
+					if streamed {
+						garbage(bufs[m])
+						g := newReadyGate(t, len(bufs[m]))
+						go g.release(bufs[m], inputs[m], 700, 50*time.Microsecond)
+						p = &Progress{Ready: g.ready}
+					} else {
+						copy(bufs[m], inputs[m])
+					}
+					return c.AllReduce(context.Background(), bufs[m], reduce.BFloat16, reduce.Sum, p)
+				}))
+				for m := range bufs {
+					requireBits(t, want, bufs[m], 2, "member %d, streamed %v", m, streamed)
+				}
+			}
+		})
+	}
+}

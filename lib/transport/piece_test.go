@@ -90,3 +90,34 @@ func TestRecvPiecesFailures(t *testing.T) {
 		assert.False(t, called)
 	})
 }
+
+// SendProgress writes a large payload in pieces and reports each: the
+// reports grow to the payload's length, and the frame arrives whole.
+func TestSendProgress(t *testing.T) {
+	ms := holdMeshes(t, TCP, false)
+	out := ms[0].Stream(1, 0).(ProgressSender)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(30*time.Second))
+	defer cancel()
+	for i, n := range []int{10, 3*tcpPiece + 7} {
+		p := make([]byte, n)
+		pattern(p, 0, 1, 0, uint64(i))
+		got := make(chan error, 1)
+		go func() {
+			got <- ms[1].Stream(0, 0).Recv(ctx, func(h wire.Header, q []byte) error {
+				checkFrame(t, h, q, i, n)
+				return nil
+			})
+		}()
+		var seen []int
+		require.NoError(t, out.SendProgress(ctx, wire.Header{Kind: wire.KindData, Seq: uint64(i)}, p, func(k int) { seen = append(seen, k) }))
+		require.NoError(t, <-got)
+		require.NotEmpty(t, seen)
+		assert.Equal(t, n, seen[len(seen)-1], "the last report is the whole payload")
+		for k := 1; k < len(seen); k++ {
+			assert.Greater(t, seen[k], seen[k-1], "reports grow")
+		}
+		if n > tcpPiece {
+			assert.Equal(t, []int{tcpPiece, 2 * tcpPiece, 3 * tcpPiece, n}, seen)
+		}
+	}
+}

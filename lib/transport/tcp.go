@@ -157,6 +157,13 @@ func (m *tcpMesh) Close() error {
 
 // writeFrame writes one frame with a single writev. Callers hold smu.
 func (s *tcpStream) writeFrame(hdr wire.Header, payload []byte) error {
+	return s.writeFramePieces(hdr, payload, nil)
+}
+
+// writeFramePieces writes one frame: with progress, the payload in pieces
+// of tcpPiece bytes (the header with the first), calling progress with the
+// bytes out after each; else with a single writev. Callers hold smu.
+func (s *tcpStream) writeFramePieces(hdr wire.Header, payload []byte, progress func(int)) error {
 	hdr.Seal(payload, s.m.crc)
 	if s.corrupt.Load() && len(payload) > 0 {
 		s.corrupt.Store(false)
@@ -164,18 +171,37 @@ func (s *tcpStream) writeFrame(hdr wire.Header, payload []byte) error {
 		payload[len(payload)/2] ^= 0x40
 	}
 	hdr.Put(s.whdr[:])
-	s.vec[0], s.vec[1] = s.whdr[:], payload
+	first := len(payload)
+	if progress != nil {
+		first = min(first, tcpPiece)
+	}
+	s.vec[0], s.vec[1] = s.whdr[:], payload[:first]
 	s.bufs = s.vec[:]
 	n, err := s.bufs.WriteTo(s.conn)
 	s.vec[1] = nil
+	for off := first; err == nil && off < len(payload); off += tcpPiece {
+		progress(off)
+		var k int
+		k, err = s.conn.Write(payload[off:min(off+tcpPiece, len(payload))])
+		n += int64(k)
+	}
 	if err != nil && n > 0 {
 		// A partial frame is on the wire: the stream is out of step.
 		s.sbroken = err
+	}
+	if err == nil && progress != nil {
+		progress(len(payload))
 	}
 	return err
 }
 
 func (s *tcpStream) Send(ctx context.Context, hdr wire.Header, payload []byte) error {
+	return s.SendProgress(ctx, hdr, payload, nil)
+}
+
+// SendProgress implements ProgressSender: with progress, a large payload
+// is written in pieces, and progress hears after each how much is out.
+func (s *tcpStream) SendProgress(ctx context.Context, hdr wire.Header, payload []byte, progress func(n int)) error {
 	if len(payload) > wire.MaxPayload {
 		return fmt.Errorf("send to %s: payload of %d bytes is over the %d-byte frame limit", s.m.Peer(s.peer), len(payload), wire.MaxPayload)
 	}
@@ -190,7 +216,7 @@ func (s *tcpStream) Send(ctx context.Context, hdr wire.Header, payload []byte) e
 	if err := s.wg.arm(ctx); err != nil {
 		return fmt.Errorf("send to %s on stream %d: %w", s.m.Peer(s.peer), s.idx, err)
 	}
-	if err := s.writeFrame(hdr, payload); err != nil {
+	if err := s.writeFramePieces(hdr, payload, progress); err != nil {
 		e := s.m.ioErr(ctx, "send to", s, err)
 		if s.sbroken != nil {
 			// Part of the frame is on the wire.

@@ -83,6 +83,17 @@ type PieceReceiver interface {
 	RecvPieces(ctx context.Context, check func(wire.Header) error, fn func(off int, p []byte) error) error
 }
 
+// ProgressSender is implemented by streams that can say how much of a
+// frame's payload is out while they send it (the TCP stream, which then
+// writes a large payload in pieces), so that a receiver whose data depends
+// on the payload having been read may proceed piece by piece.
+type ProgressSender interface {
+	// SendProgress is Send, calling progress(n) (from the sending
+	// goroutine) each time the first n payload bytes are out, n growing to
+	// len(payload) when the frame is sent; progress may be nil.
+	SendProgress(ctx context.Context, hdr wire.Header, payload []byte, progress func(n int)) error
+}
+
 // Mesh is one member's links to every other member of a bridge.
 type Mesh interface {
 	// Self is this member's index, Size the number of members.
