@@ -13,7 +13,9 @@ import (
 // the memory it shares (a descriptor frame); when every member's buffer
 // is shared the call runs directly, otherwise every member runs the
 // collective's usual algorithm (the ring or the exchange), so all decide
-// alike. Buffers below directMin bytes skip the descriptors.
+// alike. Buffers below directMin bytes skip the descriptors (directMin2
+// with two members, whose exchange is one hop where the direct path takes
+// three).
 //
 // A direct collective cuts the members' buffers into pieces; each piece has
 // an owner, who produces it (reduces it from every member's memory into its
@@ -54,9 +56,14 @@ const (
 const descSize = 24
 
 // directMin is the smallest buffer (bytes per member) for which the
-// members exchange descriptors: below it the round trip costs more than
-// the copies it saves. A variable for the tests.
-var directMin = 64 << 10
+// members exchange descriptors: below it the round trips cost more than
+// the copies they save (the ring of three or more members takes 2(n-1)
+// hops, the direct path three); directMin2 is the same for two members.
+// Variables for the tests.
+var (
+	directMin  = 64 << 10
+	directMin2 = 1 << 20
+)
 
 // desc is where a member's buffer lies in the memory it shares.
 type desc struct {
@@ -84,7 +91,7 @@ func parseDesc(b []byte) (desc, error) {
 // them by member, or nil when the call is not to run directly.
 func (c *Comm) describe(cl *call, buf []byte) ([]desc, error) {
 	sh, ok := c.mesh.(transport.Sharer)
-	if !ok || len(buf) < directMin {
+	if !ok || len(buf) < directMin || c.size == 2 && len(buf) < directMin2 {
 		return nil, nil
 	}
 	var mine desc
@@ -171,9 +178,10 @@ type directPlan struct {
 	take    func(p *dpiece) error
 }
 
-// pieceMin is the smallest piece of a direct collective (a variable for
-// the tests).
-var pieceMin = 64 << 10
+// pieceMin is the smallest piece of a direct collective: smaller buffers
+// use fewer streams, as each piece costs a few frames and goroutine
+// wake-ups (a variable for the tests).
+var pieceMin = 256 << 10
 
 // pieceSize is the piece of a direct collective over buffers of L bytes:
 // about one piece per member and stream, at least pieceMin, at most the

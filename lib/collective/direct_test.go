@@ -20,9 +20,9 @@ import (
 // smallDirect makes every buffer take the direct path and cuts it into
 // small pieces, for the duration of the test.
 func smallDirect(t *testing.T) {
-	oldMin, oldPiece := directMin, pieceMin
-	directMin, pieceMin = 1, 128
-	t.Cleanup(func() { directMin, pieceMin = oldMin, oldPiece })
+	oldMin, oldMin2, oldPiece := directMin, directMin2, pieceMin
+	directMin, directMin2, pieceMin = 1, 1, 128
+	t.Cleanup(func() { directMin, directMin2, pieceMin = oldMin, oldMin2, oldPiece })
 }
 
 // shared returns a copy of in that member m's mesh shares with its peers

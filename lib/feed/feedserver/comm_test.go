@@ -254,9 +254,9 @@ func TestSharedRegions(t *testing.T) {
 				want = collective.AlgoExchange
 			}
 			for round := range 2 {
-				regs := mapRegions(t, e.clients, 1<<20)
+				regs := mapRegions(t, e.clients, 2<<20)
 				for _, streamed := range []bool{false, true} {
-					allReduceBitExact(t, e.clients, regs, r, 4*65537, streamed)
+					allReduceBitExact(t, e.clients, regs, r, 4*300001, streamed)
 					for i, b := range bs {
 						assert.Equal(t, want, b.(*collective.Comm).Algorithm(), "round %d, member %d", round, i)
 					}
