@@ -353,9 +353,13 @@ class _Exchange:
         self.e.set_step(fl.COPY)
         chunk = min(_CHUNK, max(1 << 20, -(-n // 8)))
         chunk = -(-chunk // 4096) * 4096
-        # The copies out and the reduction wait for the island reduce
-        # (queued before); the reduction also waits for each span's copy in.
         if self.gpu:
+            # The bridge writes the peer's partial into the region without
+            # waiting for this member: copies out of it still queued from an
+            # earlier call must be done first.
+            _gpu.sync_stream(ep._h2d, "the copies out of the feed region", ep._secs)
+            # The copies out and the reduction wait for the island reduce
+            # (queued before); the reduction also for each span's copy in.
             ep._h2d.wait_stream(stream)
             ep._add.wait_stream(stream)
         mine = self.host[me * n : (me + 1) * n]

@@ -429,7 +429,7 @@ def test_caller_reduces_like_the_bridge(pair: Pair, dtype: torch.dtype, op: Op) 
     in Go), NaN payloads, signed zeros and denormals included; over shm the
     large size runs the direct exchange, the small one the rings."""
     assert all(c.caller_reduces for c in pair.clients)
-    for n in (1000, 70_001):
+    for n in (1000, 600_001):
         xs = [special_inputs(dtype, n, m) for m in range(2)]
         nb = xs[0].numel() * dtype.itemsize
 
