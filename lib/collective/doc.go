@@ -106,7 +106,8 @@
 // so all decide alike from the same descriptors. Buffers that are not
 // shared — plain Go memory — therefore work as before, at the price of the
 // descriptor round trip; gbbridge serve's feed regions and gbbridge bench's
-// buffers are shared (memfds).
+// buffers are shared (memfds). With CRCs on (transport.Config.CRC) the shm
+// mesh locates no buffer, so every byte travels in checked frames.
 //
 // The direct all_reduce cuts the buffer into the ring's segments (above)
 // and each segment into pieces (about one per member and stream, 64 KiB to

@@ -283,3 +283,16 @@ func TestShareMem(t *testing.T) {
 	assert.ErrorIs(t, err, ErrPeerClosed)
 	require.NoError(t, meshes[1].Close())
 }
+
+// With CRCs on the shm mesh still passes regions but locates none: every
+// byte of a collective then travels in checked frames.
+func TestShareCRCLocatesNothing(t *testing.T) {
+	meshes := newBridge(t, SHM, 2, 1, true).mustEstablish(t)
+	fd, mem, err := NewMemfd("gpubridge-test-crc", 8192)
+	require.NoError(t, err)
+	defer FreeMemfd(fd, mem)
+	_, err = meshes[0].(Sharer).Share(fd, mem)
+	require.NoError(t, err)
+	_, _, ok := meshes[0].(Sharer).Locate(mem)
+	assert.False(t, ok)
+}

@@ -609,7 +609,15 @@ func (m *shmMesh) Share(fd int, mem []byte) (uint64, error) {
 
 func (m *shmMesh) Unshare(id uint64) { m.share.unshare(id) }
 
-func (m *shmMesh) Locate(buf []byte) (uint64, uint64, bool) { return m.share.tab.locate(buf) }
+// Locate implements Sharer. With CRCs on it finds nothing: the user asked
+// for every byte between members to travel in checked frames, and a
+// collective that reads a peer's memory moves none.
+func (m *shmMesh) Locate(buf []byte) (uint64, uint64, bool) {
+	if m.crc {
+		return 0, 0, false
+	}
+	return m.share.tab.locate(buf)
+}
 
 func (m *shmMesh) PeerMem(ctx context.Context, peer int, id, off, n uint64) ([]byte, func(), error) {
 	if peer == m.self || peer < 0 || peer >= m.size {
