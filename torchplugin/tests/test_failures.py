@@ -42,7 +42,11 @@ class Outcome:
     logs: list[str]
 
 
-def run_fault(tmp_path: Path, vendors: list[str], victim: int, mode: str, workload: str) -> Outcome:
+def run_fault(
+    tmp_path: Path, vendors: list[str], victim: int, mode: str, workload: str, check_calls: bool = True
+) -> Outcome:
+    """Runs the job with the fault; check_calls=False runs it as users do by
+    default, without GPUBRIDGE_CHECK_CALLS (the suite otherwise has it on)."""
     store = dist.TCPStore(
         "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
     )
@@ -53,7 +57,7 @@ def run_fault(tmp_path: Path, vendors: list[str], victim: int, mode: str, worklo
             LOCAL_WORLD_SIZE=str(len(vendors)),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
             GPUBRIDGE_VENDOR=v, GPUBRIDGE_NAMESPACE=f"fault-{tmp_path.name}",
-            KILL_TEST_TIMEOUT=str(TIMEOUT_S),
+            KILL_TEST_TIMEOUT=str(TIMEOUT_S), GPUBRIDGE_CHECK_CALLS="1" if check_calls else "0",
         )  # fmt: skip
         log = (tmp_path / f"rank{r}.log").open("wb")
         cmd = [sys.executable, str(HERE / "fault_worker.py"), str(tmp_path), str(victim), mode, workload]
@@ -143,6 +147,21 @@ def test_killed_rank(tmp_path: Path, workload: str, vendors: list[str], victim: 
 
 
 @needs_tools
+@pytest.mark.parametrize("workload", ["ddp", "fsdp"])
+@pytest.mark.parametrize("victim", [0, 3])
+def test_killed_rank_without_call_checks(tmp_path: Path, workload: str, victim: int) -> None:
+    """As test_killed_rank, with GPUBRIDGE_CHECK_CALLS off (the default): the
+    call check's extra all_gather must not be what turns a lost peer into a
+    clean error."""
+    out = run_fault(tmp_path, TWO_TWO, victim, "kill", workload, check_calls=False)
+    survivors = [r for r in range(4) if r != victim]
+    cause = root_causes(out, survivors)
+    assert f"rank {victim} (pid {out.pids[victim]}) no longer running" in cause, cause
+    check_in_time(out, survivors, TIMEOUT_S + scale(10))
+    check_clean(out, tmp_path)
+
+
+@needs_tools
 def test_killed_rank_3_1_non_leader(tmp_path: Path) -> None:
     out = run_fault(tmp_path, ["nvidia", "nvidia", "nvidia", "amd"], 1, "kill", "loop")
     cause = root_causes(out, [0, 2, 3])
@@ -151,10 +170,12 @@ def test_killed_rank_3_1_non_leader(tmp_path: Path) -> None:
 
 
 @needs_tools
-def test_exited_rank_ddp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("check_calls", [True, False])
+def test_exited_rank_ddp(tmp_path: Path, check_calls: bool) -> None:
     """The issue's reproduction: a rank leaves with os._exit under DDP (the
-    survivors used to die with SIGSEGV in DDP's reducer)."""
-    out = run_fault(tmp_path, TWO_TWO, 3, "exit", "ddp")
+    survivors used to die with SIGSEGV in DDP's reducer); also without call
+    checks, the default a user runs with."""
+    out = run_fault(tmp_path, TWO_TWO, 3, "exit", "ddp", check_calls=check_calls)
     cause = root_causes(out, [0, 1, 2])
     assert f"rank 3 (pid {out.pids[3]}) no longer running" in cause, cause
     check_clean(out, tmp_path)
