@@ -21,7 +21,6 @@ import contextlib
 import datetime
 import itertools
 import logging
-import shutil
 import weakref
 from typing import Any
 
@@ -435,7 +434,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self.bridge_exit = ep.close(abort or self._breaker.error is not None)
         if self._island is not None:
             self._island.close(abort)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        _setup.remove_private_dir(self._dir)
         _LIVE.discard(self)
 
 

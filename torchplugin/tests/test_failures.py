@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ import pytest
 import torch.distributed as dist
 from test_backend import bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
 from testenv import scale
+
+from gpubridge import _setup
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = round(scale(20))
@@ -144,6 +147,12 @@ def test_killed_rank(tmp_path: Path, workload: str, vendors: list[str], victim: 
     assert f"rank {victim} (pid {out.pids[victim]}) no longer running" in cause, cause
     check_in_time(out, survivors, TIMEOUT_S + scale(10))
     check_clean(out, tmp_path)
+    # The killed rank's private directory is left behind; the next group
+    # this user creates removes it (_setup.remove_stale_dirs runs first).
+    left = list(Path(tempfile.gettempdir()).glob(f"gpubridge-{out.pids[victim]}-*"))
+    assert left, "the killed rank had a private directory"
+    _setup.remove_stale_dirs()
+    assert not [d for d in left if d.exists()]
 
 
 @needs_tools
