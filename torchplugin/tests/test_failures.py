@@ -51,7 +51,7 @@ def run_fault(
     """Runs the job with the fault; check_calls=False runs it as users do by
     default, without GPUBRIDGE_CHECK_CALLS (the suite otherwise has it on)."""
     store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=scale(60)), wait_for_workers=False
     )
     procs = []
     for r, v in enumerate(vendors):
