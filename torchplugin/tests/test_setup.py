@@ -28,6 +28,18 @@ TIMEOUT_S = round(scale(30))
 VENDORS = ["nvidia", "nvidia", "amd", "amd"]
 
 
+def rank_env(tmp_path: Path, r: int, port: int, **extra: str) -> dict[str, str]:
+    """Rank r's environment for an env:// launch against the store on port
+    (rank 0's own unless TORCHELASTIC_USE_AGENT_STORE is set)."""
+    env = dict(
+        job_env(tmp_path), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(VENDORS)),
+        LOCAL_WORLD_SIZE=str(len(VENDORS)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        GPUBRIDGE_VENDOR=VENDORS[r], SETUP_TEST_TIMEOUT=str(TIMEOUT_S), **extra,
+    )  # fmt: skip
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    return env
+
+
 def run(
     tmp_path: Path,
     wrap: dict[int, list[str]],
@@ -49,16 +61,10 @@ def run(
         )
         port = store.port
     procs = []
-    for r, v in enumerate(VENDORS):
-        env = dict(
-            job_env(tmp_path), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(VENDORS)),
-            LOCAL_WORLD_SIZE=str(len(VENDORS)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            TORCHELASTIC_USE_AGENT_STORE="True", GPUBRIDGE_VENDOR=v,
-            GPUBRIDGE_NAMESPACE=f"setup-{tmp_path.name}", SETUP_TEST_TIMEOUT=str(TIMEOUT_S),
-            **env_of.get(r, {}),
-        )  # fmt: skip
-        if store_on_rank0:
-            env.pop("TORCHELASTIC_USE_AGENT_STORE")
+    for r in range(len(VENDORS)):
+        env = rank_env(tmp_path, r, port, GPUBRIDGE_NAMESPACE=f"setup-{tmp_path.name}", **env_of.get(r, {}))
+        if not store_on_rank0:
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         log = (tmp_path / f"rank{r}.log").open("wb")
         cmd = [*wrap.get(r, []), sys.executable, str(HERE / "setup_worker.py"), str(tmp_path)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
@@ -149,13 +155,8 @@ def start_job(outdir: Path, port: int, hold: Path | None = None) -> list[subproc
     env:// launch does), with no run id: the default namespace."""
     outdir.mkdir()
     procs = []
-    for r, v in enumerate(VENDORS):
-        env = dict(
-            job_env(outdir), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(VENDORS)),
-            LOCAL_WORLD_SIZE=str(len(VENDORS)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            GPUBRIDGE_VENDOR=v, SETUP_TEST_TIMEOUT=str(TIMEOUT_S),
-        )  # fmt: skip
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    for r in range(len(VENDORS)):
+        env = rank_env(outdir, r, port)
         cmd = [sys.executable, str(HERE / "setup_worker.py"), str(outdir), *([str(hold)] if hold else [])]
         log = (outdir / f"rank{r}.log").open("wb")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=outdir))
