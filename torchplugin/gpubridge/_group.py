@@ -33,7 +33,7 @@ from gpubridge._checks import Checks
 from gpubridge._collectives import Collectives
 from gpubridge._discovery import store_address
 from gpubridge._endpoint import BridgeEndpoint
-from gpubridge._failure import Breaker
+from gpubridge._failure import Breaker, read_pids
 from gpubridge._feed import Op
 from gpubridge._island import IslandGroup
 from gpubridge._layout import Layout
@@ -90,6 +90,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             except Exception as e:
                 failed = e
             _setup.agree(store, rank, size, timeout, failed)
+            self._breaker.pids = read_pids(store, size)
         except BaseException:
             self._breaker.closed = True
             self._release(abort=True)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from test_backend import bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
 from testenv import scale
 
-from gpubridge import _setup
+from gpubridge import _failure, _setup
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = round(scale(20))
@@ -225,3 +225,34 @@ def test_killed_bridge(tmp_path: Path, workload: str, victim: int) -> None:
     assert f"gbbridge serve of rank {victim} (pid {out.fault['pid']})" in cause, cause
     check_in_time(out, survivors, TIMEOUT_S + scale(10))
     check_clean(out, tmp_path)
+
+
+def test_gone_ranks_sees_a_process_on_its_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGKILLed rank closes its sockets before it is a zombie: a peer that
+    looks in between sees state R with PF_EXITING, and must name it (under
+    load that window made a survivor publish Gloo's "connection reset" as
+    the root cause). The window cannot be held open on purpose, so the stat
+    lines are given."""
+    import socket  # noqa: PLC0415
+
+    host = socket.gethostname()
+    stat = {
+        "11": "11 (python) R 1 11 11 0 -1 4194560 0 0 0 0",  # running
+        "12": "12 (python) R 1 12 12 0 -1 4194564 0 0 0 0",  # running, PF_EXITING
+        "13": "13 (py (x)) Z 1 13 13 0 -1 4194564 0 0 0 0",  # zombie; ')' in the name
+        "14": "14 (python) T 1 14 14 0 -1 4194560 0 0 0 0",  # stopped
+    }
+
+    def fake(pid: str) -> str:
+        if pid not in stat:
+            raise FileNotFoundError(pid)
+        return stat[pid]
+
+    monkeypatch.setattr(_failure, "_proc_stat", fake)
+    pids = {r: (host, str(10 + r)) for r in range(1, 6)} | {6: ("elsewhere", "12"), 0: (host, "99")}
+    assert _failure.gone_ranks(pids, 0) == [
+        "rank 2 (pid 12) no longer running",
+        "rank 3 (pid 13) no longer running",
+        "rank 4 (pid 14) stopped",
+        "rank 5 (pid 15) no longer running",
+    ]
