@@ -97,7 +97,7 @@ func Hang(srcs []*Source, o HangOptions) []HangReport {
 			s := state(c.Group.Name, r)
 			s.have = true
 			s.submitted = max(s.submitted, c.Seq)
-			if c.Result != ResultInFlight {
+			if c.Result == ResultOK {
 				s.completed = max(s.completed, c.Seq)
 			}
 			if old, ok := s.bySeq[c.Seq]; !ok || old.Result == ResultInFlight {

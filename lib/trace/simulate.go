@@ -198,8 +198,8 @@ type ROCRow struct {
 	DelayP50      float64 `json:"delay_steps_p50"`       // steps from the onset to the end of the first flagged window
 	DelayP99      float64 `json:"delay_steps_p99"`
 	CleanWindows  int     `json:"clean_rank_windows"`
-	FalseFlags    int     `json:"falsesflags"`
-	FalseRate     float64 `json:"falsesrate"`
+	FalseFlags    int     `json:"false_flags"`
+	FalseRate     float64 `json:"false_rate"`
 	SlowScoreMean float64 `json:"slow_score_mean"` // the slowed rank's mean score after the onset
 }
 

@@ -46,10 +46,12 @@ type WindowScore struct {
 // cancels, and a rank that computes more slowly arrives late row after
 // row. The spread of one lateness is estimated robustly over the whole
 // window (1.4826 x the median absolute deviation of every rank's lateness),
-// so a straggler does not hide itself by widening it; each lateness is
-// clipped at o.Clip of those before the mean, so one long pause (a page
-// fault, a preempted thread) does not flag a rank. A trailing part window
-// of fewer than half o.Window rows is not scored.
+// and each lateness is clipped at o.Clip of those, so one long pause (a
+// page fault, a preempted thread) does not flag a rank; the score is a
+// rank's mean clipped lateness over its standard error, from the clipped
+// values' spread around each rank's own mean, pooled over the ranks (so a
+// straggler does not hide itself by widening it). A trailing part window of
+// fewer than half o.Window rows is not scored.
 func ScoreWindows(arrivals [][]float64, o StragglerOptions) []WindowScore {
 	o = o.withDefaults()
 	if len(arrivals) == 0 {
@@ -77,24 +79,38 @@ func ScoreWindows(arrivals [][]float64, o StragglerOptions) []WindowScore {
 		for k := lo; k < hi; k++ {
 			pool = append(pool, late[k]...)
 		}
-		sd := robustSD(pool)
-		if sd <= 0 {
-			sd = math.SmallestNonzeroFloat64
-		}
-		lim := o.Clip * sd
+		lim := o.Clip * robustSD(pool)
 		rows := hi - lo
+		// Each rank's clipped lateness: its mean, and its spread around
+		// that mean, pooled over the ranks (a straggler's shift does not
+		// widen it; the clipped values' own spread, not the MAD, is what
+		// the clipped mean's error comes from, whatever the distribution).
+		means := make([]float64, n)
+		ss := 0.0
 		for r := 0; r < n; r++ {
 			sum := 0.0
 			for k := lo; k < hi; k++ {
-				sum += math.Max(-lim, math.Min(lim, late[k][r]))
+				sum += clip(late[k][r], lim)
 			}
-			mean := sum / float64(rows)
-			out = append(out, WindowScore{Window: w, Rank: r, Score: mean / (sd / math.Sqrt(float64(rows))),
-				LateNs: mean, SDNs: sd, Rows: rows})
+			means[r] = sum / float64(rows)
+			for k := lo; k < hi; k++ {
+				d := clip(late[k][r], lim) - means[r]
+				ss += d * d
+			}
+		}
+		sd := math.Sqrt(ss / float64(n*(rows-1)))
+		if sd <= 0 || rows < 2 {
+			sd = math.SmallestNonzeroFloat64
+		}
+		for r := 0; r < n; r++ {
+			out = append(out, WindowScore{Window: w, Rank: r, Score: means[r] / (sd / math.Sqrt(float64(rows))),
+				LateNs: means[r], SDNs: sd, Rows: rows})
 		}
 	}
 	return out
 }
+
+func clip(x, lim float64) float64 { return math.Max(-lim, math.Min(lim, x)) }
 
 // median of x (reorders x).
 func median(x []float64) float64 {
@@ -240,7 +256,9 @@ type localScore struct {
 }
 
 // localScores: for each (window, rank) score index, the best score of the
-// rank's excess time in a local phase.
+// rank's excess time in a local phase, among the ranks that have that
+// phase in every collective (leaders copy, the others do not); a phase
+// fewer than 3 ranks have is not compared.
 func localScores(rows []*Merged, ranks []int, o StragglerOptions) map[int]localScore {
 	names := map[string]bool{}
 	for _, m := range rows {
@@ -255,19 +273,42 @@ func localScores(rows []*Merged, ranks []int, o StragglerOptions) map[int]localS
 	out := map[int]localScore{}
 	for name := range names {
 		dur := make([][]float64, len(rows))
+		has := make([]int, len(ranks))
 		for k, m := range rows {
 			dur[k] = make([]float64, len(ranks))
 			for i, v := range m.Ranks {
+				found := false
 				for _, p := range v.Phases {
 					if p.Name == name && p.End != nil {
 						dur[k][i] += float64(*p.End - p.Start)
+						found = true
 					}
+				}
+				if found {
+					has[i]++
 				}
 			}
 		}
-		for i, s := range ScoreWindows(dur, o) {
-			if s.Score > out[i].score {
-				out[i] = localScore{s.Score, name}
+		var cols []int
+		for i, n := range has {
+			if n == len(rows) {
+				cols = append(cols, i)
+			}
+		}
+		if len(cols) < 3 {
+			continue
+		}
+		sub := make([][]float64, len(rows))
+		for k := range dur {
+			sub[k] = make([]float64, len(cols))
+			for j, i := range cols {
+				sub[k][j] = dur[k][i]
+			}
+		}
+		for _, s := range ScoreWindows(sub, o) {
+			idx := s.Window*len(ranks) + cols[s.Rank]
+			if s.Score > out[idx].score {
+				out[idx] = localScore{s.Score, name}
 			}
 		}
 	}

@@ -71,20 +71,20 @@ def measure(store: Any, rank: int, size: int, secs: float) -> Clock:
         boots = [store.get(f"{_KEY}/boot/{r}").decode() for r in range(size)]
     except Exception as e:
         return unmeasured(f"the ranks' boot ids were not all in the store ({e})", ref)
-    if me == boots[0] and me != "unknown":
-        return Clock(0, 0, ref, "same boot", me)
     # One asker per boot other than the reference's: its lowest rank.
     askers: dict[str, int] = {}
     for r, b in enumerate(boots):
-        if b != boots[0] or b == "unknown":
+        if r > 0 and (b != boots[0] or b == "unknown"):
             askers.setdefault(f"{b}/{r}" if b == "unknown" else b, r)
+    if rank > 0 and me == boots[0] and me != "unknown":
+        return Clock(0, 0, ref, "same boot", me)
     try:
         if rank == 0:
             for r in sorted(askers.values()):
                 for i in range(ROUNDS):
                     store.wait([f"{_KEY}/q/{r}/{i}"], wait)
                     store.set(f"{_KEY}/a/{r}/{i}", str(time.monotonic_ns()))
-            return Clock(0, 0, ref, "reference", me)
+            return Clock(0, 0, ref, "reference" if askers else "same boot", me)
         asker = askers.get(me if me != "unknown" else f"{me}/{rank}", rank)
         if asker != rank:
             store.wait([f"{_KEY}/r/{asker}"], wait)

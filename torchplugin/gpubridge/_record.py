@@ -62,7 +62,7 @@ class GroupInfo:
     device: str
     submitted: Callable[[], int]  # the group's collectives submitted so far
     ranks_of: Callable[[], list[int] | None]
-    completed: int = 0  # the last sequence number that ended here
+    completed: int = 0  # the last sequence number that ended here without an error
     failed_dumped: bool = field(default=False, repr=False)
     written: bool = field(default=False, repr=False)  # its record is in the trace file
     _ranks: list[int] | None = field(default=None, repr=False)
@@ -154,8 +154,8 @@ class CollectiveRecord:
             self.result = "ok" if error is None else "error"
         self.error = error
         self.phases = [Phase(n, ns(a), None if b is None else ns(b)) for n, a, b in marks]
-        self.arrived_ns = ns(e.started)
         q = marks[0] if marks and marks[0][0] == fl.QUEUED else None
+        self.arrived_ns = ns(q[1]) if q is not None else ns(e.started)  # the call: the queue's start
         self.start_ns = ns(q[2]) if q is not None and q[2] is not None else None
         last = marks[-1][2] if marks else None
         self.end_ns = None if in_flight or last is None else ns(last)

@@ -217,7 +217,8 @@ def finish(e: fl.Entry, exc: BaseException | None) -> None:
     g = _groups.get(e.group)
     if g is None:
         return
-    g.completed = max(g.completed, e.seq)
+    if exc is None:
+        g.completed = max(g.completed, e.seq)
     err = None if exc is None else str(exc)
     if _ring is not None:
         _ring.append((e, err))
