@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,8 @@ import torch.distributed as dist
 from test_backend import BIN, bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
 from testenv import scale
 
-from gpubridge import _trace, observe
 from gpubridge import _inflight as fl
+from gpubridge import _trace, observe
 from gpubridge._record import CollectiveRecord, GroupInfo
 
 HERE = Path(__file__).resolve().parent
@@ -52,7 +51,9 @@ def group(name: str = "g", size: int = 4) -> GroupInfo:
     )  # fmt: skip
 
 
-def entry(seq: int, op: str = "allreduce", detail: str = "SUM", steps: tuple[str, ...] = ("bridge",)) -> fl.Entry:
+def entry(
+    seq: int, op: str = "allreduce", detail: str = "SUM", steps: tuple[str, ...] = ("bridge",)
+) -> fl.Entry:
     e = fl.Entry("g", seq, op, 4096, fl.QUEUED, "MainThread")
     e.call = ("torch.float32", detail, False)
     e.set_step(fl.RUNNING)
@@ -79,10 +80,27 @@ def test_record_of_an_entry() -> None:
 
 def test_record_options_and_in_flight() -> None:
     b = CollectiveRecord(entry(4, "broadcast", "root 2"), group(), 11, None, in_flight=True).to_dict()
-    assert (b["op"], b["root"], b["reduce_op"], b["result"], b["step"]) == ("broadcast", 2, None, "in flight", "bridge")
-    assert b["end"] is None and b["phases"][-1] == {"name": "bridge", "start": b["phases"][-1]["start"], "end": None}
-    rs = CollectiveRecord(entry(5, "reduce_scatter_tensor_coalesced", "AVG,AVG"), group(), 11, "boom").to_dict()
-    assert (rs["op"], rs["reduce_op"], rs["result"], rs["error"]) == ("reduce_scatter", "avg", "error", "boom")
+    assert (b["op"], b["root"], b["reduce_op"], b["result"], b["step"]) == (
+        "broadcast",
+        2,
+        None,
+        "in flight",
+        "bridge",
+    )
+    assert b["end"] is None and b["phases"][-1] == {
+        "name": "bridge",
+        "start": b["phases"][-1]["start"],
+        "end": None,
+    }
+    rs = CollectiveRecord(
+        entry(5, "reduce_scatter_tensor_coalesced", "AVG,AVG"), group(), 11, "boom"
+    ).to_dict()
+    assert (rs["op"], rs["reduce_op"], rs["result"], rs["error"]) == (
+        "reduce_scatter",
+        "avg",
+        "error",
+        "boom",
+    )
 
 
 @pytest.fixture
@@ -131,7 +149,8 @@ def test_a_failure_dumps_once_and_names_the_dump(recorder: Path) -> None:
     _trace.finish(e, exc)
     dumps = sorted(recorder.glob("*.dump.jsonl"))
     assert len(dumps) == 1
-    assert str(exc) == f"gpubridge: rank 1: allreduce (collective #1, step bridge): lost\ngpubridge: flight recorder of rank 11: {dumps[0]}"
+    first = "gpubridge: rank 1: allreduce (collective #1, step bridge): lost"
+    assert str(exc) == f"{first}\ngpubridge: flight recorder of rank 11: {dumps[0]}"
     assert read_jsonl(dumps[0])[-1]["result"] == "error"
     _trace.finish(entry(2), RuntimeError("later"))  # the group is broken: no second dump
     assert len(list(recorder.glob("*.dump.jsonl"))) == 1
@@ -195,7 +214,10 @@ def test_dump_dir_defaults_per_job(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in ("GPUBRIDGE_TRACE_DUMP_DIR", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc/1")
-    assert _trace.dump_dir().name == "abc_1" and _trace.dump_dir().parent.name == f"gpubridge-trace-{os.getuid()}"
+    assert (
+        _trace.dump_dir().name == "abc_1"
+        and _trace.dump_dir().parent.name == f"gpubridge-trace-{os.getuid()}"
+    )
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     monkeypatch.setenv("MASTER_PORT", "29511")
     assert _trace.dump_dir().name == "port-29511"
@@ -313,7 +335,9 @@ def test_traced_job_and_gbtrace(tmp_path: Path) -> None:
     merged = gbtrace("merge", str(trace))
     assert merged.returncode == 0, merged.stderr
     m = jsonl(merged.stdout)
-    assert m and all(x["schema"] == "gpubridge.trace-merged/v1" and x["complete"] and x["seen"] == 4 for x in m)
+    assert m and all(
+        x["schema"] == "gpubridge.trace-merged/v1" and x["complete"] and x["seen"] == 4 for x in m
+    )
     summary = gbtrace("summary", str(trace))
     assert summary.returncode == 0, summary.stderr
     rows = [r for r in jsonl(summary.stdout) if r["op"] == "all_reduce" and r["bucket"] == 65536]
@@ -342,7 +366,9 @@ def test_straggler_is_named(tmp_path: Path) -> None:
     summary = out[-1]
     assert summary["kind"] == "summary" and summary["flagged"] == [2], out
     flags = [x for x in out if x["kind"] == "straggler"]
-    assert flags and all(x["rank"] == 2 and x["phase"] == "compute" and x["late_us"] > 3000 for x in flags), flags
+    assert flags and all(x["rank"] == 2 and x["phase"] == "compute" and x["late_us"] > 3000 for x in flags), (
+        flags
+    )
 
 
 @needs_tools
@@ -352,11 +378,17 @@ def test_stopped_rank_is_named_from_the_dumps(tmp_path: Path) -> None:
     out, each dumps its flight recorder (named in its error), and gbtrace
     hang on the dumps names rank 3 and the collective."""
     dumps = tmp_path / "dumps"
-    extra = {"GPUBRIDGE_TEST_VICTIM": "3", "GPUBRIDGE_TRACE_DUMP_DIR": str(dumps), "TRACE_TEST_TIMEOUT": str(round(scale(10)))}
+    extra = {
+        "GPUBRIDGE_TEST_VICTIM": "3",
+        "GPUBRIDGE_TRACE_DUMP_DIR": str(dumps),
+        "TRACE_TEST_TIMEOUT": str(round(scale(10))),
+    }
     res = run_job(tmp_path, "stop", extra=extra)
     for r in (0, 1, 2):
         assert "error" in res[r], (r, res[r], logs(tmp_path))
-        assert f"gpubridge: flight recorder of rank {r}: {dumps}/rank-{r}." in res[r]["error"], res[r]["error"]
+        assert f"gpubridge: flight recorder of rank {r}: {dumps}/rank-{r}." in res[r]["error"], res[r][
+            "error"
+        ]
     assert sorted({p.name.split(".")[0] for p in dumps.iterdir()}) == ["rank-0", "rank-1", "rank-2"]
     p = gbtrace("hang", str(dumps))
     assert p.returncode == 1, p.stdout + p.stderr
@@ -377,10 +409,10 @@ def test_observers_in_a_job(tmp_path: Path) -> None:
     assert all(r.get("ok") for r in res), logs(tmp_path)
     for r in res:
         recs = r["records"]
-        assert [(x["op"], x["seq"]) for x in recs] == [("all_reduce", 1), ("all_reduce", 2), ("all_reduce", 3),
-                                                       ("broadcast", 4), ("all_reduce", 5)]  # fmt: skip
+        want = [("all_reduce", 1), ("all_reduce", 2), ("all_reduce", 3), ("broadcast", 4), ("all_reduce", 5)]
+        assert [(x["op"], x["seq"]) for x in recs] == want
         assert recs[3]["root"] == 1 and recs[4]["async"] and r["ready"]
-        assert r["bad_calls"] == 1 and "ValueError('observer bug')" == r["bad_detached"]
+        assert r["bad_calls"] == 1 and r["bad_detached"] == "ValueError('observer bug')"
         assert any("detached" in w for w in r["warnings"]), r["warnings"]
         assert "observers must not communicate" in r["refused"], r["refused"]
         assert Path(r["dump"]).parent == dumps
