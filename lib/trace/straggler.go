@@ -102,6 +102,12 @@ func ScoreWindows(arrivals [][]float64, o StragglerOptions) []WindowScore {
 		if sd <= 0 || rows < 2 {
 			sd = math.SmallestNonzeroFloat64
 		}
+		// Relative to the median rank: clipping a skewed jitter (lognormal)
+		// moves every rank's mean alike.
+		center := median(append([]float64(nil), means...))
+		for r := range means {
+			means[r] -= center
+		}
 		for r := 0; r < n; r++ {
 			out = append(out, WindowScore{Window: w, Rank: r, Score: means[r] / (sd / math.Sqrt(float64(rows))),
 				LateNs: means[r], SDNs: sd, Rows: rows})
