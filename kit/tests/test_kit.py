@@ -643,3 +643,50 @@ def test_kit_begin_refuses_a_job_that_is_not_the_configured_one(tmp_path: Path) 
     p = kit_begin(tmp_path / "b", SITE, SLURM_JOB_NODELIST="nv0")
     assert p.returncode == 2
     assert "is not a heterogeneous job" in p.stdout
+
+
+# --- step 6: gbtrace's rows on step 5's trace ----------------------------------
+
+
+def trace_rows(hang: str = "ok", flagged: list[int] | None = None) -> list[dict[str, Any]]:
+    summ = {
+        "schema": "gpubridge.trace-summary/v1",
+        "op": "all_reduce",
+        "group_size": 24,
+        "bucket": 1 << 20,
+        "bucket_label": "1M",
+        "count": 40,
+        "time_p50_us": 812.0,
+        "time_p99_us": 990.0,
+        "busbw_gbps": 1.234,
+        "phases": {"bridge": 0.6, "island reduce": 0.3},
+    }
+    return [
+        layout_row(),
+        summ,
+        {"schema": "gpubridge.trace-hang/v1", "status": hang, "verdict": f"group 0: {hang} verdict"},
+        {"schema": "gpubridge.trace-straggler/v1", "kind": "summary", "windows": 3, "flagged": flagged or []},
+        {"schema": "gpubridge.kit-trace/v1", "trace": "/out/step5-train-7/trace"},
+    ]
+
+
+def test_trace_verdicts() -> None:
+    result, reason = judge.trace(trace_rows(), 0)
+    assert result == "PASS", reason
+    want = "40 collectives of 1 kinds, all complete; all_reduce <= 1MB: p50 812 us, busbw 1.234 GB/s"
+    assert reason.startswith(want), reason
+    assert "most time in bridge; no straggler in 3 windows" in reason
+    result, reason = judge.trace(trace_rows(flagged=[5]), 0)
+    assert result == "PASS" and "stragglers: rank(s) 5" in reason
+    hang = ("FAIL", "/out/step5-train-7/trace: group 0: hang verdict")
+    assert judge.trace(trace_rows(hang="hang"), 0) == hang
+    assert judge.trace(trace_rows(), 2)[0] == "ERROR"
+    assert judge.trace([layout_row()], 0)[0] == "ERROR"
+
+
+def test_summary_report_has_the_trace(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_step(out, 6, "trace", 14, trace_rows()[1:], "PASS")
+    md = summary(out).stdout
+    row = "| all_reduce | 24 | <= 1MB | 40 | 812.00 | 990.00 | 1.234 | bridge 60%, island reduce 30% |"
+    assert row in md, md
