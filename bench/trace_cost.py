@@ -90,7 +90,7 @@ def recorder(blocks: int, per_block: int) -> list[dict[str, object]]:
     def with_ring(n: int) -> None:
         for i in range(n):
             e = fl.Entry("b", i, "allreduce", 4096, "queued", name)
-            e.call = (dtype, "SUM", False)
+            e.dtype, e.detail = dtype, "SUM"
             for s in STEPS:
                 e.set_step(s)
             e.set_step("done")
@@ -179,11 +179,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer blocks and one demo round")
     ap.add_argument("--bin", default=str(REPO / "bin"))
     args = ap.parse_args()
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    commit = subprocess.run(git, capture_output=True, text=True, cwd=REPO, check=False)
+    host = {
+        "schema": SCHEMA, "kind": "host", "host": os.uname().nodename, "cpus": os.cpu_count(),
+        "load_before": round(os.getloadavg()[0], 2), "commit": commit.stdout.strip() or "unknown",
+    }  # fmt: skip
     rows = recorder(20 if args.quick else 200, 2000)
     for r in rows:
         print(json.dumps(r), flush=True)
     traced = next(r for r in rows if r["config"] == "traced")["cost_ns_p50"]
-    for r in demo(Path(args.bin), 1 if args.quick else 3, 200, float(traced)):  # type: ignore[arg-type]
+    more = demo(Path(args.bin), 1 if args.quick else 3, 200, float(traced))  # type: ignore[arg-type]
+    host["load_after"] = round(os.getloadavg()[0], 2)
+    for r in [host, *more]:
         print(json.dumps(r), flush=True)
 
 

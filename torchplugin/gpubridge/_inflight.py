@@ -8,10 +8,10 @@ table without taking a lock the worker could hold, so it never blocks — a
 hang finder can call it from a signal handler or a watchdog thread while a
 collective is stuck.
 
-Each entry also keeps its closed steps with their start and end
-(``marks``), which the flight recorder and the trace records read
-(:mod:`gpubridge._trace`); with tracing on a GPU, ``mark`` records a CUDA
-event at each step as well (one branch when it is off).
+Each entry also keeps its closed steps with their ends (``marks``), which
+the flight recorder and the trace records read (:mod:`gpubridge._trace`);
+with tracing on a GPU, ``mark`` records a CUDA event at each step as well
+(one branch when it is off).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ P2P = "p2p"
 DONE = "done"
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One collective in flight on one thread."""
 
@@ -57,22 +57,38 @@ class Entry:
     # Seconds spent in each step so far (the group's statistics take them
     # when the collective ends).
     steps: dict[str, float] = field(default_factory=dict)
-    # The steps taken so far: (name, start, end), monotonic seconds.
-    marks: list[tuple[str, float, float]] = field(default_factory=list)
-    # What the trace records say about the call: (dtype, the call's
-    # options as its signature has them, async), set at submission.
-    call: tuple[Any, str, bool] | None = None
+    # The steps taken so far, flat: a step's name, then the time it ended
+    # (monotonic seconds; it began when the one before ended, the first at
+    # started). Flat, of strings and floats: no object the garbage collector
+    # tracks is made per step.
+    marks: list[str | float] = field(default_factory=list)
+    # What the trace records say about the call, set at submission: its
+    # dtype, its options as its signature has them, whether it is async.
+    dtype: Any = None
+    detail: str = ""
+    asynchronous: bool = False
+    error: str | None = None  # set when it ended with one
     # Tracing on a GPU: called with each new step (records a CUDA event).
     mark: Callable[[str], None] | None = None
 
     def set_step(self, step: str) -> None:
         now = time.monotonic()
         self.steps[self.step] = self.steps.get(self.step, 0.0) + now - self.step_started
-        self.marks.append((self.step, self.step_started, now))
+        self.marks.append(self.step)
+        self.marks.append(now)
         self.step = step
         self.step_started = now
         if self.mark is not None:
             self.mark(step)
+
+    def phases(self) -> list[tuple[str, float, float]]:
+        """The steps taken, as (name, start, end)."""
+        m, out, start = self.marks, [], self.started
+        for i in range(0, len(m) - 1, 2):
+            end = float(m[i + 1])
+            out.append((str(m[i]), start, end))
+            start = end
+        return out
 
 
 # What in_flight() shows of an entry (with its seconds).

@@ -139,12 +139,11 @@ class CollectiveRecord:
         self.call = e.op
         self.op = _OPS.get(e.op, e.op)
         self.nbytes = e.nbytes
-        dtype, detail, asynchronous = e.call or (None, "", False)
-        self.dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
-        self.reduce_op, self.root = _options(detail)
-        self.asynchronous = asynchronous
+        self.dtype = str(e.dtype).removeprefix("torch.") if e.dtype is not None else None
+        self.reduce_op, self.root = _options(e.detail)
+        self.asynchronous = e.asynchronous
         self.thread = e.thread or e.submitted_by
-        marks: list[tuple[str, float, float | None]] = list(e.marks)
+        marks: list[tuple[str, float, float | None]] = list(e.phases())
         self.step: str | None = None
         if in_flight:
             self.result = "in flight"
@@ -155,7 +154,7 @@ class CollectiveRecord:
         self.error = error
         self.phases = [Phase(n, ns(a), None if b is None else ns(b)) for n, a, b in marks]
         q = marks[0] if marks and marks[0][0] == fl.QUEUED else None
-        self.arrived_ns = ns(q[1]) if q is not None else ns(e.started)  # the call: the queue's start
+        self.arrived_ns = ns(e.started)
         self.start_ns = ns(q[2]) if q is not None and q[2] is not None else None
         last = marks[-1][2] if marks else None
         self.end_ns = None if in_flight or last is None else ns(last)

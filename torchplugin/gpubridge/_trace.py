@@ -67,7 +67,7 @@ def trace_dir() -> Path | None:
 
 
 _lock = threading.Lock()  # attach, dumps, the writer's file
-_ring: collections.deque[tuple[fl.Entry, str | None]] | None = None
+_ring: collections.deque[fl.Entry] | None = None
 _groups: dict[str, GroupInfo] = {}
 _rank: int | None = None
 _clock_of: _clock.Clock | None = None
@@ -213,17 +213,18 @@ def gpu_marks() -> bool:
 def finish(e: fl.Entry, exc: BaseException | None) -> None:
     """A collective ended (its entry's last step closed): into the ring,
     the trace file and the observers; on failure, a dump, named in the
-    error."""
+    error. Tracing off, this is the flight recorder's whole cost."""
     g = _groups.get(e.group)
     if g is None:
         return
     if exc is None:
         g.completed = max(g.completed, e.seq)
-    err = None if exc is None else str(exc)
+    else:
+        e.error = str(exc)
     if _ring is not None:
-        _ring.append((e, err))
+        _ring.append(e)
     if _writer is not None or _observers:
-        rec = CollectiveRecord(e, g, rank(), err)
+        rec = CollectiveRecord(e, g, rank(), e.error)
         if _writer is not None:
             if not g.written:
                 g.written = True
@@ -286,10 +287,10 @@ def dump(reason: str) -> Path | None:
         *(g.to_dict() for g in groups),
     ]
     r = rank()
-    for e, err in ring:
+    for e in ring:
         g = by_name.get(e.group)
         if g is not None:
-            lines.append(CollectiveRecord(e, g, r, err).to_dict())
+            lines.append(CollectiveRecord(e, g, r, e.error).to_dict())
     for e in fl.entries():
         g = by_name.get(e.group)
         if g is not None and e.seq > 0:

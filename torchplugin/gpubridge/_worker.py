@@ -173,7 +173,8 @@ class Worker:
             self._breaker.refuse(op)
             self.seq += 1
             entry = fl.Entry(self._group, self.seq, op, nbytes, fl.QUEUED, threading.current_thread().name)
-            entry.call = (result[0].dtype if result else None, detail, not sync)
+            entry.dtype = result[0].dtype if result else None
+            entry.detail, entry.asynchronous = detail, not sync
             task = Task(entry, fn, fut, result)
             if self._compare_calls is not None:
                 task.sig = _check_calls.signature(op, [*result, *(uses or [])], detail)

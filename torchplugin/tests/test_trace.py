@@ -55,7 +55,7 @@ def entry(
     seq: int, op: str = "allreduce", detail: str = "SUM", steps: tuple[str, ...] = ("bridge",)
 ) -> fl.Entry:
     e = fl.Entry("g", seq, op, 4096, fl.QUEUED, "MainThread")
-    e.call = ("torch.float32", detail, False)
+    e.dtype, e.detail = "torch.float32", detail
     e.set_step(fl.RUNNING)
     for s in steps:
         e.set_step(s)
@@ -197,7 +197,7 @@ def test_phase_inside_and_outside_a_collective(recorder: Path) -> None:
             assert e.step == "compress"
     finally:
         fl.leave()
-    assert e.step == "bridge" and [m[0] for m in e.marks][-2:] == ["bridge", "compress"]
+    assert e.step == "bridge" and [p[0] for p in e.phases()][-2:] == ["bridge", "compress"]
     with observe.phase("forward"):  # no trace file: nothing to write, no error
         pass
 
