@@ -239,7 +239,8 @@ def finish(e: fl.Entry, exc: BaseException | None) -> None:
 def failed(e: fl.Entry, exc: BaseException) -> None:
     """A collective failed (on the host or, later, on the device): the first
     failure of each group dumps the flight recorder and flushes the trace;
-    the error names the dump."""
+    the error names the dump in a note (shown under it in a traceback; its
+    text, the same on every rank, is unchanged), and stderr in a warning."""
     g = _groups.get(e.group)
     if g is None or g.failed_dumped:
         return
@@ -247,8 +248,8 @@ def failed(e: fl.Entry, exc: BaseException) -> None:
     path = dump(f"{e.op} (collective #{e.seq} of group {e.group}) failed")
     if _writer is not None:
         _writer.flush()
-    if path is not None and exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]}\ngpubridge: flight recorder of rank {rank()}: {path}", *exc.args[1:])
+    if path is not None and hasattr(exc, "add_note"):  # Python 3.11 and later
+        exc.add_note(f"gpubridge: flight recorder of rank {rank()}: {path}")
 
 
 # ---- dumps ----
@@ -307,7 +308,7 @@ def dump(reason: str) -> Path | None:
     except OSError as e:
         log.warning("gpubridge: rank %d: flight recorder dump (%s) failed: %s", r, reason, e)
         return None
-    log.warning("gpubridge: rank %d: flight recorder (%s): %s", r, reason, path)
+    log.warning("gpubridge: flight recorder of rank %d (%s): %s", r, reason, path)
     return path
 
 

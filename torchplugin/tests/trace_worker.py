@@ -140,5 +140,6 @@ try:
     result["ok"] = True
 except RuntimeError as e:
     result["error"] = str(e)
+    result["notes"] = getattr(e, "__notes__", [])
 (outdir / f"rank{rank}.json").write_text(json.dumps(result))
 sys.exit(0 if result.get("ok") else 1)
