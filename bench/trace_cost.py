@@ -10,8 +10,9 @@ Lines, schema gpubridge.bench-trace/v1), progress on stderr.
    before tracing (``anchor``: the same steps without the marks, the call's
    details or the ring), with the recorder (``ring``, GPUBRIDGE_TRACE_BUFFER's
    default of 2000), and with a trace file (``traced``: the record built,
-   encoded and buffered for DIR/rank-<r>.jsonl). The cost is the median
-   per-block difference to the anchor.
+   encoded and buffered for DIR/rank-<r>.jsonl). Each block is timed in the
+   thread's CPU time, so that what a loaded machine preempts does not count;
+   the cost is the median per-block difference to the anchor.
 2. ``demo``: make demo's training job (4 simulated ranks, DDP, 200 steps) run
    alternately without and with GPUBRIDGE_TRACE, 3 times each: samples/s
    of each run, and the tracing cost per step from (1): records per step
@@ -106,9 +107,9 @@ def recorder(blocks: int, per_block: int) -> list[dict[str, object]]:
         for k, fn in runs.items():
             _trace._ring = ring
             _trace._writer = writer if k == "traced" else None
-            t0 = time.perf_counter_ns()
+            t0 = time.thread_time_ns()  # CPU time: what a shared, loaded machine preempts is not counted
             fn(per_block)
-            per[k].append((time.perf_counter_ns() - t0) / per_block)
+            per[k].append((time.thread_time_ns() - t0) / per_block)
         if b % 10 == 0:
             say(f"recorder block {b}/{blocks}")
     _trace._writer = None

@@ -63,17 +63,17 @@ def roc() -> str:
 
 def goal() -> str:
     out = [
-        "| jitter | slowdown | threshold | trials | flagged in the first window | clean rank-windows "
-        "| false flags | goal met |",
-        "|---|---|---|---|---|---|---|---|",
+        "| jitter | window | slowdown | threshold | trials | flagged in the first window | clean rank-windows "
+        "| false flags | expected over 250,560 | goal met |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows("stragglers-goal.jsonl"):
-        met = r["detected_first_window"] >= 0.99 and r["false_flags"] == 0
-        met = met and r["clean_rank_windows"] >= 250_560
+        expected = r["false_rate"] * 250_560
+        met = r["detected_first_window"] >= 0.99 and r["window"] <= 100 and expected < 0.5
         out.append(
-            f"| {jitter_name(r)} | {r['slowdown']:.0%} | {r['threshold']:g} | {r['trials']} | "
+            f"| {jitter_name(r)} | {r['window']} | {r['slowdown']:.0%} | {r['threshold']:g} | {r['trials']} | "
             f"{pct(r['detected_first_window'])} | {r['clean_rank_windows']} | {r['false_flags']} | "
-            f"{'**yes**' if met else 'no'} |"
+            f"{expected:.2f} | {'**yes**' if met else 'no'} |"
         )
     return "\n".join(out) + "\n"
 

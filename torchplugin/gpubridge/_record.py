@@ -44,7 +44,7 @@ def ns(t: float) -> int:
     return round(t * 1e9)
 
 
-@dataclass
+@dataclass(slots=True)
 class GroupInfo:
     """What every record of one group shares: its name, this rank's place
     in it, how its collectives run (policy), and who this rank exchanges
