@@ -54,10 +54,18 @@ func table(w io.Writer, head []string, rows [][]string) error {
 
 func f3(x float64) string { return strconv.FormatFloat(x, 'f', 3, 64) }
 
-func warn(env *cli.Env, ws []string) {
-	for _, w := range ws {
+// merged loads the inputs and merges them (the alignment's warnings on
+// stderr).
+func (in *inputs) merged(env *cli.Env) ([]*trace.Source, trace.MergeResult, error) {
+	srcs, err := in.load(env, -1)
+	if err != nil {
+		return nil, trace.MergeResult{}, err
+	}
+	res := trace.Merge(srcs)
+	for _, w := range res.Warnings {
 		env.Log.Warn(w)
 	}
+	return srcs, res, nil
 }
 
 // ---- merge ----
@@ -67,12 +75,10 @@ type mergeCmd struct {
 }
 
 func (c *mergeCmd) Run(env *cli.Env) error {
-	srcs, err := c.load(env, -1)
+	_, res, err := c.merged(env)
 	if err != nil {
 		return err
 	}
-	res := trace.Merge(srcs)
-	warn(env, res.Warnings)
 	if c.Format == "json" {
 		return jsonl(env.Stdout, res.Collectives)
 	}
@@ -95,12 +101,10 @@ type summaryCmd struct {
 }
 
 func (c *summaryCmd) Run(env *cli.Env) error {
-	srcs, err := c.load(env, -1)
+	_, res, err := c.merged(env)
 	if err != nil {
 		return err
 	}
-	res := trace.Merge(srcs)
-	warn(env, res.Warnings)
 	rows := trace.Summarize(res.Collectives)
 	if c.Format == "json" {
 		return jsonl(env.Stdout, rows)
@@ -181,12 +185,10 @@ type stragglersCmd struct {
 }
 
 func (c *stragglersCmd) Run(env *cli.Env) error {
-	srcs, err := c.load(env, -1)
+	srcs, res, err := c.merged(env)
 	if err != nil {
 		return err
 	}
-	res := trace.Merge(srcs)
-	warn(env, res.Warnings)
 	var keep []trace.Merged
 	for _, m := range res.Collectives {
 		if (c.Op == "" || m.Op == c.Op) && (c.Group == "" || m.Group == c.Group) {

@@ -201,13 +201,9 @@ def attach(
 
 def tracing() -> bool:
     """Whether records are built for every collective (a trace file or an
-    observer wants them)."""
+    observer wants them), and GPU collectives record CUDA events at their
+    steps."""
     return _writer is not None or bool(_observers)
-
-
-def gpu_marks() -> bool:
-    """Whether GPU collectives record CUDA events at their steps."""
-    return tracing()
 
 
 def finish(e: fl.Entry, exc: BaseException | None) -> None:
