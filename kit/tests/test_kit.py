@@ -690,3 +690,41 @@ def test_summary_report_has_the_trace(tmp_path: Path) -> None:
     md = summary(out).stdout
     row = "| all_reduce | 24 | <= 1MB | 40 | 812.00 | 990.00 | 1.234 | bridge 60%, island reduce 30% |"
     assert row in md, md
+
+
+REPO = KIT.parent
+GBTRACE_BIN = Path(os.environ.get("GPUBRIDGE_BIN_DIR") or REPO / "bin")
+
+
+@pytest.mark.skipif(
+    not os.access(GBTRACE_BIN / "gbtrace", os.X_OK), reason=f"needs gbtrace in {GBTRACE_BIN} (make build)"
+)
+def test_step6_runs_gbtrace_on_step5s_trace(tmp_path: Path) -> None:
+    """steps/6-trace.sbatch under a fake Slurm: the newest step 5 run's trace
+    (a real one: lib/trace/testdata/trace) through gbtrace summary, hang and
+    stragglers, a PASS naming what it found; without a trace, NOT RUN."""
+    out = tmp_path / "out"
+    for job in (5, 7):  # job 7 is the newest
+        shutil.copytree(REPO / "lib" / "trace" / "testdata" / "trace", out / f"step5-train-{job}" / "trace")
+    site = SITE.replace("KIT_PYTHON=(/a /b)", f"KIT_PYTHON=({sys.executable} {sys.executable})")
+    p = kit_begin(tmp_path, site + f"KIT_OUT={out}\n", **HET)  # the fake Slurm, the kit copy
+    assert p.returncode == 0, p.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "KIT_"))}
+    env.update(PATH=f"{tmp_path / 'fakebin'}:{env['PATH']}", KIT_DIR=str(tmp_path / "kit"))
+    env.update(SLURM_JOB_ID="4243", GPUBRIDGE_BIN_DIR=str(GBTRACE_BIN), **HET)
+    step6 = ["bash", str(tmp_path / "kit" / "steps" / "6-trace.sbatch")]
+    run = subprocess.run(step6, env=env, capture_output=True, text=True, check=False, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    line = run.stdout.strip().splitlines()[-1]
+    want = "kit step 6 trace: PASS: 39 collectives of 8 kinds, all complete; all_reduce <= 512KB"
+    assert line.startswith(want), line
+    rows = judge.load(out / "step6-trace-4243" / "rows.jsonl")
+    assert judge.of(rows, "gpubridge.kit-trace/v1")[0]["trace"] == str(out / "step5-train-7" / "trace")
+    assert len(judge.of(rows, "gpubridge.trace-summary/v1")) == 8
+    assert judge.of(rows, "gpubridge.trace-hang/v1")[0]["status"] == "ok"
+    shutil.rmtree(out / "step5-train-5")
+    shutil.rmtree(out / "step5-train-7")
+    env["SLURM_JOB_ID"] = "4244"
+    run = subprocess.run(step6, env=env, capture_output=True, text=True, check=False, timeout=120)
+    assert run.returncode == 77, run.stdout + run.stderr
+    assert "kit step 6 trace: NOT RUN: no trace of step 5 in" in run.stdout
