@@ -42,6 +42,9 @@ type HangReport struct {
 	Op              string         `json:"op,omitempty"`     // of the first incomplete
 	Arrived         []int          `json:"arrived"`          // called the first incomplete
 	NeverArrived    []int          `json:"never_arrived"`    // did not (or, without a dump, cannot have said so)
+	Furthest        int64          `json:"furthest"`         // the last seq any rank called
+	FurthestOp      string         `json:"furthest_op,omitempty"`
+	Behind          []int          `json:"behind"` // ranks that never called the furthest
 	Where           []Where        `json:"where"`
 	Mismatches      []HangMismatch `json:"mismatches,omitempty"`
 	Verdict         string         `json:"verdict"`
@@ -118,7 +121,7 @@ func Hang(srcs []*Source, o HangOptions) []HangReport {
 }
 
 func hangGroup(name string, st map[int]*rankState, ranks []int, o HangOptions) HangReport {
-	rep := HangReport{Schema: HangSchema, Group: name, Arrived: []int{}, NeverArrived: []int{}, NoDump: []int{}, Where: []Where{}}
+	rep := HangReport{Schema: HangSchema, Group: name, Arrived: []int{}, NeverArrived: []int{}, NoDump: []int{}, Where: []Where{}, Behind: []int{}}
 	if ranks == nil {
 		size := 0
 		for _, s := range st {
@@ -195,6 +198,21 @@ func hangGroup(name string, st map[int]*rankState, ranks []int, o HangOptions) H
 			rep.Where = append(rep.Where, Where{Rank: r, Seq: s.submitted, State: "idle: nothing in flight", Submitted: s.submitted, Completed: s.completed})
 		}
 	}
+	// The furthest any rank got: with ranks that mark completions late (Gloo's
+	// Flight Recorder) the first incomplete may be one every rank is past.
+	for _, s := range st {
+		rep.Furthest = max(rep.Furthest, s.submitted)
+	}
+	if rep.Furthest > rep.AllCompleted {
+		for _, r := range ranks {
+			s := st[r]
+			if s == nil || !s.have || s.submitted < rep.Furthest {
+				rep.Behind = append(rep.Behind, r)
+			} else if c, ok := s.bySeq[rep.Furthest]; ok && rep.FurthestOp == "" {
+				rep.FurthestOp = c.Op
+			}
+		}
+	}
 	rep.Mismatches = hangMismatches(st, ranks, o.MismatchCap)
 	failed := false
 	for _, w := range rep.Where {
@@ -251,6 +269,13 @@ func hangVerdict(r *HangReport) string {
 		}
 		if len(r.Arrived) > 0 {
 			fmt.Fprintf(&b, "; rank(s) %s are inside it or failed in it", joinRanks(r.Arrived))
+		}
+		if r.Furthest > r.FirstIncomplete && len(r.Behind) > 0 {
+			op := r.FurthestOp
+			if op == "" {
+				op = "collective"
+			}
+			fmt.Fprintf(&b, "; the furthest is %s #%d, which rank(s) %s never called", op, r.Furthest, joinRanks(r.Behind))
 		}
 	}
 	if len(r.Mismatches) > 0 {

@@ -452,7 +452,9 @@ os._exit(0)
 def test_torch_flight_recorder_dumps(tmp_path: Path) -> None:
     """A real Gloo job with torch's Flight Recorder on (TORCH_FR_BUFFER_SIZE)
     writes its dumps in both forms; gbtrace fr reads them into records, and
-    gbtrace hang finds that rank 1 never called rank 0's last all_reduce."""
+    gbtrace hang finds that rank 1 never called rank 0's last all_reduce
+    (torch 2.11 writes Gloo's dumps on request only: an NCCL job also writes
+    them on a timeout, TORCH_NCCL_DUMP_ON_TIMEOUT)."""
     job = tmp_path / "job.py"
     job.write_text(FR_JOB)
     env = dict(os.environ, TORCH_FR_BUFFER_SIZE="100", OMP_NUM_THREADS="1")
@@ -477,7 +479,14 @@ def test_torch_flight_recorder_dumps(tmp_path: Path) -> None:
         hang = gbtrace("hang", str(d))
         assert hang.returncode == 1, hang.stdout + hang.stderr
         rep = jsonl(hang.stdout)[0]
-        assert rep["first_incomplete"] == 5 and rep["never_arrived"] == [1] and rep["arrived"] == [0], rep
+        # Gloo's recorder marks completions late: rank 1's broadcast (#4) may
+        # or may not be marked completed yet; either way #5 is rank 0's only.
+        assert rep["furthest"] == 5 and rep["behind"] == [1] and rep["furthest_op"] == "all_reduce", rep
+        if rep["first_incomplete"] == 5:
+            assert rep["never_arrived"] == [1] and rep["arrived"] == [0], rep
+        else:
+            assert rep["first_incomplete"] == 4 and rep["arrived"] == [0, 1], rep
+        assert "never called" in rep["verdict"] or rep["never_arrived"] == [1], rep
         assert gbtrace("hang", stdin=fr.stdout).stdout == hang.stdout  # the pipeline: fr | hang
         summ = gbtrace("summary", str(d))
         assert summ.returncode == 0 and any(r["op"] == "all_reduce" for r in jsonl(summ.stdout)), summ.stderr
