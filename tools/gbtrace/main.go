@@ -29,7 +29,7 @@ Output is JSON Lines on stdout, each line with a schema field, for jq; --format 
 
 summary: one line per op, group size and size bucket, schema gpubridge.trace-summary/v1: count, failed, bytes (median), time_p50_us, time_p99_us, algbw_gbps, busbw_gbps, wait_p50_us, phases (share of the ranks' time per phase).
 
-hang: one line per group, schema gpubridge.trace-hang/v1: status (ok, hang, failed, mismatch), all_completed, first_incomplete, op, arrived, never_arrived, no_dump, where[] (rank, seq, op, state, step, error), mismatches[], verdict.
+hang: one line per group, schema gpubridge.trace-hang/v1: status (ok, hang, failed, mismatch), all_completed, first_incomplete, op, arrived, never_arrived, no_dump, furthest (the last seq any rank called), furthest_op, behind (ranks that never called it), where[] (rank, seq, op, state, step, error), mismatches[], verdict.
 
 stragglers: one line per flagged rank and window (every window with --all), schema gpubridge.trace-straggler/v1: group, rank, window, first_seq, last_seq, score, threshold, confidence, late_us, sd_us, phase, flagged; then a line with kind "summary": windows, ranks, flagged.
 
