@@ -63,16 +63,16 @@ def roc() -> str:
 
 def goal() -> str:
     out = [
-        "| jitter | window | slowdown | threshold | trials | flagged in the first window | clean rank-windows "
-        "| false flags | expected over 250,560 | goal met |",
+        "| jitter | window | slowdown | threshold | trials | flagged in the first window "
+        "| clean rank-windows | false flags | expected over 250,560 | goal met |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows("stragglers-goal.jsonl"):
         expected = r["false_rate"] * 250_560
         met = r["detected_first_window"] >= 0.99 and r["window"] <= 100 and expected < 0.5
         out.append(
-            f"| {jitter_name(r)} | {r['window']} | {r['slowdown']:.0%} | {r['threshold']:g} | {r['trials']} | "
-            f"{pct(r['detected_first_window'])} | {r['clean_rank_windows']} | {r['false_flags']} | "
+            f"| {jitter_name(r)} | {r['window']} | {r['slowdown']:.0%} | {r['threshold']:g} | "
+            f"{r['trials']} | {pct(r['detected_first_window'])} | {r['clean_rank_windows']} | {r['false_flags']} | "
             f"{expected:.2f} | {'**yes**' if met else 'no'} |"
         )
     return "\n".join(out) + "\n"
