@@ -72,8 +72,8 @@ def goal() -> str:
         met = r["detected_first_window"] >= 0.99 and r["window"] <= 100 and expected < 0.5
         out.append(
             f"| {jitter_name(r)} | {r['window']} | {r['slowdown']:.0%} | {r['threshold']:g} | "
-            f"{r['trials']} | {pct(r['detected_first_window'])} | {r['clean_rank_windows']} | {r['false_flags']} | "
-            f"{expected:.2f} | {'**yes**' if met else 'no'} |"
+            f"{r['trials']} | {pct(r['detected_first_window'])} | {r['clean_rank_windows']} | "
+            f"{r['false_flags']} | {expected:.2f} | {'**yes**' if met else 'no'} |"
         )
     return "\n".join(out) + "\n"
 
