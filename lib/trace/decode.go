@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 )
 
 // Limits bound what the readers accept, so that bad or hostile input is an
@@ -208,7 +209,8 @@ func readLine(br *bufio.Reader, max int) ([]byte, error) {
 
 // Load reads every input: files (gpubridge records, or a torch Flight
 // Recorder dump in JSON or pickle form, told apart by their first bytes),
-// directories (every regular file in them, sorted by name), or, with no
+// directories (every regular file in them but hidden ones, sorted by
+// name), or, with no
 // path, stdin (gpubridge records, or one torch dump).
 func (rd *Reader) Load(paths []string, stdin io.Reader) ([]*Source, error) {
 	if len(paths) == 0 {
@@ -228,7 +230,8 @@ func (rd *Reader) Load(paths []string, stdin io.Reader) ([]*Source, error) {
 			}
 			files = files[:0]
 			for _, e := range entries {
-				if e.Type().IsRegular() {
+				// Hidden files are passed over: a dump being written is one.
+				if e.Type().IsRegular() && !strings.HasPrefix(e.Name(), ".") {
 					files = append(files, filepath.Join(p, e.Name()))
 				}
 			}

@@ -182,7 +182,8 @@ def attach(
     first = _rank is None
     with _lock:
         if first:
-            _rank = int(os.environ.get("RANK", str(group_rank)))
+            env_rank = os.environ.get("RANK", "")
+            _rank = int(env_rank) if env_rank.isdigit() else group_rank
             n = _buffer_size()
             _ring = collections.deque(maxlen=n) if n > 0 else None
         _groups[name] = info
@@ -298,7 +299,7 @@ def dump(reason: str) -> Path | None:
         where = dump_dir()
         where.mkdir(parents=True, exist_ok=True)
         path = where / f"rank-{r}.{os.getpid()}.{n}.dump.jsonl"
-        tmp = path.with_suffix(".tmp")
+        tmp = where / f".{path.name}.tmp"  # hidden: readers of the directory pass it over
         tmp.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines))
         tmp.replace(path)
     except OSError as e:
