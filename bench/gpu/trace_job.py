@@ -5,7 +5,8 @@ every record with an observer, and checks that the records' GPU phases
 come (record.ready(), never a sync). It also times a 4-byte all_reduce
 with no observer (no CUDA event made) and with one (six events per call).
 
-argv: OUTDIR. Writes OUTDIR/rank<R>.json.
+argv: OUTDIR. Writes OUTDIR/rank<R>.json. TRACE_JOB_CPU=1 runs it on CPU
+(simulated vendors; no GPU phases to expect): a dry run of the script.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from gpubridge import observe
 out = Path(sys.argv[1])
 dist.init_process_group(backend="gpubridge")
 rank = dist.get_rank()
-dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+CPU = os.environ.get("TRACE_JOB_CPU") == "1"
+dev = torch.device("cpu") if CPU else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def sync() -> None:
+    if not CPU:
+        torch.cuda.synchronize()
 
 
 class Keep:
@@ -38,11 +45,11 @@ class Keep:
 
 def small_calls(n: int) -> float:
     t = torch.ones(1, device=dev)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(n):
         dist.all_reduce(t)
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) / n * 1e6
 
 
@@ -50,14 +57,14 @@ res: dict[str, object] = {"rank": rank}
 try:
     keep = Keep()
     gpubridge.add_observer(keep)
-    a = torch.randn(4096, 4096, device=dev)
+    a = torch.randn(256 if CPU else 4096, 256 if CPU else 4096, device=dev)
     big = torch.ones(16 << 20, device=dev)  # 64 MiB: the streamed copies
     for _ in range(10):
         with observe.phase("compute"):
             a = (a @ a).tanh_()
         dist.all_reduce(big)
         dist.all_reduce(torch.ones(1 << 10, device=dev))
-    torch.cuda.synchronize()
+    sync()
     end = time.monotonic() + 30
     while not all(r.ready() for r in keep.records) and time.monotonic() < end:
         time.sleep(0.01)
