@@ -51,7 +51,7 @@ ev = json.load(open(f"{out}/perfetto.json"))["traceEvents"]
 tracks = {(e["pid"], e["args"]["name"]) for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
 ngpu = sum(1 for e in ev if e.get("cat") == "gpu")
 print(f"  perfetto: {len(ev)} events, {ngpu} on GPU tracks; tracks {sorted(tracks)}")
-bad = [f"rank {d['rank']}: {d.get('error')}" for d in (json.load(open(f"{out}/job/rank{r}.json")) for r in (0, 1)) if not d.get("ok") or not d.get("gpu_phases")]
+bad = [f"rank {d['rank']}: {d.get('error') or 'no GPU phases'}" for d in (json.load(open(f"{out}/job/rank{r}.json")) for r in (0, 1)) if not d.get("ok") or not d.get("gpu_phases")]
 if not colls or not gpu or not ngpu or bad:
     print("  FAILED:", bad or "no GPU phases")
     sys.exit(1)
