@@ -9,7 +9,8 @@ here (:func:`init`, :func:`all_reduce`, …); one or the other per process.
 :func:`in_flight` says which collective each thread is inside, without
 blocking; :mod:`gpubridge.observe` hands each collective's record to
 observers, and every rank keeps its last ones in a flight recorder
-(:func:`dump_trace`; docs/TRACING.md). The data path to gbbridge is :mod:`gpubridge._feed` (docs/FEED.md).
+(:func:`dump_trace`; docs/TRACING.md). The data path to gbbridge is
+:mod:`gpubridge._feed` (docs/FEED.md).
 """
 
 from gpubridge import observe

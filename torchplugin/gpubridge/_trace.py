@@ -196,7 +196,10 @@ def attach(
             _clock_of = _clock.unmeasured("tracing is off (GPUBRIDGE_TRACE)")
         _install_signal()
         if d is not None:
-            _writer = _Writer(d)
+            try:
+                _writer = _Writer(d)
+            except OSError as e:  # this rank only: no reason to fail the group on every rank
+                log.warning("gpubridge: rank %d: tracing off: cannot write %s: %s", rank(), d, e)
     return info
 
 
