@@ -490,3 +490,27 @@ def test_torch_flight_recorder_dumps(tmp_path: Path) -> None:
         assert gbtrace("hang", stdin=fr.stdout).stdout == hang.stdout  # the pipeline: fr | hang
         summ = gbtrace("summary", str(d))
         assert summ.returncode == 0 and any(r["op"] == "all_reduce" for r in jsonl(summ.stdout)), summ.stderr
+
+
+def test_an_unwritable_trace_dir_turns_tracing_off_here(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank that cannot write GPUBRIDGE_TRACE's directory sets up anyway
+    (failing alone would leave the others waiting), says so, and traces
+    nothing; its clock was measured (here: one rank, the same boot)."""
+    import types  # noqa: PLC0415
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GPUBRIDGE_TRACE", str(blocker / "trace"))
+    monkeypatch.setenv("GPUBRIDGE_TRACE_SIGNAL", "0")
+    for name in ("_rank", "_writer", "_ring", "_clock_of"):
+        monkeypatch.setattr(_trace, name, None)
+    monkeypatch.setattr(_trace, "_groups", {})
+    island = types.SimpleNamespace(ranks=(0,), label="nvidia")
+    layout = types.SimpleNamespace(island=island, bridged=False, is_leader=True, members=())
+    with caplog.at_level("WARNING", logger="gpubridge"):
+        info = _trace.attach("g", 0, 1, layout, "cpu", lambda: 0, lambda: None, dist.HashStore(), 5.0)
+    assert info.policy == "native" and _trace._writer is None and not _trace.tracing()
+    assert "tracing off: cannot write" in caplog.text
+    assert _trace._clock_of is not None and _trace._clock_of.method == "same boot"
