@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpubridge import _check_calls, _gpu, _setup
+from gpubridge import _check_calls, _gpu, _setup, _trace
 from gpubridge import _inflight as fl
 from gpubridge._checks import Checks
 from gpubridge._collectives import Collectives
@@ -103,6 +103,11 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         )
         compare = self._compare_calls if _check_calls.enabled() else None
         self._worker: Worker = Worker(group, self._device, self._stream, timeout, self._breaker, compare)
+        w = self._worker
+        _trace.attach(
+            group, rank, size, self._layout, str(self._device), lambda: w.seq, lambda: _global_ranks(self),
+            store, timeout.total_seconds(),
+        )  # fmt: skip
         _LIVE.add(self)
 
     def _build(self, topo: dict[str, Any]) -> None:
@@ -364,10 +369,12 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
     # point to point
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        _trace.refuse_in_callback("send")
         t = self._one("send", tensors)
         return self._p2p.start("send", t, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        _trace.refuse_in_callback("recv")
         t = self._one("recv", tensors)
         return self._p2p.start("recv", t, src, tag)
 
@@ -437,6 +444,16 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self._island.close(abort)
         _setup.remove_private_dir(self._dir)
         _LIVE.discard(self)
+
+
+def _global_ranks(pg: GpubridgeProcessGroup) -> list[int] | None:
+    """The group's global ranks in group rank order, once torch has
+    registered it (None before, and for the native API's group)."""
+    try:
+        m = dist.distributed_c10d._world.pg_group_ranks.get(pg)
+    except Exception:
+        return None
+    return [g for g, _ in sorted(m.items(), key=lambda kv: kv[1])] if m else None
 
 
 _LIVE: weakref.WeakSet[GpubridgeProcessGroup] = weakref.WeakSet()
