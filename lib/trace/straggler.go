@@ -34,7 +34,7 @@ type WindowScore struct {
 	Window int     // index
 	Rank   int     // column index
 	Score  float64 // z: mean lateness / (robust SD / sqrt(rows))
-	LateNs float64 // mean lateness, clipped
+	LateNs float64 // mean lateness (not clipped: what the rank cost the others), from the median rank's
 	SDNs   float64 // the window's robust SD of one lateness
 	Rows   int
 }
@@ -86,13 +86,16 @@ func ScoreWindows(arrivals [][]float64, o StragglerOptions) []WindowScore {
 		// widen it; the clipped values' own spread, not the MAD, is what
 		// the clipped mean's error comes from, whatever the distribution).
 		means := make([]float64, n)
+		raw := make([]float64, n) // unclipped, for LateNs
 		ss := 0.0
 		for r := 0; r < n; r++ {
-			sum := 0.0
+			sum, rawSum := 0.0, 0.0
 			for k := lo; k < hi; k++ {
 				sum += clip(late[k][r], lim)
+				rawSum += late[k][r]
 			}
 			means[r] = sum / float64(rows)
+			raw[r] = rawSum / float64(rows)
 			for k := lo; k < hi; k++ {
 				d := clip(late[k][r], lim) - means[r]
 				ss += d * d
@@ -105,12 +108,10 @@ func ScoreWindows(arrivals [][]float64, o StragglerOptions) []WindowScore {
 		// Relative to the median rank: clipping a skewed jitter (lognormal)
 		// moves every rank's mean alike.
 		center := median(append([]float64(nil), means...))
-		for r := range means {
-			means[r] -= center
-		}
+		rawCenter := median(append([]float64(nil), raw...))
 		for r := 0; r < n; r++ {
-			out = append(out, WindowScore{Window: w, Rank: r, Score: means[r] / (sd / math.Sqrt(float64(rows))),
-				LateNs: means[r], SDNs: sd, Rows: rows})
+			out = append(out, WindowScore{Window: w, Rank: r, Score: (means[r] - center) / (sd / math.Sqrt(float64(rows))),
+				LateNs: raw[r] - rawCenter, SDNs: sd, Rows: rows})
 		}
 	}
 	return out

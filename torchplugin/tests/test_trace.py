@@ -357,21 +357,31 @@ def test_traced_job_and_gbtrace(tmp_path: Path) -> None:
 @needs_tools
 @needs_gbtrace
 def test_straggler_is_named(tmp_path: Path) -> None:
-    """Rank 2 sleeps 6 ms more than the others each step: gbtrace
-    stragglers flags it, and only it, in the phase the user marked."""
+    """Rank 2 sleeps 10 ms more than the others each step: gbtrace
+    stragglers flags it in every window, first, in the phase the user
+    marked, late by about the sleep. On a busy 2-core machine the scheduler
+    can make another rank of the 6 processes late by a steady millisecond or
+    two, which the detector rightly sees; such a rank must stay far below
+    the sleeper (the simulator's runs in docs/STRAGGLERS.md measure the
+    false flags of the detector itself)."""
     trace = tmp_path / "trace"
-    extra = {"GPUBRIDGE_TRACE": str(trace), "GPUBRIDGE_TEST_SLOW": "2", "GPUBRIDGE_TEST_SLOW_MS": "6"}
+    extra = {"GPUBRIDGE_TRACE": str(trace), "GPUBRIDGE_TEST_SLOW": "2", "GPUBRIDGE_TEST_SLOW_MS": "10"}
     res = run_job(tmp_path, "loop", "200", extra=extra)
     assert all(r.get("ok") for r in res), logs(tmp_path)
     p = gbtrace("stragglers", "--op", "all_reduce", "--window", "100", str(trace))
     assert p.returncode == 1, p.stdout + p.stderr
     out = jsonl(p.stdout)
     summary = out[-1]
-    assert summary["kind"] == "summary" and summary["flagged"] == [2], out
+    assert summary["kind"] == "summary" and 2 in summary["flagged"], out
     flags = [x for x in out if x["kind"] == "straggler"]
-    assert flags and all(x["rank"] == 2 and x["phase"] == "compute" and x["late_us"] > 3000 for x in flags), (
-        flags
-    )
+    sleeper = [x for x in flags if x["rank"] == 2]
+    assert [x["window"] for x in sleeper] == [0, 1], flags
+    assert all(x["phase"] == "compute" and x["late_us"] > 6000 for x in sleeper), sleeper
+    for w in (0, 1):
+        in_w = sorted((x for x in flags if x["window"] == w), key=lambda x: -x["score"])
+        assert in_w[0]["rank"] == 2, in_w
+        top = in_w[0]["late_us"]
+        assert all(x["late_us"] < top / 5 for x in in_w[1:]), in_w
 
 
 @needs_tools
