@@ -37,7 +37,7 @@ func (id ID) String() string {
 
 // Versioned returns the name with its format version: "fp8/v1".
 func (id ID) Versioned() string {
-	if !id.Known() {
+	if !id.Known() || id == Raw {
 		return id.String()
 	}
 	return idNames[id] + "/v1"
