@@ -2,9 +2,11 @@ package codec
 
 import (
 	"encoding/binary"
+	"errors"
 	"sync"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/klauspost/compress/huff0"
 	"github.com/klauspost/compress/s2"
 	"github.com/klauspost/compress/zstd"
 )
@@ -12,8 +14,9 @@ import (
 // zstd/v1 (docs/COMPRESSION.md): a chunk of raw bytes, split into byte
 // planes (plane k holds byte k of every element; for floating dtypes the
 // sign bit is first rotated into bit 0, so that the top plane is the
-// exponent alone), each plane compressed with zstd or s2, or stored when
-// that does not make it smaller. Results are exact. Layout:
+// exponent alone), each plane Huffman-coded (huff0, zstd's entropy coder),
+// zstd- or s2-compressed, or stored when that does not make it smaller.
+// Results are exact. Layout:
 //
 //	off  size
 //	 0    1   format version: 1
@@ -21,12 +24,17 @@ import (
 //	 2    1   transform: 0 none, 1 sign rotated into bit 0 (floating dtypes)
 //	 3    1   0
 //	 4    4   raw length n (u32, a multiple of P, at most MaxLosslessChunk)
-//	 8   5P   per plane: method (0 stored, 1 zstd, 2 s2), u32 packed length
+//	 8   5P   per plane: method (0 stored, 1 zstd, 2 s2, 3 huff0), u32 packed length
 //	 ...      the planes' packed bytes, plane 0 first
+//
+// A huff0 plane is blocks of HuffBlock bytes (the last shorter), each a
+// kind byte (0 stored, 1 huff0 4-stream with its table, 2 one byte
+// repeated), a u32 packed length, and the packed bytes.
 const (
 	losslessVersion  = 1
 	losslessHeader   = 8
-	MaxLosslessChunk = 64 << 20 // raw bytes of one chunk: one bridge frame's payload at most
+	MaxLosslessChunk = 64 << 20  // raw bytes of one chunk: one bridge frame's payload at most
+	HuffBlock        = 128 << 10 // bytes per huff0 block of a plane
 )
 
 // Method is how a plane of a zstd/v1 chunk is packed.
@@ -34,15 +42,21 @@ type Method uint8
 
 // The methods of a plane.
 const (
-	Stored    Method = 0
-	ZstdPlane Method = 1
-	S2Plane   Method = 2
+	Stored     Method = 0
+	ZstdPlane  Method = 1
+	S2Plane    Method = 2
+	Huff0Plane Method = 3
+	methods           = 4
 )
 
 // LosslessOptions says how EncodeLossless compresses the planes.
 type LosslessOptions struct {
-	// S2 compresses the planes with s2 instead of zstd (faster, larger).
-	// A plane that the compressor does not shrink is stored either way.
+	// Method is tried on every plane. 0 (Stored) means the default: huff0,
+	// and zstd as well on a plane that huff0 shrinks below a quarter (runs
+	// an entropy coder alone cannot see, such as long runs of zeros), the
+	// smaller kept. A plane that does not shrink is stored.
+	Method Method
+	// S2 is Method S2Plane (gbcompress's --s2).
 	S2 bool
 }
 
@@ -60,6 +74,10 @@ func planes(dt reduce.DType) int { return max(dt.Size(), 1) }
 // returns the packed length. src may be at most MaxLosslessChunk bytes.
 func EncodeLossless(dst []byte, dt reduce.DType, src []byte, opt LosslessOptions) (int, error) {
 	p := planes(dt)
+	method := opt.Method
+	if opt.S2 {
+		method = S2Plane
+	}
 	switch {
 	case dt != 0 && dt.Size() == 0:
 		return 0, errorf(Zstd, "encode", ErrDType, "%v: not a dtype", dt)
@@ -71,10 +89,8 @@ func EncodeLossless(dst []byte, dt reduce.DType, src []byte, opt LosslessOptions
 		return 0, errorf(Zstd, "encode", ErrLength, "room for %d packed bytes, want %d", len(dst), LosslessMaxLen(dt, len(src)))
 	case overlap(dst, src):
 		return 0, errorf(Zstd, "encode", ErrOverlap, "the packed buffer overlaps the values")
-	}
-	method := ZstdPlane
-	if opt.S2 {
-		method = S2Plane
+	case method >= methods:
+		return 0, errorf(Zstd, "encode", ErrCorrupt, "unknown method %d", method)
 	}
 	rotate := dt.IsFloat()
 	dst[0], dst[1], dst[2], dst[3] = losslessVersion, byte(p), 0, 0
@@ -85,17 +101,14 @@ func EncodeLossless(dst []byte, dt reduce.DType, src []byte, opt LosslessOptions
 	table := dst[losslessHeader : losslessHeader+5*p]
 	out := losslessHeader + 5*p
 	share := len(src) / p
-	plane, packed := scratch(share), scratch(max(s2.MaxEncodedLen(share), share+share>>10+1024))
-	defer plane.free()
-	defer packed.free()
+	planesBuf := scratch(len(src))
+	defer planesBuf.free()
+	splitPlanes(planesBuf.b, src, p, rotate)
+	room := scratch(max(s2.MaxEncodedLen(share), share+share>>10+1024))
+	defer room.free()
 	for k := range p {
-		splitPlane(plane.b, src, p, k, rotate)
-		m, z := compressPlane(packed.b, plane.b, method)
-		if m == Stored {
-			z = copy(dst[out:], plane.b)
-		} else {
-			copy(dst[out:], packed.b[:z])
-		}
+		plane := planesBuf.b[k*share : (k+1)*share]
+		m, z := compressPlane(dst[out:out+share], room.b, plane, method)
 		table[5*k] = byte(m)
 		binary.LittleEndian.PutUint32(table[5*k+1:], uint32(z))
 		out += z
@@ -145,110 +158,213 @@ func DecodeLossless(dst []byte, dt reduce.DType, src []byte) error {
 		return bad("the planes say %d packed bytes, the chunk has %d", total, len(data))
 	}
 	share := len(dst) / p
-	plane := scratch(share)
-	defer plane.free()
+	planesBuf := scratch(len(dst))
+	defer planesBuf.free()
 	for k := range p {
 		m, size := Method(table[5*k]), int(binary.LittleEndian.Uint32(table[5*k+1:]))
 		in := data[:size]
 		data = data[size:]
-		if err := decompressPlane(plane.b, in, m); err != nil {
+		if err := decompressPlane(planesBuf.b[k*share:(k+1)*share], in, m); err != nil {
 			return bad("plane %d: %v", k, err)
 		}
-		joinPlane(dst, plane.b, p, k, dt.IsFloat())
+	}
+	joinPlanes(dst, planesBuf.b, p, dt.IsFloat())
+	return nil
+}
+
+// splitPlanes writes byte k of every p-byte element of src to plane k of
+// planes (len(src)/p bytes at k*len(src)/p), after rotating each element's
+// sign into bit 0 when rotate.
+func splitPlanes(planes, src []byte, p int, rotate bool) {
+	n := len(src) / p
+	switch p {
+	case 1:
+		copy(planes, src)
+	case 2:
+		p0, p1 := planes[:n], planes[n:2*n]
+		for i := range n {
+			w := binary.LittleEndian.Uint16(src[2*i:])
+			if rotate {
+				w = w<<1 | w>>15
+			}
+			p0[i], p1[i] = byte(w), byte(w>>8)
+		}
+	case 4:
+		p0, p1, p2, p3 := planes[:n], planes[n:2*n], planes[2*n:3*n], planes[3*n:4*n]
+		for i := range n {
+			w := binary.LittleEndian.Uint32(src[4*i:])
+			if rotate {
+				w = w<<1 | w>>31
+			}
+			p0[i], p1[i], p2[i], p3[i] = byte(w), byte(w>>8), byte(w>>16), byte(w>>24)
+		}
+	default:
+		for i := range n {
+			w := binary.LittleEndian.Uint64(src[8*i:])
+			if rotate {
+				w = w<<1 | w>>63
+			}
+			for k := range 8 {
+				planes[k*n+i] = byte(w >> (8 * k))
+			}
+		}
+	}
+}
+
+// joinPlanes undoes splitPlanes.
+func joinPlanes(dst, planes []byte, p int, rotate bool) {
+	n := len(dst) / p
+	switch p {
+	case 1:
+		copy(dst, planes)
+	case 2:
+		p0, p1 := planes[:n], planes[n:2*n]
+		for i := range n {
+			w := uint16(p0[i]) | uint16(p1[i])<<8
+			if rotate {
+				w = w>>1 | w<<15
+			}
+			binary.LittleEndian.PutUint16(dst[2*i:], w)
+		}
+	case 4:
+		p0, p1, p2, p3 := planes[:n], planes[n:2*n], planes[2*n:3*n], planes[3*n:4*n]
+		for i := range n {
+			w := uint32(p0[i]) | uint32(p1[i])<<8 | uint32(p2[i])<<16 | uint32(p3[i])<<24
+			if rotate {
+				w = w>>1 | w<<31
+			}
+			binary.LittleEndian.PutUint32(dst[4*i:], w)
+		}
+	default:
+		for i := range n {
+			var w uint64
+			for k := range 8 {
+				w |= uint64(planes[k*n+i]) << (8 * k)
+			}
+			if rotate {
+				w = w>>1 | w<<63
+			}
+			binary.LittleEndian.PutUint64(dst[8*i:], w)
+		}
+	}
+}
+
+// compressPlane packs plane into out (len(plane) bytes) and returns the
+// method used and the packed length; room is scratch for a compressor's
+// worst case. m 0 is the default (huff0, and zstd too on a plane huff0
+// shrinks below a quarter); a plane that does not shrink is stored.
+func compressPlane(out, room, plane []byte, m Method) (Method, int) {
+	if len(plane) == 0 {
+		return Stored, 0
+	}
+	best, size := Stored, len(plane)
+	try := func(m Method) {
+		var packed []byte
+		switch m {
+		case ZstdPlane:
+			packed = zstdEncoder().EncodeAll(plane, room[:0])
+		case S2Plane:
+			packed = s2.Encode(room, plane)
+		case Huff0Plane:
+			packed = room[:huffPlane(room, plane)]
+		}
+		if len(packed) < size {
+			best, size = m, len(packed)
+			copy(out, packed)
+		}
+	}
+	if m == Stored {
+		try(Huff0Plane)
+		if size < len(plane)/4 {
+			try(ZstdPlane)
+		}
+	} else {
+		try(m)
+	}
+	if best == Stored {
+		copy(out, plane)
+	}
+	return best, size
+}
+
+// huffPlane packs plane as huff0 blocks into room (at least len(plane)
+// bytes) and returns the length, or len(plane) when it does not shrink.
+func huffPlane(room, plane []byte) int {
+	s := huffScratch.Get().(*huff0.Scratch)
+	defer huffScratch.Put(s)
+	out := 0
+	for off := 0; off < len(plane); off += HuffBlock {
+		blk := plane[off:min(len(plane), off+HuffBlock)]
+		kind, data := byte(0), blk
+		packed, _, err := huff0.Compress4X(blk, s)
+		switch {
+		case err == nil:
+			kind, data = 1, packed
+		case errors.Is(err, huff0.ErrUseRLE):
+			kind, data = 2, blk[:1]
+		}
+		if out+5+len(data) >= len(plane) {
+			return len(plane)
+		}
+		room[out] = kind
+		binary.LittleEndian.PutUint32(room[out+1:], uint32(len(data)))
+		out += 5 + copy(room[out+5:], data)
+	}
+	return out
+}
+
+// unhuffPlane decodes the huff0 blocks of in into plane, which they must
+// fill exactly.
+func unhuffPlane(plane, in []byte) error {
+	s := huffScratch.Get().(*huff0.Scratch)
+	defer huffScratch.Put(s)
+	for off := 0; off < len(plane); off += HuffBlock {
+		blk := plane[off:min(len(plane), off+HuffBlock)]
+		if len(in) < 5 {
+			return errorf(Zstd, "decode", ErrCorrupt, "huff0 block at %d: truncated", off)
+		}
+		kind, n := in[0], int(binary.LittleEndian.Uint32(in[1:]))
+		if n > len(in)-5 {
+			return errorf(Zstd, "decode", ErrCorrupt, "huff0 block at %d: %d bytes, %d left", off, n, len(in)-5)
+		}
+		data := in[5 : 5+n]
+		in = in[5+n:]
+		switch kind {
+		case 0:
+			if n != len(blk) {
+				return errorf(Zstd, "decode", ErrCorrupt, "stored block at %d of %d bytes, want %d", off, n, len(blk))
+			}
+			copy(blk, data)
+		case 1:
+			t, rest, err := huff0.ReadTable(data, s)
+			if err != nil {
+				return errorf(Zstd, "decode", ErrCorrupt, "huff0 block at %d: %v", off, err)
+			}
+			s = t
+			got, err := t.Decoder().Decompress4X(blk[:0:len(blk)], rest)
+			if err != nil || len(got) != len(blk) {
+				return errorf(Zstd, "decode", ErrCorrupt, "huff0 block at %d: %d bytes (want %d), %v", off, len(got), len(blk), err)
+			}
+		case 2:
+			if n != 1 {
+				return errorf(Zstd, "decode", ErrCorrupt, "repeated-byte block at %d of %d bytes", off, n)
+			}
+			for i := range blk {
+				blk[i] = data[0]
+			}
+		default:
+			return errorf(Zstd, "decode", ErrCorrupt, "huff0 block at %d: kind %d", off, kind)
+		}
+	}
+	if len(in) != 0 {
+		return errorf(Zstd, "decode", ErrCorrupt, "%d bytes after the last huff0 block", len(in))
 	}
 	return nil
 }
 
-// rotl moves the sign of a p-byte little-endian element w into bit 0.
-func rotl(w uint64, p int) uint64 {
-	bitsN := uint(8 * p)
-	mask := uint64(1)<<bitsN - 1
-	if p == 8 {
-		mask = ^uint64(0)
-	}
-	return (w<<1 | w>>(bitsN-1)) & mask
-}
-
-// rotr undoes rotl.
-func rotr(w uint64, p int) uint64 {
-	bitsN := uint(8 * p)
-	mask := uint64(1)<<bitsN - 1
-	if p == 8 {
-		mask = ^uint64(0)
-	}
-	return (w>>1 | w<<(bitsN-1)) & mask
-}
-
-// splitPlane writes byte k of every p-byte element of src (rotated first
-// when rotate) to plane.
-func splitPlane(plane, src []byte, p, k int, rotate bool) {
-	if p == 1 {
-		copy(plane, src)
-		return
-	}
-	if !rotate {
-		for i := range plane {
-			plane[i] = src[i*p+k]
-		}
-		return
-	}
-	switch p {
-	case 2:
-		for i := range plane {
-			plane[i] = byte(rotl(uint64(binary.LittleEndian.Uint16(src[2*i:])), 2) >> (8 * k))
-		}
-	case 4:
-		for i := range plane {
-			plane[i] = byte(rotl(uint64(binary.LittleEndian.Uint32(src[4*i:])), 4) >> (8 * k))
-		}
-	default:
-		for i := range plane {
-			plane[i] = byte(rotl(binary.LittleEndian.Uint64(src[8*i:]), 8) >> (8 * k))
-		}
-	}
-}
-
-// joinPlane puts plane back as byte k of every element of dst; after the
-// top plane (the last one) of a rotated dtype it rotates the elements back.
-func joinPlane(dst, plane []byte, p, k int, rotate bool) {
-	for i, b := range plane {
-		dst[i*p+k] = b
-	}
-	if !rotate || k != p-1 {
-		return
-	}
-	for i := range plane {
-		e := dst[i*p : i*p+p]
-		switch p {
-		case 2:
-			binary.LittleEndian.PutUint16(e, uint16(rotr(uint64(binary.LittleEndian.Uint16(e)), 2)))
-		case 4:
-			binary.LittleEndian.PutUint32(e, uint32(rotr(uint64(binary.LittleEndian.Uint32(e)), 4)))
-		default:
-			binary.LittleEndian.PutUint64(e, rotr(binary.LittleEndian.Uint64(e), 8))
-		}
-	}
-}
-
-// compressPlane packs plane into room, which is large enough for the
-// compressor's worst case, with m and returns the method used and the
-// packed length: Stored (and 0) when m does not make it smaller.
-func compressPlane(room, plane []byte, m Method) (Method, int) {
-	if len(plane) == 0 {
-		return Stored, 0
-	}
-	var out []byte
-	switch m {
-	case ZstdPlane:
-		out = zstdEncoder().EncodeAll(plane, room[:0])
-	case S2Plane:
-		out = s2.Encode(room, plane)
-	}
-	if len(out) >= len(plane) {
-		return Stored, 0
-	}
-	return m, len(out)
-}
+var huffScratch = sync.Pool{New: func() any {
+	return &huff0.Scratch{Reuse: huff0.ReusePolicyNone, MaxDecodedSize: HuffBlock}
+}}
 
 // decompressPlane unpacks in (packed with m) into plane, which it must
 // fill exactly.
@@ -260,6 +376,8 @@ func decompressPlane(plane, in []byte, m Method) error {
 		}
 		copy(plane, in)
 		return nil
+	case Huff0Plane:
+		return unhuffPlane(plane, in)
 	case ZstdPlane:
 		hdr := zstd.Header{}
 		if err := hdr.Decode(in); err != nil {

@@ -43,8 +43,8 @@ func TestLosslessRoundTrip(t *testing.T) {
 		{"bytes", 0, random[:12345]},
 		{"zeros", reduce.Float32, make([]byte, 1<<20)},
 	} {
-		for _, opt := range []LosslessOptions{{}, {S2: true}} {
-			t.Run(fmt.Sprintf("%s/s2=%v", tc.name, opt.S2), func(t *testing.T) {
+		for _, opt := range []LosslessOptions{{}, {S2: true}, {Method: ZstdPlane}, {Method: Huff0Plane}} {
+			t.Run(fmt.Sprintf("%s/method=%d,s2=%v", tc.name, opt.Method, opt.S2), func(t *testing.T) {
 				packed := packLossless(t, tc.dt, tc.src, opt)
 				out := make([]byte, len(tc.src))
 				require.NoError(t, DecodeLossless(out, tc.dt, packed))
@@ -58,18 +58,20 @@ func TestLosslessRoundTrip(t *testing.T) {
 	// Gradients compress, and the exponent plane is what shrinks.
 	packed := packLossless(t, reduce.Float32, grads, LosslessOptions{})
 	assert.Less(t, len(packed), len(grads)*9/10, "float32 gradients")
-	assert.Equal(t, byte(ZstdPlane), packed[losslessHeader+5*3], "the exponent plane")
+	assert.Equal(t, byte(Huff0Plane), packed[losslessHeader+5*3], "the exponent plane")
 	assert.Equal(t, byte(Stored), packed[losslessHeader], "the lowest mantissa plane")
 }
 
 // TestLosslessRotation: the top plane of a float32 is its exponent byte.
 func TestLosslessRotation(t *testing.T) {
 	src := f32Bytes([]uint32{0xbf800000, 0x3f800000, 0x40490fdb})
-	plane := make([]byte, 3)
-	splitPlane(plane, src, 4, 3, true)
-	assert.Equal(t, []byte{0x7f, 0x7f, 0x80}, plane)
-	splitPlane(plane, src, 4, 0, true)
-	assert.Equal(t, []byte{0x01, 0x00, 0xb6}, plane) // the signs in bit 0
+	planes := make([]byte, 12)
+	splitPlanes(planes, src, 4, true)
+	assert.Equal(t, []byte{0x7f, 0x7f, 0x80}, planes[9:], "the exponents")
+	assert.Equal(t, []byte{0x01, 0x00, 0xb6}, planes[:3], "the signs in bit 0")
+	back := make([]byte, 12)
+	joinPlanes(back, planes, 4, true)
+	assert.Equal(t, src, back)
 }
 
 func TestLosslessCorrupt(t *testing.T) {

@@ -4,7 +4,13 @@
 // ratio, and what became of zeros and non-finite values.
 package errstat
 
-import "math"
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+
+	"github.com/gpubridge/gpubridge/lib/reduce"
+)
 
 // Stats accumulates pairs (x, y): an original value and its
 // reconstruction. The zero value is empty and ready.
@@ -77,4 +83,40 @@ func (s *Stats) SNR() (db float64, ok bool) {
 		return 0, false
 	}
 	return 10 * math.Log10(s.sumSqSignal/s.sumSqErr), true
+}
+
+// AddBuffers adds every pair of values of two buffers of dt (float16,
+// bfloat16, float32 or float64, little-endian), x the original and y the
+// reconstruction.
+func (s *Stats) AddBuffers(dt reduce.DType, x, y []byte) error {
+	if !dt.IsFloat() {
+		return fmt.Errorf("errstat: %v is not a floating dtype", dt)
+	}
+	if len(x) != len(y) || len(x)%dt.Size() != 0 {
+		return fmt.Errorf("errstat: buffers of %d and %d bytes are not equal whole %v values", len(x), len(y), dt)
+	}
+	size := dt.Size()
+	for i := 0; i < len(x); i += size {
+		xv, xb := value(dt, x[i:])
+		yv, yb := value(dt, y[i:])
+		s.Add(xv, yv, xb, yb)
+	}
+	return nil
+}
+
+// value reads one little-endian value of dt as a float64 and its bits.
+func value(dt reduce.DType, b []byte) (float64, uint64) {
+	switch dt {
+	case reduce.Float16:
+		h := binary.LittleEndian.Uint16(b)
+		return float64(reduce.F16ToF32(h)), uint64(h)
+	case reduce.BFloat16:
+		h := binary.LittleEndian.Uint16(b)
+		return float64(reduce.BF16ToF32(h)), uint64(h)
+	case reduce.Float32:
+		w := binary.LittleEndian.Uint32(b)
+		return float64(math.Float32frombits(w)), uint64(w)
+	}
+	w := binary.LittleEndian.Uint64(b)
+	return math.Float64frombits(w), w
 }

@@ -4,6 +4,7 @@ import (
 	"math"
 	"testing"
 
+	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/stretchr/testify/assert"
 )
 
@@ -36,4 +37,16 @@ func TestExact(t *testing.T) {
 	assert.Zero(t, s.Differ)
 	var empty Stats
 	assert.Zero(t, empty.RMSE())
+}
+
+func TestAddBuffers(t *testing.T) {
+	x := []byte{0x00, 0x3c, 0x00, 0x7e} // float16 1, NaN
+	y := []byte{0x01, 0x3c, 0x00, 0x7e}
+	var s Stats
+	assert.NoError(t, s.AddBuffers(reduce.Float16, x, y))
+	assert.Equal(t, int64(2), s.Values)
+	assert.Equal(t, int64(1), s.KeptNaNs)
+	assert.InDelta(t, 1.0/1024, s.MaxRel, 1e-12)
+	assert.EqualError(t, s.AddBuffers(reduce.Int32, x, y), "errstat: int32 is not a floating dtype")
+	assert.EqualError(t, s.AddBuffers(reduce.Float32, x, y[:2]), "errstat: buffers of 4 and 2 bytes are not equal whole float32 values")
 }
