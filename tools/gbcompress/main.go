@@ -6,8 +6,10 @@ package main
 
 import (
 	"fmt"
+	"os"
 
 	"github.com/gpubridge/gpubridge/lib/cli"
+	"golang.org/x/sys/unix"
 )
 
 type grammar struct {
@@ -16,9 +18,14 @@ type grammar struct {
 	Stat   statCmd   `cmd:"" help:"Measure codecs on raw values or .npy files: ratio, max abs/rel error, RMSE, SNR, throughput; JSON lines on stdout."`
 }
 
-// refuseTerminal keeps binary output off a terminal unless --force.
+// refuseTerminal keeps binary output off a terminal unless --force (a
+// character device that is not a tty, such as /dev/null, is fine).
 func refuseTerminal(env *cli.Env, force bool) error {
-	if !force && cli.IsTerminal(env.Stdout) {
+	f, ok := env.Stdout.(*os.File)
+	if force || !ok {
+		return nil
+	}
+	if _, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS); err == nil {
 		return cli.CannotRun(fmt.Errorf("refusing to write binary data to a terminal: redirect stdout, or pass --force"))
 	}
 	return nil
