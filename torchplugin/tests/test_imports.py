@@ -42,6 +42,8 @@ TORCH = {
     "gpubridge._gpu": "CUDA through torch",
     "gpubridge._setup": "the rank's device",
     "gpubridge._discovery": "the job's TCPStore",
+    "gpubridge._codec": "fp8 and bf16 quantizers on tensors",
+    "gpubridge._feedback": "error-feedback residuals, tensors",
 }
 
 
