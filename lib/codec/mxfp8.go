@@ -179,8 +179,13 @@ func decF32(dst, scales, codes []byte) {
 	}
 }
 
-// widen converts 16-bit values of dt to little-endian float32 bits, exactly.
+// widen converts 16-bit values of dt to little-endian float32 bits, exactly
+// (bfloat16 with bf16/v1's decoder, which is that widening).
 func widen(dst []byte, dt reduce.DType, src []byte) {
+	if dt == reduce.BFloat16 {
+		bfDecode(dst, src)
+		return
+	}
 	for i := range len(src) / 2 {
 		h := binary.LittleEndian.Uint16(src[2*i:])
 		var w uint32
@@ -194,8 +199,13 @@ func widen(dst []byte, dt reduce.DType, src []byte) {
 }
 
 // narrow rounds float32 values to the 16-bit dt, to nearest even
-// (lib/reduce's conversions).
+// (lib/reduce's conversions; bfloat16 with bf16/v1's encoder, which is
+// F32ToBF16).
 func narrow(dst []byte, dt reduce.DType, src []byte) {
+	if dt == reduce.BFloat16 {
+		bfEncode(dst, src)
+		return
+	}
 	for i := range len(dst) / 2 {
 		f := math.Float32frombits(binary.LittleEndian.Uint32(src[4*i:]))
 		var h uint16
