@@ -189,7 +189,7 @@ func BenchmarkLossless(b *testing.B) {
 		}{
 			{"planes-default", planesEnc(chunks, out, d.dt, LosslessOptions{}), unplanes(chunks, out, back, d.dt)},
 			{"planes-zstd", planesEnc(chunks, out, d.dt, LosslessOptions{Method: ZstdPlane}), unplanes(chunks, out, back, d.dt)},
-			{"planes-s2", planesEnc(chunks, out, d.dt, LosslessOptions{S2: true}), unplanes(chunks, out, back, d.dt)},
+			{"planes-s2", planesEnc(chunks, out, d.dt, LosslessOptions{Method: S2Plane}), unplanes(chunks, out, back, d.dt)},
 			{"plain-zstd-fastest", plain(chunks, out, fastest), unplain(out, back, dec)},
 			{"plain-zstd-default", plain(chunks, out, dflt), unplain(out, back, dec)},
 		} {

@@ -70,7 +70,7 @@ func FuzzLossless(f *testing.F) {
 		for _, s2 := range []bool{false, true} {
 			src := grads[:len(grads)/8*8]
 			dst := make([]byte, LosslessMaxLen(dt, len(src)))
-			n, err := EncodeLossless(dst, dt, src, LosslessOptions{S2: s2})
+			n, err := EncodeLossless(dst, dt, src, LosslessOptions{Method: map[bool]Method{true: S2Plane}[s2]})
 			if err != nil {
 				f.Fatal(err)
 			}

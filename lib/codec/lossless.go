@@ -51,13 +51,14 @@ const (
 
 // LosslessOptions says how EncodeLossless compresses the planes.
 type LosslessOptions struct {
-	// Method is tried on every plane. 0 (Stored) means the default: huff0,
-	// and zstd as well on a plane that huff0 shrinks below a quarter (runs
-	// an entropy coder alone cannot see, such as long runs of zeros), the
-	// smaller kept. A plane that does not shrink is stored.
+	// Method is tried on every plane. 0 (Stored) means the default: huff0
+	// (Huffman alone: cheap, and it rejects a random mantissa plane after a
+	// histogram), and zstd as well on a plane that huff0 shrinks below a
+	// quarter (long runs, such as a sparse gradient's zeros, that an
+	// entropy coder alone cannot see), the smaller kept. ZstdPlane packs a
+	// little smaller on gradients at about half the speed, S2Plane is
+	// faster and larger. A plane that does not shrink is stored.
 	Method Method
-	// S2 is Method S2Plane (gbcompress's --s2).
-	S2 bool
 }
 
 // LosslessMaxLen returns the most bytes EncodeLossless writes for n raw
@@ -75,9 +76,6 @@ func planes(dt reduce.DType) int { return max(dt.Size(), 1) }
 func EncodeLossless(dst []byte, dt reduce.DType, src []byte, opt LosslessOptions) (int, error) {
 	p := planes(dt)
 	method := opt.Method
-	if opt.S2 {
-		method = S2Plane
-	}
 	switch {
 	case dt != 0 && dt.Size() == 0:
 		return 0, errorf(Zstd, "encode", ErrDType, "%v: not a dtype", dt)
@@ -251,8 +249,8 @@ func joinPlanes(dst, planes []byte, p int, rotate bool) {
 
 // compressPlane packs plane into out (len(plane) bytes) and returns the
 // method used and the packed length; room is scratch for a compressor's
-// worst case. m 0 is the default (huff0, and zstd too on a plane huff0
-// shrinks below a quarter); a plane that does not shrink is stored.
+// worst case. m 0 is the default (huff0, and zstd too on a plane that
+// huff0 shrinks below a quarter); a plane that does not shrink is stored.
 func compressPlane(out, room, plane []byte, m Method) (Method, int) {
 	if len(plane) == 0 {
 		return Stored, 0

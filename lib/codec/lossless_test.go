@@ -43,8 +43,8 @@ func TestLosslessRoundTrip(t *testing.T) {
 		{"bytes", 0, random[:12345]},
 		{"zeros", reduce.Float32, make([]byte, 1<<20)},
 	} {
-		for _, opt := range []LosslessOptions{{}, {S2: true}, {Method: ZstdPlane}, {Method: Huff0Plane}} {
-			t.Run(fmt.Sprintf("%s/method=%d,s2=%v", tc.name, opt.Method, opt.S2), func(t *testing.T) {
+		for _, opt := range []LosslessOptions{{}, {Method: S2Plane}, {Method: ZstdPlane}, {Method: Huff0Plane}} {
+			t.Run(fmt.Sprintf("%s/method=%d", tc.name, opt.Method), func(t *testing.T) {
 				packed := packLossless(t, tc.dt, tc.src, opt)
 				out := make([]byte, len(tc.src))
 				require.NoError(t, DecodeLossless(out, tc.dt, packed))

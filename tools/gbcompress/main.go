@@ -36,7 +36,7 @@ var tool = cli.Tool{
 	Summary: "gpubridge's codecs as a Unix filter: fp8 (MXFP8), bf16 and zstd; encode, decode, stat",
 	Description: `gbcompress packs buffers of values the way the bridge compresses them, and measures what that does to them, so that a saved gradient dump can be checked before compression is turned on for a job. The formats are specified in docs/COMPRESSION.md; the codecs are lib/codec's, the same bytes the bridge and the plugin's torch quantizer produce.
 
-Codecs: fp8 (fp8/v1: OCP MX v1.0 MXFP8, blocks of 32 E4M3 values sharing a power-of-two E8M0 scale, 33 bytes per 32 values: 3.88x smaller than float32; lossy), bf16 (bf16/v1: float32 rounded to nearest even bfloat16; 2x; bfloat16 input passes unchanged), zstd (zstd/v1: lossless; the values' bytes split into planes, exponents apart from mantissas, each plane zstd, s2 with --s2, or stored), raw (the bytes as they are).
+Codecs: fp8 (fp8/v1: OCP MX v1.0 MXFP8, blocks of 32 E4M3 values sharing a power-of-two E8M0 scale, 33 bytes per 32 values: 3.88x smaller than float32; lossy), bf16 (bf16/v1: float32 rounded to nearest even bfloat16; 2x; bfloat16 input passes unchanged), zstd (zstd/v1: lossless; the values' bytes split into planes, exponents apart from mantissas, each plane Huffman-coded, zstd- or s2-compressed (--method), or stored), raw (the bytes as they are).
 
 Input: raw little-endian values of --dtype (f32, bf16 or f16; f32 when not given), or a NumPy .npy file (format 1.0, 2.0 or 3.0; '<f4', '<f2', or numpy's 2-byte void dtype with --dtype bf16). --format auto (the default) reads a .npy file when the input begins with the .npy magic, raw values otherwise. fp8 takes f32, bf16 and f16; bf16 takes f32 and bf16; zstd and raw take all three.
 

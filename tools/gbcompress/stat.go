@@ -20,7 +20,7 @@ type statCmd struct {
 	DType    string   `name:"dtype" enum:"f32,bf16,f16," default:"" help:"The values' dtype: f32, bf16 or f16 (raw input: f32 when not given; a .npy file's own dtype must agree)."`
 	Format   string   `name:"format" enum:"auto,raw,npy" default:"auto" help:"The input: raw values, a .npy file, or auto (.npy when it begins with the .npy magic)."`
 	Chunk    int      `name:"chunk" default:"1048576" help:"Values per chunk: a multiple of 1024, at most 16777216."`
-	S2       bool     `name:"s2" help:"zstd: compress the planes with s2 instead of zstd."`
+	Method   string   `name:"method" enum:"default,huff0,zstd,s2" default:"default" help:"zstd: how to pack the byte planes (see encode --help)."`
 	MinSNR   float64  `name:"min-snr" placeholder:"DB" help:"Exit 1 if a lossy codec's SNR (dB) is below this on any input."`
 	MaxBytes int64    `name:"max-bytes" default:"17179869184" help:"The largest input stat reads (it holds it, and a decoded copy, in memory)."`
 	Files    []string `arg:"" optional:"" help:"The inputs; none or -: stdin."`
@@ -137,7 +137,7 @@ func (c *statCmd) measure(id codec.ID, dt reduce.DType, data []byte) (statLine, 
 	}
 	back := touch(make([]byte, len(data)))
 	var total int64
-	opt := codec.LosslessOptions{S2: c.S2}
+	opt := codec.LosslessOptions{Method: methods[c.Method]}
 	t0 := time.Now()
 	for i := range packed {
 		off := i * chunkBytes
