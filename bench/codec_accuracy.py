@@ -138,6 +138,10 @@ def train(rank: int, args: argparse.Namespace, mode: str, store_path: str, resul
     dist.destroy_process_group()
 
 
+def chunks(xs: list[float], n: int) -> list[list[float]]:
+    return [xs[i : i + n] for i in range(0, len(xs), n)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=["lm", "multitask"], default="lm")
@@ -159,7 +163,7 @@ def main() -> int:
                     "run": mode,
                     "world": args.world,
                     "steps": args.steps,
-                    "loss_every_25": [round(sum(losses[i : i + 25]) / len(losses[i : i + 25]), 5) for i in range(0, len(losses), 25)],
+                    "loss_every_25": [float(f"{sum(c) / len(c):.6g}") for c in chunks(losses, 25)],
                     "final_loss": sum(losses[-20:]) / 20,
                     "same_params_on_every_rank": r["same_params"],
                     "torch": torch.__version__,
