@@ -44,9 +44,10 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "torchplugin"), str(REPO / "bench" / "gpu")]
 
+from llama import Config, Llama, loss_of  # noqa: E402
+
 from gpubridge import _codec  # noqa: E402
 from gpubridge._feedback import ErrorFeedback  # noqa: E402
-from llama import Config, Llama, loss_of  # noqa: E402
 
 RUNS = ("exact", "fp8", "fp8-ef")
 

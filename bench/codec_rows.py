@@ -39,8 +39,15 @@ def main() -> int:
             continue
         bench, sub, iters, ns, rest = m.groups()
         metrics = {unit: float(v) for v, unit in re.findall(r"(\d+(?:\.\d+)?) (\S+)", rest)}
-        row = {"schema": "gpubridge.codec-bench/v1", "bench": bench, "case": sub, "iterations": int(iters),
-               "ns_per_op": float(ns), "wall_mbps": metrics.get("MB/s"), "cpu_mbps": metrics.get("cpu-MB/s")}
+        row = {
+            "schema": "gpubridge.codec-bench/v1",
+            "bench": bench,
+            "case": sub,
+            "iterations": int(iters),
+            "ns_per_op": float(ns),
+            "wall_mbps": metrics.get("MB/s"),
+            "cpu_mbps": metrics.get("cpu-MB/s"),
+        }
         if "ratio" in metrics:
             row["ratio"] = metrics["ratio"]
         print(json.dumps({**row, **host}))
