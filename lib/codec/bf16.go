@@ -70,28 +70,11 @@ func EncodeFeedbackBF16(dst []byte, dt reduce.DType, src, residual []byte) error
 	if err != nil {
 		return err
 	}
-	if len(residual) != 4*n {
-		return errorf(BF16, "encode-feedback", ErrLength, "residual of %d bytes for %d values (want %d)", len(residual), n, 4*n)
-	}
-	if overlap(residual, src) || overlap(residual, dst) {
-		return errorf(BF16, "encode-feedback", ErrOverlap, "residual overlaps the input or the output")
-	}
-	var u, d [4 * GroupElems]byte
-	for first := 0; first < n; first += GroupElems {
-		m := min(GroupElems, n-first)
-		r := residual[4*first : 4*(first+m)]
-		if dt == reduce.Float32 {
-			addF32(u[:4*m], src[4*first:4*(first+m)], r)
-		} else {
-			widen(u[:4*m], dt, src[2*first:2*(first+m)])
-			addF32(u[:4*m], u[:4*m], r)
-		}
+	return withFeedback(BF16, dt, src, dst, residual, n, func(first, m int, u, d []byte) {
 		out := dst[2*first : 2*(first+m)]
-		bfEncode(out, u[:4*m])
-		bfDecode(d[:4*m], out)
-		feedback(r, u[:4*m], d[:4*m])
-	}
-	return nil
+		bfEncode(out, u)
+		bfDecode(d, out)
+	})
 }
 
 func bfCheck(op string, dt reduce.DType, raw, packed []byte) (int, error) {

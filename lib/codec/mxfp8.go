@@ -100,26 +100,11 @@ func EncodeFeedbackMXFP8(dst []byte, dt reduce.DType, src, residual []byte) erro
 	if err != nil {
 		return err
 	}
-	if len(residual) != 4*n {
-		return errorf(MXFP8, "encode-feedback", ErrLength, "residual of %d bytes for %d values (want %d)", len(residual), n, 4*n)
-	}
-	if overlap(residual, src) || overlap(residual, dst) {
-		return errorf(MXFP8, "encode-feedback", ErrOverlap, "residual overlaps the input or the output")
-	}
-	var u, d [4 * GroupElems]byte
-	mxGroups(dst, n, func(first, m int, scales, codes []byte) {
-		r := residual[4*first : 4*(first+m)]
-		if dt == reduce.Float32 {
-			addF32(u[:4*m], src[4*first:4*(first+m)], r)
-		} else {
-			widen(u[:4*m], dt, src[2*first:2*(first+m)])
-			addF32(u[:4*m], u[:4*m], r)
-		}
-		encF32(scales, codes, u[:4*m])
-		decF32(d[:4*m], scales, codes)
-		feedback(r, u[:4*m], d[:4*m])
+	return withFeedback(MXFP8, dt, src, dst, residual, n, func(first, m int, u, d []byte) {
+		scales, codes := mxGroup(dst, n, first)
+		encF32(scales, codes, u)
+		decF32(d, scales, codes)
 	})
-	return nil
 }
 
 // mxCheck checks the arguments of an MXFP8 call whose raw side holds
@@ -146,11 +131,18 @@ func mxCheck(op string, dt reduce.DType, raw, packed []byte) (int, error) {
 // first value, its number of values, and its scale and code bytes.
 func mxGroups(packed []byte, n int, f func(first, m int, scales, codes []byte)) {
 	for first := 0; first < n; first += GroupElems {
-		m := min(GroupElems, n-first)
-		nb := (m + BlockElems - 1) / BlockElems
-		p := packed[MXFP8Offset(first):]
-		f(first, m, p[:nb], p[nb:nb+m])
+		scales, codes := mxGroup(packed, n, first)
+		f(first, len(codes), scales, codes)
 	}
+}
+
+// mxGroup returns the scale and code bytes of the group of a packing of n
+// values that starts at value first (a multiple of GroupElems).
+func mxGroup(packed []byte, n, first int) (scales, codes []byte) {
+	m := min(GroupElems, n-first)
+	nb := (m + BlockElems - 1) / BlockElems
+	p := packed[MXFP8Offset(first):]
+	return p[:nb], p[nb : nb+m]
 }
 
 // encF32 encodes the float32 values of src (at most a group) into the
@@ -215,26 +207,5 @@ func narrow(dst []byte, dt reduce.DType, src []byte) {
 			h = reduce.F32ToF16(f)
 		}
 		binary.LittleEndian.PutUint16(dst[2*i:], h)
-	}
-}
-
-// addF32 sets dst = a + r elementwise in float32; a NaN keeps its bits
-// (quieted), so the quantizer sees the input's NaN.
-func addF32(dst, a, r []byte) {
-	if err := reduce.Combine(reduce.Sum, reduce.Float32, dst, a, r); err != nil {
-		panic(err) // lengths were checked
-	}
-}
-
-// feedback sets r = u - d where both are finite, +0 elsewhere.
-func feedback(r, u, d []byte) {
-	for i := range len(r) / 4 {
-		uw := binary.LittleEndian.Uint32(u[4*i:])
-		dw := binary.LittleEndian.Uint32(d[4*i:])
-		var out uint32
-		if uw&0x7f800000 != 0x7f800000 && dw&0x7f800000 != 0x7f800000 {
-			out = math.Float32bits(math.Float32frombits(uw) - math.Float32frombits(dw))
-		}
-		binary.LittleEndian.PutUint32(r[4*i:], out)
 	}
 }

@@ -4,17 +4,15 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"errors"
 	"flag"
 	"math"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
 	"testing"
 
 	"github.com/gpubridge/gpubridge/lib/cli"
+	"github.com/gpubridge/gpubridge/tools/internal/scripttest"
 	"github.com/rogpeppe/go-internal/testscript"
 	"github.com/stretchr/testify/require"
 )
@@ -36,31 +34,8 @@ func TestScripts(t *testing.T) {
 			env.Setenv("GOLDEN", golden)
 			return nil
 		},
-		Cmds: map[string]func(ts *testscript.TestScript, neg bool, args []string){"exits": cmdExits},
+		Cmds: map[string]func(ts *testscript.TestScript, neg bool, args []string){"exits": scripttest.Exits},
 	})
-}
-
-// cmdExits runs a program and checks its exit status.
-//
-//	exits CODE PROG ARGS...
-func cmdExits(ts *testscript.TestScript, neg bool, args []string) {
-	if neg || len(args) < 2 {
-		ts.Fatalf("usage: exits CODE PROG ARGS...")
-	}
-	want, err := strconv.Atoi(args[0])
-	ts.Check(err)
-	err = ts.Exec(args[1], args[2:]...)
-	got := 0
-	var ee *exec.ExitError
-	switch {
-	case errors.As(err, &ee):
-		got = ee.ExitCode()
-	case err != nil:
-		ts.Fatalf("%s: %v", args[1], err)
-	}
-	if got != want {
-		ts.Fatalf("%s exited %d, want %d", args[1], got, want)
-	}
 }
 
 // goldenValues are the raw input of the golden files: 3000 float32
