@@ -743,6 +743,7 @@ adddone:
 	VZEROUPPER
 	RET
 
+
 // func asmBF16Enc(dst, src unsafe.Pointer, n int) int
 TEXT ·asmBF16Enc(SB), NOSPLIT, $0-32
 	MOVQ dst+0(FP), DI
