@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import docs_codec
 import report
 from trace_docs import STRAGGLER_BLOCKS, TRACE_BLOCKS
 
@@ -328,6 +329,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "plugin-train": train,
     "plugin-overhead a5a9c0b": overhead,
     **TRACE_BLOCKS,
+    **docs_codec.BLOCKS,
 }
 # Other documents with generated blocks.
 DOCS: dict[Path, dict[str, Callable[[], str]]] = {

@@ -43,6 +43,8 @@ TORCH = {
     "gpubridge._trace_gpu": "CUDA events of a traced collective's steps",
     "gpubridge._setup": "the rank's device",
     "gpubridge._discovery": "the job's TCPStore",
+    "gpubridge._codec": "fp8 and bf16 quantizers on tensors",
+    "gpubridge._feedback": "error-feedback residuals, tensors",
 }
 
 
