@@ -7,7 +7,9 @@
 #    examples/ddp_train.py. Rank 0 prints the topology the ranks agreed on,
 #    the loss every few steps and the throughput; at the end every rank
 #    checks that its parameters are identical, bit for bit, to every other
-#    rank's.
+#    rank's. The job is traced (GPUBRIDGE_TRACE): every rank's collective
+#    records are left in ./trace/ (DEMO_TRACE=DIR puts them elsewhere), and
+#    `gbtrace summary` of them ends this part.
 # 2. The bridge alone: two island leaders all-reduce float32 buffers through
 #    gbbridge, verified element by element, with their bandwidth.
 #
@@ -20,6 +22,8 @@
 #   step      epoch, step, loss (averaged over the ranks), samples_per_s
 #   result    world_size, steps, parameters, seconds, samples_per_s,
 #             final_loss, params_identical, param_sha256
+#   trace     dir (the trace's directory) and summary (gbtrace summary's rows,
+#             schema gpubridge.trace-summary/v1)
 #   bridge    one gbbridge bench row (schema gpubridge.bench/v1) under "bench"
 # stderr: progress. Exit status 0 when everything passed, 1 when a check
 # failed (parameters differ between ranks, wrong elements), 2 when the demo
@@ -30,7 +34,7 @@ bin=$(cd "${1:-$repo/bin}" && pwd)
 py=${GPUBRIDGE_PYTHON:-$repo/.venv/bin/python}
 say() { echo "demo: $*" >&2; }
 
-for t in gbprobe gbdiscover gbbridge; do
+for t in gbprobe gbdiscover gbbridge gbtrace; do
   [ -x "$bin/$t" ] || { say "$bin/$t is missing: run make build (make demo does)"; exit 2; }
 done
 [ -x "$py" ] || { say "$py is missing: run make venv (make demo does)"; exit 2; }
@@ -38,12 +42,14 @@ done
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+trace=${DEMO_TRACE:-$PWD/trace}
+rm -rf "$trace"
 
 # ---- 1. DDP training through the gpubridge backend ----
 say "4 simulated ranks (nvidia, nvidia, amd, amd) train with DDP over backend \"gpubridge\" (torchrun, CPU):"
 set +e
 env -u GPUBRIDGE_VENDOR -u GPUBRIDGE_SPLIT_TEST -u GPUBRIDGE_NAMESPACE \
-  GPUBRIDGE_SIM_VENDORS=nvidia,nvidia,amd,amd GPUBRIDGE_BIN_DIR="$bin" \
+  GPUBRIDGE_SIM_VENDORS=nvidia,nvidia,amd,amd GPUBRIDGE_BIN_DIR="$bin" GPUBRIDGE_TRACE="$trace" \
   PYTHONPATH="$repo/torchplugin${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 \
   "$py" -m torch.distributed.run --standalone --nproc-per-node 4 \
   "$repo/examples/ddp_train.py" --json --epochs 4 --max-steps 200 --log-every 25 \
@@ -62,6 +68,20 @@ case "$result" in
   *'"params_identical": true'*) say "every rank ends with identical parameters" ;;
   *) say "parameters differ between ranks"; exit 1 ;;
 esac
+"$bin/gbtrace" summary "$trace" > "$work/summary.jsonl" 2> "$work/summary.log" \
+  || { say "gbtrace summary failed:"; cat "$work/summary.log" >&2; exit 1; }
+"$py" - "$trace" "$work/summary.jsonl" <<'EOF'
+import json
+import sys
+
+rows = [json.loads(line) for line in open(sys.argv[2])]
+print(json.dumps({"schema": "gpubridge.demo/v1", "kind": "trace", "dir": sys.argv[1], "summary": rows}))
+for r in rows:
+    top = sorted(r["phases"].items(), key=lambda kv: -kv[1])[:3]
+    print(f"  {r['op']:>14} <= {r['bucket_label']:>5} B  x{r['count']:<4} p50 {r['time_p50_us']:9.1f} us  "
+          f"busbw {r['busbw_gbps']:6.3f} GB/s  " + ", ".join(f"{k} {v:.0%}" for k, v in top), file=sys.stderr)
+EOF
+say "every rank's collective records are in $trace/ (gbtrace summary $trace | jq; gbtrace perfetto $trace > job.json)"
 
 # ---- 2. the bridge alone ----
 say "the bridge alone: 2 leaders all-reduce float32 buffers through gbbridge (shm), verified:"

@@ -250,12 +250,37 @@ def section_train(rows: Rows) -> list[str]:
     )
 
 
+def top_phases(r: dict[str, Any], n: int = 3) -> list[tuple[str, float]]:
+    return sorted(r.get("phases", {}).items(), key=lambda kv: -kv[1])[:n]
+
+
+def section_trace(rows: Rows) -> list[str]:
+    body = [
+        [
+            r.get("op"),
+            r.get("group_size"),
+            f"<= {r.get('bucket_label')}B",
+            r.get("count"),
+            gb(r.get("time_p50_us")),
+            gb(r.get("time_p99_us")),
+            f"{r.get('busbw_gbps', 0):.3f}",
+            ", ".join(f"{k} {v:.0%}" for k, v in top_phases(r)),
+        ]
+        for r in of(rows, "gpubridge.trace-summary/v1")
+    ]
+    if not body:
+        return []
+    head = ["op", "ranks", "size", "count", "p50 [us]", "p99 [us]", "busbw [GB/s]", "most time in"]
+    return table(head, body)
+
+
 SECTIONS = {
     "probe": section_probe,
     "bridge": section_bridge,
     "collectives": section_collectives,
     "sweep": section_sweep,
     "train": section_train,
+    "trace": section_trace,
 }
 
 

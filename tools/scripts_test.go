@@ -35,7 +35,7 @@ func TestMain(m *testing.M) {
 				return 2
 			}
 			defer os.RemoveAll(dir)
-			cmd := exec.Command("go", "build", "-o", dir+"/", "./gbprobe", "./gbdiscover", "./gbbridge")
+			cmd := exec.Command("go", "build", "-o", dir+"/", "./gbprobe", "./gbdiscover", "./gbbridge", "./gbtrace", "./gbcompress")
 			cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 			if err := cmd.Run(); err != nil {
 				fmt.Fprintln(os.Stderr, "build tools:", err)

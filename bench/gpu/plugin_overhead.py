@@ -7,7 +7,11 @@ dist.new_group(backend="gloo") after init). One torchrun worker per rank.
 
 Usage:
     torchrun --standalone --nproc-per-node 4 bench/gpu/plugin_overhead.py OUT.jsonl
-        [--iters 2000] [--warmup 200] [--rounds 10] [--size 4]
+        [--iters 2000] [--warmup 200] [--rounds 10] [--size 4] [--check-calls]
+
+With --check-calls a second gpubridge group, made with GPUBRIDGE_CHECK_CALLS=1,
+is timed in the same alternating blocks: the row then gives the call checks'
+cost per call (check_calls_cost_median_us) against the same group without them.
 
 Both groups are warmed up, then timed in --rounds alternating blocks (the
 order flips every round, so drift and neighbours hit both alike); every call
@@ -62,6 +66,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--size", type=int, default=4, help="bytes (float32 elements x 4)")
     p.add_argument("--timeout", type=int, default=300, help="seconds, for the process groups")
+    p.add_argument(
+        "--check-calls",
+        action="store_true",
+        help="also time a second gpubridge group made with GPUBRIDGE_CHECK_CALLS=1 (the cost of call checks)",
+    )
     args = p.parse_args()
 
     rank = int(os.environ["RANK"])
@@ -71,6 +80,12 @@ def main() -> int:
     dist.init_process_group(backend="gpubridge", timeout=timedelta(seconds=args.timeout))
     gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
     groups: dict[str, Any] = {"gpubridge": None, "gloo": gloo}  # None: the default (gpubridge) group
+    if args.check_calls:
+        # Call checks are a group's setting, read when it is made.
+        os.environ["GPUBRIDGE_CHECK_CALLS"] = "1"
+        timeout = timedelta(seconds=args.timeout)
+        groups["gpubridge_checked"] = dist.new_group(backend="gpubridge", timeout=timeout)
+        os.environ["GPUBRIDGE_CHECK_CALLS"] = "0"
 
     t = torch.empty(max(1, args.size // 4), dtype=torch.float32)
     fill = float(rank + 1)
@@ -127,6 +142,11 @@ def main() -> int:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
     }
+    if "gpubridge_checked" in stats:
+        c = stats["gpubridge_checked"]
+        row["gpubridge_checked"] = c
+        row["check_calls_cost_median_us"] = c["median_us"] - stats["gpubridge"]["median_us"]
+        row["check_calls_ratio_median"] = c["median_us"] / stats["gpubridge"]["median_us"]
     if isinstance(topo, dict):
         row["islands"] = [i.get("ranks") for i in topo.get("islands", [])]
         row["bridge"] = (topo.get("bridge") or {}).get("transport")
@@ -146,7 +166,13 @@ def main() -> int:
             f"plugin_overhead: {world} ranks, {row['size']}-byte all_reduce x {row['iters']}: "
             f"gpubridge median {g['median_us']:.1f} us p90 {g['p90_us']:.1f} us; "
             f"gloo median {o['median_us']:.1f} us p90 {o['p90_us']:.1f} us; "
-            f"ratio median {row['ratio_median']:.2f}x p90 {row['ratio_p90']:.2f}x",
+            f"ratio median {row['ratio_median']:.2f}x p90 {row['ratio_p90']:.2f}x"
+            + (
+                f"; with call checks median {row['gpubridge_checked']['median_us']:.1f} us "
+                f"(+{row['check_calls_cost_median_us']:.1f} us)"
+                if "gpubridge_checked" in row
+                else ""
+            ),
             file=sys.stderr,
         )
     dist.destroy_process_group()

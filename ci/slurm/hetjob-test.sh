@@ -317,8 +317,9 @@ if step_check 5 train steps/5-train.sbatch PASS 0; then
 	modes=$(grep -o '"schema":"gpubridge.kit-train/v1","parallel":"[a-z]*"' "$(rows_of "$JOB")" | cut -d'"' -f8 | tr '\n' ' ')
 	[ "$modes" = "ddp fsdp " ] && pass "step 5: $V" || fail "step 5: training rows for '$modes', want ddp and fsdp"
 fi
-step_check 6 trace steps/6-trace.sbatch "NOT RUN" 77 &&
-	if [ "$V" = "kit step 6 trace: NOT RUN: not available: gbtrace is not built yet (issue 14)" ]; then pass "step 6: exit 77: $V"; else fail "step 6: verdict '$V'"; fi
+if step_check 6 trace steps/6-trace.sbatch PASS 0; then
+	[[ $V == *"collectives of "*", all complete; all_reduce <= "* ]] && pass "step 6: gbtrace on step 5's trace: $V" || fail "step 6: verdict '$V'"
+fi
 
 # 4. A step that fails fails its job, with its verdict: the amd component
 # asked to hold an NVIDIA GPU.

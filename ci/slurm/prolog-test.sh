@@ -38,23 +38,24 @@ slurm_write_conf \
 	"NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=$MEM State=UNKNOWN" \
 	"PartitionName=gbprobe Nodes=$HOST Default=YES MaxTime=10 State=UP"
 
-# The prolog: gbprobe decides; on failure it drains the node with gbprobe's
-# first failed requirement as the reason, then refuses the job.
-REQUIRE_FILE=$WORK/require
+# The prolog is the kit's (kit/prolog/gbprobe-prolog.sh): gbprobe decides;
+# on failure it drains the node with gbprobe's first failed requirement as
+# the reason, then refuses the job. Here it runs with this test's gbprobe,
+# the words of $PROLOG_CONF for every partition, and its reports in
+# $REPORTS; the wrapper records its exit status for the checks.
+KIT_PROLOG=$(readlink -f "$(dirname "$0")/../../kit/prolog/gbprobe-prolog.sh")
+PROLOG_CONF=$WORK/prolog.conf
+REPORTS=$WORK/prolog
+require() { echo "* $1" >"$PROLOG_CONF"; }
+report() { ls -t "$REPORTS"/*.json 2>/dev/null | head -n 1; }
 cat >"$WORK/prolog.sh" <<EOF
 #!/bin/bash
-# Slurm Prolog (as root, on the node, before the job). Requirements come
-# from $REQUIRE_FILE.
-set -uo pipefail
-export SLURM_CONF=$SLURM_CONF
-require=\$(cat "$REQUIRE_FILE")
-"$GBPROBE" --json --require "\$require" >"$WORK/prolog-report.json" 2>"$WORK/prolog-stderr"
+# Slurm Prolog (as root, on the node, before the job).
+export SLURM_CONF=$SLURM_CONF GBPROBE=$GBPROBE GPUBRIDGE_PROLOG_CONF=$PROLOG_CONF GPUBRIDGE_PROLOG_DIR=$REPORTS
+"$KIT_PROLOG"
 rc=\$?
 echo "\$rc" >"$WORK/prolog-rc"
-[ "\$rc" -eq 0 ] && exit 0
-reason=\$(grep -m1 '^gbprobe: requirement ' "$WORK/prolog-stderr" || grep -m1 '^gbprobe: ' "$WORK/prolog-stderr" || echo "gbprobe: exit \$rc")
-scontrol update nodename="\$SLURMD_NODENAME" state=drain reason="\$reason"
-exit 1
+exit \$rc
 EOF
 chmod 755 "$WORK/prolog.sh"
 
@@ -68,10 +69,10 @@ say "cluster up: node $HOST idle, ports $PORT/$((PORT + 1)), config $SLURM_CONF"
 T60=$(slurm_scale 60) # a hung srun, not a slow one
 
 # 1. A requirement that holds here: the job runs.
-echo "nic=lo" >"$REQUIRE_FILE"
-rm -f "$WORK/prolog-rc" "$WORK/prolog-report.json"
+require nic=lo
+rm -rf "$WORK/prolog-rc" "$REPORTS"
 if out=$(timeout "$T60" srun -N1 -t 1 true 2>&1); then
-	if [ "$(cat "$WORK/prolog-rc" 2>/dev/null)" = 0 ] && grep -q '"schema": "gpubridge.probe/v1"' "$WORK/prolog-report.json"; then
+	if [ "$(cat "$WORK/prolog-rc" 2>/dev/null)" = 0 ] && grep -q '"schema": "gpubridge.probe/v1"' "$(report)"; then
 		pass "--require nic=lo holds: srun -N1 true ran, after the prolog's gbprobe exited 0"
 	else
 		fail "srun ran but the prolog's gbprobe did not (prolog-rc '$(cat "$WORK/prolog-rc" 2>/dev/null)')"
@@ -86,7 +87,7 @@ fail_req=nvidia
 if "$GBPROBE" --require "$fail_req" >/dev/null 2>&1; then
 	fail_req=nic=gbprobe-absent0 # this node has an NVIDIA GPU
 fi
-echo "$fail_req" >"$REQUIRE_FILE"
+require "$fail_req"
 rm -f "$WORK/prolog-rc"
 want_reason=$("$GBPROBE" --require "$fail_req" 2>&1 >/dev/null | grep -m1 '^gbprobe: requirement ' || true)
 if out=$(timeout "$T60" srun -N1 -t 1 true 2>&1); then
@@ -107,7 +108,7 @@ else
 		say "srun (exit $rc): $(echo "$out" | tr '\n' ' ')"
 		say "node $HOST: State=$state Reason=$reason"
 		timeout "$(slurm_scale 10)" scontrol update nodename="$HOST" state=resume
-		echo "nic=lo" >"$REQUIRE_FILE"
+		require nic=lo
 		if ! wait_state "$HOST" '^idle$' 15; then
 			fail "--require $fail_req: refused and drained, but the node did not resume"
 		elif ! timeout "$T60" srun -N1 -t 1 true >/dev/null 2>&1; then

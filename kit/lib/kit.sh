@@ -14,7 +14,7 @@
 KIT_PASS=0    # every check held
 KIT_FAIL=1    # a check failed: the cluster is not ready (the reason says where)
 KIT_ERROR=2   # the step could not run as configured (site.env, tools, a crash, a timeout)
-KIT_NOTRUN=77 # the step does not apply here (a GPU step in CPU simulation; gbtrace not built)
+KIT_NOTRUN=77 # the step does not apply here (a GPU step in CPU simulation; no step 5 trace for step 6)
 
 kit_die() { # kit_die MESSAGE: a configuration or usage error: the step's ERROR verdict (exit 2)
 	echo "kit: error: $*" >&2
@@ -208,6 +208,21 @@ kit_srun_per_component() {
 
 # kit_python: component 0's python (the batch script runs on its first node).
 kit_python() { echo "$KIT_PYTHON_0"; }
+
+# kit_tool NAME: the path of a gpubridge tool on this node: GPUBRIDGE_BIN_DIR,
+# else the tools of component 0's gpubridge, else PATH; fails when none.
+kit_tool() {
+	local d
+	if [ -n "${GPUBRIDGE_BIN_DIR:-}" ] && [ -x "$GPUBRIDGE_BIN_DIR/$1" ]; then
+		echo "$GPUBRIDGE_BIN_DIR/$1"
+		return
+	fi
+	d=$("$(kit_python)" -m gpubridge --tools-dir 2>/dev/null) && [ -x "$d/$1" ] && {
+		echo "$d/$1"
+		return
+	}
+	command -v "$1"
+}
 
 # kit_judge NAME RC: the verdict from the step's rows (py/judge.py), and exit.
 kit_judge() {

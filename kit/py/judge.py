@@ -104,6 +104,35 @@ def where(e: dict[str, Any]) -> str:
     return f"component {e.get('component')} ({e.get('node')})"
 
 
+def trace(rows: Rows, rc: int) -> tuple[str, str]:
+    """Step 6: gbtrace's rows on step 5's trace (summary, hang, stragglers)."""
+    summary = of(rows, "gpubridge.trace-summary/v1")
+    hangs = of(rows, "gpubridge.trace-hang/v1")
+    strag = [r for r in of(rows, "gpubridge.trace-straggler/v1") if r.get("kind") == "summary"]
+    where = next((r.get("trace") for r in of(rows, "gpubridge.kit-trace/v1")), "?")
+    if rc != 0 or not summary:
+        return "ERROR", f"gbtrace summary of {where} exited {rc} with {len(summary)} rows (see stderr.log)"
+    bad = [h for h in hangs if h.get("status") != "ok"]
+    if bad:
+        return "FAIL", f"{where}: {bad[0].get('verdict')}"
+    n = sum(r.get("count", 0) for r in summary)
+    ar = [r for r in summary if r.get("op") == "all_reduce" and r.get("count")]
+    top = max(ar, key=lambda r: r.get("bucket", 0)) if ar else None
+    parts = [f"{n} collectives of {len(summary)} kinds, all complete"]
+    if top is not None:
+        phase = max(top["phases"].items(), key=lambda kv: kv[1])[0] if top.get("phases") else "?"
+        parts.append(
+            f"all_reduce <= {top['bucket_label']}B: p50 {top['time_p50_us']:.0f} us, busbw "
+            f"{top['busbw_gbps']:.3f} GB/s, most time in {phase}"
+        )
+    flagged = strag[-1].get("flagged") if strag else None
+    if flagged:
+        parts.append(f"stragglers: rank(s) {', '.join(str(r) for r in flagged)} (gbtrace stragglers)")
+    elif strag:
+        parts.append(f"no straggler in {strag[-1].get('windows')} windows")
+    return "PASS", "; ".join(parts) + sim_note(rows)
+
+
 STEPS: dict[str, Callable[[Rows, int], tuple[str, str]]] = {
     "probe": probe,
     "bridge": lambda rows, rc: summary_of(rows, "gpubridge.kit-bridge-summary/v1", rc, "the bridge selftest"),
@@ -112,6 +141,7 @@ STEPS: dict[str, Callable[[Rows, int], tuple[str, str]]] = {
     ),
     "sweep": lambda rows, rc: summary_of(rows, "gpubridge.kit-sweep-summary/v1", rc, "the sweep"),
     "train": lambda rows, rc: summary_of(rows, "gpubridge.kit-train-summary/v1", rc, "the training run"),
+    "trace": trace,
 }
 
 

@@ -643,3 +643,88 @@ def test_kit_begin_refuses_a_job_that_is_not_the_configured_one(tmp_path: Path) 
     p = kit_begin(tmp_path / "b", SITE, SLURM_JOB_NODELIST="nv0")
     assert p.returncode == 2
     assert "is not a heterogeneous job" in p.stdout
+
+
+# --- step 6: gbtrace's rows on step 5's trace ----------------------------------
+
+
+def trace_rows(hang: str = "ok", flagged: list[int] | None = None) -> list[dict[str, Any]]:
+    summ = {
+        "schema": "gpubridge.trace-summary/v1",
+        "op": "all_reduce",
+        "group_size": 24,
+        "bucket": 1 << 20,
+        "bucket_label": "1M",
+        "count": 40,
+        "time_p50_us": 812.0,
+        "time_p99_us": 990.0,
+        "busbw_gbps": 1.234,
+        "phases": {"bridge": 0.6, "island reduce": 0.3},
+    }
+    return [
+        layout_row(),
+        summ,
+        {"schema": "gpubridge.trace-hang/v1", "status": hang, "verdict": f"group 0: {hang} verdict"},
+        {"schema": "gpubridge.trace-straggler/v1", "kind": "summary", "windows": 3, "flagged": flagged or []},
+        {"schema": "gpubridge.kit-trace/v1", "trace": "/out/step5-train-7/trace"},
+    ]
+
+
+def test_trace_verdicts() -> None:
+    result, reason = judge.trace(trace_rows(), 0)
+    assert result == "PASS", reason
+    want = "40 collectives of 1 kinds, all complete; all_reduce <= 1MB: p50 812 us, busbw 1.234 GB/s"
+    assert reason.startswith(want), reason
+    assert "most time in bridge; no straggler in 3 windows" in reason
+    result, reason = judge.trace(trace_rows(flagged=[5]), 0)
+    assert result == "PASS" and "stragglers: rank(s) 5" in reason
+    hang = ("FAIL", "/out/step5-train-7/trace: group 0: hang verdict")
+    assert judge.trace(trace_rows(hang="hang"), 0) == hang
+    assert judge.trace(trace_rows(), 2)[0] == "ERROR"
+    assert judge.trace([layout_row()], 0)[0] == "ERROR"
+
+
+def test_summary_report_has_the_trace(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_step(out, 6, "trace", 14, trace_rows()[1:], "PASS")
+    md = summary(out).stdout
+    row = "| all_reduce | 24 | <= 1MB | 40 | 812.00 | 990.00 | 1.234 | bridge 60%, island reduce 30% |"
+    assert row in md, md
+
+
+REPO = KIT.parent
+GBTRACE_BIN = Path(os.environ.get("GPUBRIDGE_BIN_DIR") or REPO / "bin")
+
+
+@pytest.mark.skipif(
+    not os.access(GBTRACE_BIN / "gbtrace", os.X_OK), reason=f"needs gbtrace in {GBTRACE_BIN} (make build)"
+)
+def test_step6_runs_gbtrace_on_step5s_trace(tmp_path: Path) -> None:
+    """steps/6-trace.sbatch under a fake Slurm: the newest step 5 run's trace
+    (a real one: lib/trace/testdata/trace) through gbtrace summary, hang and
+    stragglers, a PASS naming what it found; without a trace, NOT RUN."""
+    out = tmp_path / "out"
+    for job in (5, 7):  # job 7 is the newest
+        shutil.copytree(REPO / "lib" / "trace" / "testdata" / "trace", out / f"step5-train-{job}" / "trace")
+    site = SITE.replace("KIT_PYTHON=(/a /b)", f"KIT_PYTHON=({sys.executable} {sys.executable})")
+    p = kit_begin(tmp_path, site + f"KIT_OUT={out}\n", **HET)  # the fake Slurm, the kit copy
+    assert p.returncode == 0, p.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "KIT_"))}
+    env.update(PATH=f"{tmp_path / 'fakebin'}:{env['PATH']}", KIT_DIR=str(tmp_path / "kit"))
+    env.update(SLURM_JOB_ID="4243", GPUBRIDGE_BIN_DIR=str(GBTRACE_BIN), **HET)
+    step6 = ["bash", str(tmp_path / "kit" / "steps" / "6-trace.sbatch")]
+    run = subprocess.run(step6, env=env, capture_output=True, text=True, check=False, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    line = run.stdout.strip().splitlines()[-1]
+    want = "kit step 6 trace: PASS: 39 collectives of 8 kinds, all complete; all_reduce <= 512KB"
+    assert line.startswith(want), line
+    rows = judge.load(out / "step6-trace-4243" / "rows.jsonl")
+    assert judge.of(rows, "gpubridge.kit-trace/v1")[0]["trace"] == str(out / "step5-train-7" / "trace")
+    assert len(judge.of(rows, "gpubridge.trace-summary/v1")) == 8
+    assert judge.of(rows, "gpubridge.trace-hang/v1")[0]["status"] == "ok"
+    shutil.rmtree(out / "step5-train-5")
+    shutil.rmtree(out / "step5-train-7")
+    env["SLURM_JOB_ID"] = "4244"
+    run = subprocess.run(step6, env=env, capture_output=True, text=True, check=False, timeout=120)
+    assert run.returncode == 77, run.stdout + run.stderr
+    assert "kit step 6 trace: NOT RUN: no trace of step 5 in" in run.stdout

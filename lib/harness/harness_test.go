@@ -225,3 +225,22 @@ func TestBusFactor(t *testing.T) {
 	assert.Equal(t, 0.75, BusFactor("reduce_scatter", 4))
 	assert.Equal(t, 1.0, BusFactor("broadcast", 4))
 }
+
+// fillPattern encodes each of patternValue's few values once; its bytes are
+// every element's value put one by one.
+func TestFillPatternBytes(t *testing.T) {
+	for _, dt := range []reduce.DType{reduce.Float16, reduce.BFloat16, reduce.Float32, reduce.Float64, reduce.Int8, reduce.Uint8, reduce.Int32, reduce.Int64} {
+		for _, op := range []reduce.Op{reduce.Sum, reduce.Prod, reduce.Max} {
+			for m := range 4 {
+				sz := dt.Size()
+				got := make([]byte, 1000*sz+sz-1) // a partial element at the end stays untouched
+				fillPattern(got, dt, m, op)
+				want := make([]byte, len(got))
+				for i := range 1000 {
+					putInt(want[i*sz:], dt, patternValue(m, i, op))
+				}
+				require.Equal(t, want, got, "%s %s member %d", dt, op, m)
+			}
+		}
+	}
+}

@@ -348,3 +348,36 @@ func TestPeerText(t *testing.T) {
 	assert.Equal(t, "bad ? utf8", PeerText([]byte("bad \xff utf8"), 100))
 	assert.Equal(t, "cut", PeerText([]byte("cut here"), 3))
 }
+
+// stillLive is a context whose deadline has passed while it does not say
+// so yet: what a store call sees when its I/O deadline (the set-up's)
+// fires before the context's own timer does, which a loaded machine makes
+// likely.
+type stillLive struct {
+	context.Context
+	dl time.Time
+}
+
+func (c stillLive) Deadline() (time.Time, bool) { return c.dl, true }
+
+// A store call's own "i/o timeout" at the set-up deadline is reported as
+// the set-up timeout naming the member waited for, never as the call's
+// error (issue 9: TestMissingMember got "store tryget ...: i/o timeout"
+// under load).
+func TestExplainDeadlineBeforeContext(t *testing.T) {
+	cfg := configs(newMemStore(), 3, 1500*time.Millisecond)[0]
+	s := &Session{cfg: cfg}
+	ctx := stillLive{Context: context.Background(), dl: time.Now().Add(-time.Millisecond)}
+	require.NoError(t, ctx.Err(), "the context itself is not done")
+	ioErr := errors.New("store tryget bridge/endpoint/2: read tcp 127.0.0.1:1->127.0.0.1:2: i/o timeout")
+
+	err := s.Explain(ctx, ioErr, "publish its endpoint", 2)
+	assert.EqualError(t, err, "member 2 (rank 4 on host-c) did not publish its endpoint within 1.5s: context deadline exceeded")
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	var se *SharedError
+	assert.ErrorAs(t, err, &se, "worded the same on every member")
+
+	// Before the deadline the call's own error is what happened.
+	live := stillLive{Context: context.Background(), dl: time.Now().Add(time.Hour)}
+	assert.EqualError(t, s.Explain(live, ioErr, "publish its endpoint", 2), "publish its endpoint: "+ioErr.Error())
+}

@@ -94,40 +94,27 @@ const (
 	smallBlob       = 4 << 10 // blobs above this go out without copying
 )
 
+// orDefault sets an option left at zero (or negative) to its default.
+func orDefault[T int | int64 | time.Duration](v *T, d T) {
+	if *v <= 0 {
+		*v = d
+	}
+}
+
 // NewServer returns a Server; start it with Serve or ListenAndServe.
 func NewServer(opts ServerOptions) *Server {
-	if opts.MaxKeyLen <= 0 {
-		opts.MaxKeyLen = DefaultMaxKeyLen
-	}
-	if opts.MaxValueLen <= 0 {
-		opts.MaxValueLen = DefaultMaxValueLen
-	}
-	if opts.MaxKeysPerRequest <= 0 {
-		opts.MaxKeysPerRequest = DefaultMaxKeysPerRequest
-	}
-	if opts.MaxConns <= 0 {
-		opts.MaxConns = DefaultMaxConns
-	}
-	if opts.MaxTotalBytes <= 0 {
-		opts.MaxTotalBytes = DefaultMaxTotalBytes
-	}
-	if opts.MaxReplyBytes <= 0 {
-		opts.MaxReplyBytes = DefaultMaxReplyBytes
-	}
-	if opts.MaxOutputBytes <= 0 {
-		opts.MaxOutputBytes = DefaultMaxOutputBytes
-	}
+	orDefault(&opts.MaxKeyLen, DefaultMaxKeyLen)
+	orDefault(&opts.MaxValueLen, DefaultMaxValueLen)
+	orDefault(&opts.MaxKeysPerRequest, DefaultMaxKeysPerRequest)
+	orDefault(&opts.MaxConns, DefaultMaxConns)
+	orDefault(&opts.MaxTotalBytes, DefaultMaxTotalBytes)
+	orDefault(&opts.MaxReplyBytes, DefaultMaxReplyBytes)
+	orDefault(&opts.MaxOutputBytes, DefaultMaxOutputBytes)
 	// A reply larger than the output bound could never be queued.
 	opts.MaxReplyBytes = int(min(int64(opts.MaxReplyBytes), opts.MaxOutputBytes))
-	if opts.HandshakeTimeout <= 0 {
-		opts.HandshakeTimeout = DefaultHandshakeTimeout
-	}
-	if opts.RequestTimeout <= 0 {
-		opts.RequestTimeout = DefaultRequestTimeout
-	}
-	if opts.WriteTimeout <= 0 {
-		opts.WriteTimeout = DefaultWriteTimeout
-	}
+	orDefault(&opts.HandshakeTimeout, DefaultHandshakeTimeout)
+	orDefault(&opts.RequestTimeout, DefaultRequestTimeout)
+	orDefault(&opts.WriteTimeout, DefaultWriteTimeout)
 	log := opts.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -639,49 +626,68 @@ func (s *Server) replyTooLarge(cmd byte, size int64) error {
 }
 
 // handle executes one request and queues its reply. Only the state change
-// and the lookups happen under the state lock; the values a reply carries
-// are collected there as references (stored values are never modified in
-// place) and encoded after the lock is released, so a large MULTI_GET or
-// LIST_KEYS does not hold up other clients.
+// and the lookups happen under the state lock (apply); the values a reply
+// carries are collected there as references (stored values are never
+// modified in place) and encoded after the lock is released (queueReply),
+// so a large MULTI_GET or LIST_KEYS does not hold up other clients.
 func (s *Server) handle(sc *serverConn, r *request) error {
-	st := &s.st
-	var rep reply      // fixed-size fields, encoded under the lock
-	var blobs [][]byte // blobs that follow them, encoded after
-	var keys []string  // LIST_KEYS: keys that follow them, sorted and encoded after
-	size := int64(0)   // size of blobs and keys on the wire
-	limit := int64(s.opts.MaxReplyBytes)
-	var err error
-	st.mu.Lock()
+	p := pending{limit: int64(s.opts.MaxReplyBytes)}
+	s.st.mu.Lock()
 	if r.cmd != cmdWait {
 		// The request's bytes now either become stored data (charged again
 		// by state.put) or are garbage.
 		s.mem.release(r.cost)
 	}
-	addBlob := func(v []byte) bool {
-		size += 8 + int64(len(v))
-		blobs = append(blobs, v)
-		return size <= limit
+	err := s.apply(sc, r, &p)
+	s.st.mu.Unlock()
+	if err != nil {
+		return err
 	}
+	return s.queueReply(sc, r.cmd, &p)
+}
+
+// pending is a reply being built: its fixed-size fields, encoded under the
+// state lock, and the blobs and keys that follow them, encoded after.
+type pending struct {
+	rep   reply
+	blobs [][]byte
+	keys  []string // LIST_KEYS: sorted and encoded after
+	size  int64    // size of blobs and keys on the wire
+	limit int64    // MaxReplyBytes
+}
+
+// addBlob adds a value to the reply; false when the reply grew too large.
+func (p *pending) addBlob(v []byte) bool {
+	p.size += 8 + int64(len(v))
+	p.blobs = append(p.blobs, v)
+	return p.size <= p.limit
+}
+
+// apply executes r on the state (whose lock the caller holds) and puts
+// what the reply carries into p.
+func (s *Server) apply(sc *serverConn, r *request, p *pending) error {
+	st := &s.st
+	rep := &p.rep
 	switch r.cmd {
 	case cmdValidate:
 	case cmdPing:
 		rep.e.u32(r.nonce)
 	case cmdSet:
-		err = st.set(r.keys[0], r.values[0])
+		return st.set(r.keys[0], r.values[0])
 	case cmdCompareSet:
-		var v []byte
-		v, err = st.compareSet(r.keys[0], r.values[0], r.values[1])
-		if err == nil && !addBlob(v) {
-			err = s.replyTooLarge(r.cmd, size)
+		v, err := st.compareSet(r.keys[0], r.values[0], r.values[1])
+		if err == nil && !p.addBlob(v) {
+			return s.replyTooLarge(r.cmd, p.size)
 		}
+		return err
 	case cmdGet:
-		if !addBlob(st.kv[r.keys[0]]) {
-			err = s.replyTooLarge(r.cmd, size)
+		if !p.addBlob(st.kv[r.keys[0]]) {
+			return s.replyTooLarge(r.cmd, p.size)
 		}
 	case cmdAdd:
-		var v int64
-		v, err = st.add(r.keys[0], r.delta)
+		v, err := st.add(r.keys[0], r.delta)
 		rep.e.i64(v)
+		return err
 	case cmdCheck:
 		if st.present(r.keys) {
 			rep.e.byte1(checkReady)
@@ -689,13 +695,14 @@ func (s *Server) handle(sc *serverConn, r *request) error {
 			rep.e.byte1(checkNotReady)
 		}
 	case cmdWait:
-		if st.present(r.keys) {
+		switch {
+		case st.present(r.keys):
 			s.mem.release(r.cost)
 			rep.e.byte1(waitStop)
-		} else if len(sc.waits) >= maxWaitsPerConn {
+		case len(sc.waits) >= maxWaitsPerConn:
 			s.mem.release(r.cost)
-			err = protoErrorf("more than %d concurrent WAITs on one connection", maxWaitsPerConn)
-		} else {
+			return protoErrorf("more than %d concurrent WAITs on one connection", maxWaitsPerConn)
+		default:
 			st.addWaiter(sc, r.keys, r.cost)
 		}
 	case cmdGetNumKeys:
@@ -707,63 +714,62 @@ func (s *Server) handle(sc *serverConn, r *request) error {
 			rep.e.i64(0)
 		}
 	case cmdAppend:
-		err = st.append(r.keys[0], r.values[0])
+		return st.append(r.keys[0], r.values[0])
 	case cmdMultiGet:
-		blobs = make([][]byte, 0, len(r.keys))
+		p.blobs = make([][]byte, 0, len(r.keys))
 		for _, k := range r.keys {
-			if !addBlob(st.kv[k]) {
-				err = s.replyTooLarge(r.cmd, size)
-				break
+			if !p.addBlob(st.kv[k]) {
+				return s.replyTooLarge(r.cmd, p.size)
 			}
 		}
 	case cmdMultiSet:
 		for i, k := range r.keys {
-			if err = st.set(k, r.values[i]); err != nil {
-				break
+			if err := st.set(k, r.values[i]); err != nil {
+				return err
 			}
 		}
 	case cmdCancelWait:
 		st.dropWaits(sc)
 		rep.e.byte1(waitCanceled)
 	case cmdQueuePush:
-		err = st.queuePush(r.keys[0], r.values[0])
+		return st.queuePush(r.keys[0], r.values[0])
 	case cmdQueuePop:
 		// The item is popped only if its reply can be sent.
-		if v, ok := st.queuePeek(r.keys[0]); ok && 8+8+int64(len(v)) > limit {
-			err = s.replyTooLarge(r.cmd, 8+8+int64(len(v)))
-			break
+		if v, ok := st.queuePeek(r.keys[0]); ok && 8+8+int64(len(v)) > p.limit {
+			return s.replyTooLarge(r.cmd, 8+8+int64(len(v)))
 		}
 		n, v := st.queuePop(r.keys[0])
 		rep.e.i64(n)
 		if n > 0 {
-			addBlob(v)
+			p.addBlob(v)
 		}
 	case cmdQueueLen:
 		rep.e.i64(st.queueLen(r.keys[0]))
 	case cmdListKeys:
-		keys = make([]string, 0, len(st.kv))
+		p.keys = make([]string, 0, len(st.kv))
 		for k := range st.kv {
-			keys = append(keys, k)
-			if size += 8 + int64(len(k)); size > limit {
-				err = s.replyTooLarge(r.cmd, size)
-				break
+			p.keys = append(p.keys, k)
+			if p.size += 8 + int64(len(k)); p.size > p.limit {
+				return s.replyTooLarge(r.cmd, p.size)
 			}
 		}
-		rep.e.i64(int64(len(keys)))
+		rep.e.i64(int64(len(p.keys)))
 	default:
 		// The decoder refuses unknown commands; keep the invariant local.
-		err = protoErrorf("unknown command %d", r.cmd)
+		return protoErrorf("unknown command %d", r.cmd)
 	}
-	st.mu.Unlock()
-	if err != nil {
-		return err
-	}
-	for _, v := range blobs {
+	return nil
+}
+
+// queueReply encodes what p collected and queues it on sc's output.
+func (s *Server) queueReply(sc *serverConn, cmd byte, p *pending) error {
+	rep := &p.rep
+	for _, v := range p.blobs {
 		rep.blob(v)
 	}
-	if keys != nil {
-		slices.Sort(keys)
-		for _, k := range keys {
+	if p.keys != nil {
+		slices.Sort(p.keys)
+		for _, k := range p.keys {
 			rep.e.str(k)
 		}
 	}
@@ -775,7 +781,7 @@ func (s *Server) handle(sc *serverConn, r *request) error {
 	// about WriteTimeout of its turn; twice that is a guard against hangs.
 	if err := sc.out.send(rep.segs, rep.n, time.Now().Add(2*s.opts.WriteTimeout)); err != nil {
 		if errors.Is(err, errOutputFull) {
-			return fmt.Errorf("%s reply of %d bytes: %w", cmdName(r.cmd), rep.n, err)
+			return fmt.Errorf("%s reply of %d bytes: %w", cmdName(cmd), rep.n, err)
 		}
 		return err
 	}

@@ -3,11 +3,10 @@ package main
 import (
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
 	"testing"
 
+	"github.com/gpubridge/gpubridge/tools/internal/scripttest"
 	"github.com/rogpeppe/go-internal/testscript"
 )
 
@@ -30,7 +29,7 @@ func TestScripts(t *testing.T) {
 			return nil
 		},
 		Cmds: map[string]func(ts *testscript.TestScript, neg bool, args []string){
-			"exits": cmdExits,
+			"exits": scripttest.Exits,
 		},
 		Condition: func(cond string) (bool, error) {
 			switch cond {
@@ -41,28 +40,4 @@ func TestScripts(t *testing.T) {
 			return false, errors.New("unknown condition " + cond)
 		},
 	})
-}
-
-// cmdExits runs a program and checks its exit status; stdout and stderr are
-// kept for the stdout/stderr commands that follow.
-//
-//	exits CODE PROG ARGS...
-func cmdExits(ts *testscript.TestScript, neg bool, args []string) {
-	if neg || len(args) < 2 {
-		ts.Fatalf("usage: exits CODE PROG ARGS...")
-	}
-	want, err := strconv.Atoi(args[0])
-	ts.Check(err)
-	err = ts.Exec(args[1], args[2:]...)
-	got := 0
-	var ee *exec.ExitError
-	switch {
-	case errors.As(err, &ee):
-		got = ee.ExitCode()
-	case err != nil:
-		ts.Fatalf("%s: %v", args[1], err)
-	}
-	if got != want {
-		ts.Fatalf("%s exited %d, want %d", args[1], got, want)
-	}
 }

@@ -7,9 +7,13 @@ simulation and CPU-only runs), island leaders joined by ``gbbridge serve``. Use 
 ``dist.init_process_group(backend="gpubridge")``, or through the native API
 here (:func:`init`, :func:`all_reduce`, …); one or the other per process.
 :func:`in_flight` says which collective each thread is inside, without
-blocking. The data path to gbbridge is :mod:`gpubridge._feed` (docs/FEED.md).
+blocking; :mod:`gpubridge.observe` hands each collective's record to
+observers, and every rank keeps its last ones in a flight recorder
+(:func:`dump_trace`; docs/TRACING.md). The data path to gbbridge is
+:mod:`gpubridge._feed` (docs/FEED.md).
 """
 
+from gpubridge import observe
 from gpubridge._backend import register
 from gpubridge._group import BACKEND_NAME, GpubridgeProcessGroup
 from gpubridge._hook import ddp_comm_hook
@@ -26,25 +30,31 @@ from gpubridge._native import (
     probe,
     reduce_scatter_tensor,
 )
+from gpubridge.observe import CollectiveObserver, add_observer, dump_trace, remove_observer
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "BACKEND_NAME",
+    "CollectiveObserver",
     "GpubridgeProcessGroup",
     "__version__",
+    "add_observer",
     "all_gather_into_tensor",
     "all_reduce",
     "barrier",
     "broadcast",
     "ddp_comm_hook",
     "destroy",
+    "dump_trace",
     "get_topology",
     "in_flight",
     "init",
     "is_initialized",
+    "observe",
     "probe",
     "reduce_scatter_tensor",
+    "remove_observer",
 ]
 
 register()

@@ -18,7 +18,7 @@ from typing import Any
 
 from gpubridge import _inflight as fl
 
-__all__ = ["FAILURE_KEY", "Breaker", "gone_ranks", "pid_key", "publish_first"]
+__all__ = ["FAILURE_KEY", "Breaker", "gone_ranks", "pid_key", "publish_first", "read_pids"]
 
 FAILURE_KEY = "gpubridge/failure"
 
@@ -39,27 +39,44 @@ def publish_first(store: Any, key: str, msg: str) -> str:
     return str(got.decode("utf-8", "replace")) or msg
 
 
-def gone_ranks(store: Any, rank: int, size: int) -> list[str]:
+def read_pids(store: Any, size: int) -> dict[int, tuple[str, str]]:
+    """Every rank's (host, pid) as published at set-up, read once every rank
+    is set up (each publishes before the set-up agreement), so that naming a
+    dead rank later needs no store: under env:// the store lives in rank 0,
+    which may be the rank that died."""
+    pids: dict[int, tuple[str, str]] = {}
+    for r in range(size):
+        with contextlib.suppress(Exception):
+            h, pid = store.get(pid_key(r)).decode().rsplit(" ", 1)
+            pids[r] = (h, pid)
+    return pids
+
+
+# PF_EXITING in /proc/PID/stat's flags: the process is dying. A killed
+# process closes its sockets (so its peers see a reset) before it becomes a
+# zombie; under load that takes long enough for a peer to look in between.
+_PF_EXITING = 0x4
+
+
+def _proc_stat(pid: str) -> str:
+    return Path(f"/proc/{pid}/stat").read_text()
+
+
+def gone_ranks(pids: dict[int, tuple[str, str]], rank: int) -> list[str]:
     """Ranks of the group on this host, other than rank, whose process has
-    exited or is stopped (from the pids every rank publishes at set-up), to
-    name a dead or stalled peer."""
+    exited, is exiting or is stopped (pids: read_pids's), to name a dead or
+    stalled peer."""
     gone: list[str] = []
     host = socket.gethostname()
-    for r in range(size):
-        key = pid_key(r)
-        try:
-            if r == rank or not store.check([key]):
-                continue
-            h, pid = store.get(key).decode().rsplit(" ", 1)
-        except Exception:
-            return gone
-        if h != host:
+    for r, (h, pid) in sorted(pids.items()):
+        if r == rank or h != host:
             continue
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            state = "gone"
-        if state in ("gone", "Z", "X"):
+            fields = _proc_stat(pid).rsplit(")", 1)[1].split()
+            state, flags = fields[0], int(fields[6])
+        except (OSError, IndexError, ValueError):
+            state, flags = "gone", 0
+        if state in ("gone", "Z", "X") or flags & _PF_EXITING:
             gone.append(f"rank {r} (pid {pid}) no longer running")
         elif state in ("T", "t"):
             gone.append(f"rank {r} (pid {pid}) stopped")
@@ -88,6 +105,7 @@ class Breaker:
         self._why_dead = why_dead
         self.closed = False
         self.error: str | None = None  # the root cause, once broken
+        self.pids: dict[int, tuple[str, str]] = {}  # every rank's (host, pid), once set up
 
     def refuse(self, op: str) -> None:
         if self.closed:
@@ -113,7 +131,7 @@ class Breaker:
         what = f"{dead} ({exc})" if dead else str(exc)
         here = f"rank {self._rank}: {e.op} (collective #{e.seq}, step {e.step}): {what}"
         if self.error is None:
-            gone = gone_ranks(self._store, self._rank, self._size)
+            gone = gone_ranks(self.pids or read_pids(self._store, self._size), self._rank)
             if gone:
                 here += f" [{'; '.join(gone)}]"
             self.error = here

@@ -21,20 +21,19 @@ import contextlib
 import datetime
 import itertools
 import logging
-import shutil
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gpubridge import _check_calls, _gpu, _setup
+from gpubridge import _check_calls, _gpu, _setup, _trace
 from gpubridge import _inflight as fl
 from gpubridge._checks import Checks
 from gpubridge._collectives import Collectives
 from gpubridge._discovery import store_address
 from gpubridge._endpoint import BridgeEndpoint
-from gpubridge._failure import Breaker
+from gpubridge._failure import Breaker, read_pids
 from gpubridge._feed import Op
 from gpubridge._island import IslandGroup
 from gpubridge._layout import Layout
@@ -91,6 +90,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             except Exception as e:
                 failed = e
             _setup.agree(store, rank, size, timeout, failed)
+            self._breaker.pids = read_pids(store, size)
         except BaseException:
             self._breaker.closed = True
             self._release(abort=True)
@@ -103,6 +103,11 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         )
         compare = self._compare_calls if _check_calls.enabled() else None
         self._worker: Worker = Worker(group, self._device, self._stream, timeout, self._breaker, compare)
+        w = self._worker
+        _trace.attach(
+            group, rank, size, self._layout, str(self._device), lambda: w.seq, lambda: _global_ranks(self),
+            store, timeout.total_seconds(),
+        )  # fmt: skip
         _LIVE.add(self)
 
     def _build(self, topo: dict[str, Any]) -> None:
@@ -364,10 +369,12 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
     # point to point
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        _trace.refuse_in_callback("send")
         t = self._one("send", tensors)
         return self._p2p.start("send", t, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        _trace.refuse_in_callback("recv")
         t = self._one("recv", tensors)
         return self._p2p.start("recv", t, src, tag)
 
@@ -435,8 +442,18 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self.bridge_exit = ep.close(abort or self._breaker.error is not None)
         if self._island is not None:
             self._island.close(abort)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        _setup.remove_private_dir(self._dir)
         _LIVE.discard(self)
+
+
+def _global_ranks(pg: GpubridgeProcessGroup) -> list[int] | None:
+    """The group's global ranks in group rank order, once torch has
+    registered it (None before, and for the native API's group)."""
+    try:
+        m = dist.distributed_c10d._world.pg_group_ranks.get(pg)
+    except Exception:
+        return None
+    return [g for g, _ in sorted(m.items(), key=lambda kv: kv[1])] if m else None
 
 
 _LIVE: weakref.WeakSet[GpubridgeProcessGroup] = weakref.WeakSet()

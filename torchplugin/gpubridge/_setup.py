@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import os
 import shutil
 import socket
@@ -19,9 +20,43 @@ import torch
 from gpubridge import _discovery
 from gpubridge._failure import pid_key, publish_first
 
-__all__ = ["agree", "discover", "private_dir", "publish_pid", "remove_stale_dirs", "use_gpu"]
+__all__ = [
+    "agree",
+    "discover",
+    "private_dir",
+    "publish_pid",
+    "remove_private_dir",
+    "remove_stale_dirs",
+    "use_gpu",
+]
 
 _SETUP_FAILURE_KEY = "gpubridge/setup/failure"
+
+
+# A live process holds an exclusive flock on <dir>/.lock for as long as it
+# runs (the lock goes with the process, in any pid namespace), so a
+# directory whose lock can be taken was left by a process that is gone.
+_LOCK = ".lock"
+_held_locks: dict[Path, int] = {}  # this process's directories and their locks' fds
+
+
+def _abandoned(d: Path) -> bool:
+    try:
+        fd = os.open(d / _LOCK, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        # Made before locks existed, or killed between mkdtemp and the
+        # lock: the pid is all there is to go by.
+        pid = d.name.split("-")[1]
+        return pid.isdigit() and not Path(f"/proc/{pid}").exists()
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: its process lives (perhaps in another pid namespace)
+    finally:
+        os.close(fd)
+    return True
 
 
 def remove_stale_dirs() -> None:
@@ -30,19 +65,29 @@ def remove_stale_dirs() -> None:
     tmp = Path(tempfile.gettempdir())
     uid = os.getuid()
     for d in tmp.glob("gpubridge-*-*"):
-        pid = d.name.split("-")[1]
-        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
-            continue
         with contextlib.suppress(OSError):
-            if d.is_dir() and d.lstat().st_uid == uid:
+            if d.is_dir() and not d.is_symlink() and d.lstat().st_uid == uid and _abandoned(d):
                 shutil.rmtree(d, ignore_errors=True)
 
 
 def private_dir() -> Path:
     """A new directory of this process for a group's files (the topology,
-    the feed socket); the ones killed processes left are removed first."""
+    the feed socket), locked for as long as the process lives; the ones
+    killed processes left are removed first."""
     remove_stale_dirs()
-    return Path(tempfile.mkdtemp(prefix=f"gpubridge-{os.getpid()}-"))
+    d = Path(tempfile.mkdtemp(prefix=f"gpubridge-{os.getpid()}-"))
+    fd = os.open(d / _LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _held_locks[d] = fd
+    return d
+
+
+def remove_private_dir(d: Path) -> None:
+    """Removes a directory private_dir made, and lets its lock go."""
+    shutil.rmtree(d, ignore_errors=True)
+    fd = _held_locks.pop(d, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def discover(

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpubridge import _check_calls, _gpu
+from gpubridge import _check_calls, _gpu, _trace, _trace_gpu
 from gpubridge import _inflight as fl
 from gpubridge._failure import Breaker
 
@@ -70,6 +70,7 @@ class Work(dist.Work):
         if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
             secs = timeout.total_seconds()
         if not t.done.wait(secs):
+            _trace.dump(f"{t.entry.op} (collective #{t.entry.seq}) not done after {secs:g} s")
             raise RuntimeError(
                 f"gpubridge: {t.entry.op} (collective #{t.entry.seq}) is not done after {secs:g} s "
                 f"(step {t.entry.step})"
@@ -162,6 +163,8 @@ class Worker:
         marked as used on the worker's stream, so the caching allocator does
         not hand their memory out before the collective is done. detail: the
         call's options, for its signature."""
+        if _trace.callbacks and _trace.in_callback():
+            _trace.refuse_in_callback(op)
         gpu = self._device.type == "cuda"
         fut: Any = torch.futures.Future(devices=[self._device]) if gpu else torch.futures.Future()
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
@@ -170,10 +173,14 @@ class Worker:
             self._breaker.refuse(op)
             self.seq += 1
             entry = fl.Entry(self._group, self.seq, op, nbytes, fl.QUEUED, threading.current_thread().name)
+            entry.dtype = result[0].dtype if result else None
+            entry.detail, entry.asynchronous = detail, not sync
             task = Task(entry, fn, fut, result)
             if self._compare_calls is not None:
                 task.sig = _check_calls.signature(op, [*result, *(uses or [])], detail)
             if gpu:
+                if _trace.tracing():  # the steps' CUDA events (none with tracing off)
+                    entry.mark = _trace_gpu.Marker(self._device, self._stream)
                 cur = torch.cuda.current_stream(self._device)
                 task.event = _gpu.new_event()
                 task.event.record(cur)
@@ -231,6 +238,7 @@ class Worker:
             fl.leave()
             e.set_step(fl.DONE)
             self._count(e)
+            _trace.finish(e, task.exc)
             with self._submit_lock:
                 self._pending -= 1
 
@@ -263,6 +271,7 @@ class Worker:
                     task.fut.set_result(task.result)
             except BaseException as exc:
                 task.exc = self._breaker.fail(task.entry, exc)
+                _trace.failed(task.entry, task.exc)
                 task.fut.set_exception(task.exc)
 
     def stats(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ import pytest
 import torch.distributed as dist
 from test_backend import bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
 from testenv import scale
+
+from gpubridge import _failure, _setup
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = round(scale(20))
@@ -42,9 +45,13 @@ class Outcome:
     logs: list[str]
 
 
-def run_fault(tmp_path: Path, vendors: list[str], victim: int, mode: str, workload: str) -> Outcome:
+def run_fault(
+    tmp_path: Path, vendors: list[str], victim: int, mode: str, workload: str, check_calls: bool = True
+) -> Outcome:
+    """Runs the job with the fault; check_calls=False runs it as users do by
+    default, without GPUBRIDGE_CHECK_CALLS (the suite otherwise has it on)."""
     store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=scale(60)), wait_for_workers=False
     )
     procs = []
     for r, v in enumerate(vendors):
@@ -53,7 +60,7 @@ def run_fault(tmp_path: Path, vendors: list[str], victim: int, mode: str, worklo
             LOCAL_WORLD_SIZE=str(len(vendors)),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
             GPUBRIDGE_VENDOR=v, GPUBRIDGE_NAMESPACE=f"fault-{tmp_path.name}",
-            KILL_TEST_TIMEOUT=str(TIMEOUT_S),
+            KILL_TEST_TIMEOUT=str(TIMEOUT_S), GPUBRIDGE_CHECK_CALLS="1" if check_calls else "0",
         )  # fmt: skip
         log = (tmp_path / f"rank{r}.log").open("wb")
         cmd = [sys.executable, str(HERE / "fault_worker.py"), str(tmp_path), str(victim), mode, workload]
@@ -140,6 +147,27 @@ def test_killed_rank(tmp_path: Path, workload: str, vendors: list[str], victim: 
     assert f"rank {victim} (pid {out.pids[victim]}) no longer running" in cause, cause
     check_in_time(out, survivors, TIMEOUT_S + scale(10))
     check_clean(out, tmp_path)
+    # The killed rank's private directory is left behind; the next group
+    # this user creates removes it (_setup.remove_stale_dirs runs first).
+    left = list(Path(tempfile.gettempdir()).glob(f"gpubridge-{out.pids[victim]}-*"))
+    assert left, "the killed rank had a private directory"
+    _setup.remove_stale_dirs()
+    assert not [d for d in left if d.exists()]
+
+
+@needs_tools
+@pytest.mark.parametrize("workload", ["ddp", "fsdp"])
+@pytest.mark.parametrize("victim", [0, 3])
+def test_killed_rank_without_call_checks(tmp_path: Path, workload: str, victim: int) -> None:
+    """As test_killed_rank, with GPUBRIDGE_CHECK_CALLS off (the default): the
+    call check's extra all_gather must not be what turns a lost peer into a
+    clean error."""
+    out = run_fault(tmp_path, TWO_TWO, victim, "kill", workload, check_calls=False)
+    survivors = [r for r in range(4) if r != victim]
+    cause = root_causes(out, survivors)
+    assert f"rank {victim} (pid {out.pids[victim]}) no longer running" in cause, cause
+    check_in_time(out, survivors, TIMEOUT_S + scale(10))
+    check_clean(out, tmp_path)
 
 
 @needs_tools
@@ -151,10 +179,12 @@ def test_killed_rank_3_1_non_leader(tmp_path: Path) -> None:
 
 
 @needs_tools
-def test_exited_rank_ddp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("check_calls", [True, False])
+def test_exited_rank_ddp(tmp_path: Path, check_calls: bool) -> None:
     """The issue's reproduction: a rank leaves with os._exit under DDP (the
-    survivors used to die with SIGSEGV in DDP's reducer)."""
-    out = run_fault(tmp_path, TWO_TWO, 3, "exit", "ddp")
+    survivors used to die with SIGSEGV in DDP's reducer); also without call
+    checks, the default a user runs with."""
+    out = run_fault(tmp_path, TWO_TWO, 3, "exit", "ddp", check_calls=check_calls)
     cause = root_causes(out, [0, 1, 2])
     assert f"rank 3 (pid {out.pids[3]}) no longer running" in cause, cause
     check_clean(out, tmp_path)
@@ -195,3 +225,34 @@ def test_killed_bridge(tmp_path: Path, workload: str, victim: int) -> None:
     assert f"gbbridge serve of rank {victim} (pid {out.fault['pid']})" in cause, cause
     check_in_time(out, survivors, TIMEOUT_S + scale(10))
     check_clean(out, tmp_path)
+
+
+def test_gone_ranks_sees_a_process_on_its_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGKILLed rank closes its sockets before it is a zombie: a peer that
+    looks in between sees state R with PF_EXITING, and must name it (under
+    load that window made a survivor publish Gloo's "connection reset" as
+    the root cause). The window cannot be held open on purpose, so the stat
+    lines are given."""
+    import socket  # noqa: PLC0415
+
+    host = socket.gethostname()
+    stat = {
+        "11": "11 (python) R 1 11 11 0 -1 4194560 0 0 0 0",  # running
+        "12": "12 (python) R 1 12 12 0 -1 4194564 0 0 0 0",  # running, PF_EXITING
+        "13": "13 (py (x)) Z 1 13 13 0 -1 4194564 0 0 0 0",  # zombie; ')' in the name
+        "14": "14 (python) T 1 14 14 0 -1 4194560 0 0 0 0",  # stopped
+    }
+
+    def fake(pid: str) -> str:
+        if pid not in stat:
+            raise FileNotFoundError(pid)
+        return stat[pid]
+
+    monkeypatch.setattr(_failure, "_proc_stat", fake)
+    pids = {r: (host, str(10 + r)) for r in range(1, 6)} | {6: ("elsewhere", "12"), 0: (host, "99")}
+    assert _failure.gone_ranks(pids, 0) == [
+        "rank 2 (pid 12) no longer running",
+        "rank 3 (pid 13) no longer running",
+        "rank 4 (pid 14) stopped",
+        "rank 5 (pid 15) no longer running",
+    ]

@@ -41,8 +41,11 @@ TORCH = {
     "gpubridge._check_calls": "signatures of tensors, all-gathered",
     "gpubridge._dtypes": "torch's dtypes and reduce ops",
     "gpubridge._gpu": "CUDA through torch",
+    "gpubridge._trace_gpu": "CUDA events of a traced collective's steps",
     "gpubridge._setup": "the rank's device",
     "gpubridge._discovery": "the job's TCPStore",
+    "gpubridge._codec": "fp8 and bf16 quantizers on tensors",
+    "gpubridge._feedback": "error-feedback residuals, tensors",
 }
 
 

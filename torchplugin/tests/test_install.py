@@ -52,6 +52,26 @@ def executable(path: Path, text: str) -> Path:
     return path
 
 
+def tested_torch() -> list[tuple[int, ...]]:
+    """The torch versions make test runs the plugin's suite on besides the
+    project's own (the Makefile's TORCH_VERSIONS), oldest first."""
+    line = next(x for x in (REPO / "Makefile").read_text().splitlines() if x.startswith("TORCH_VERSIONS"))
+    return sorted(tuple(int(p) for p in v.split(".")) for v in line.split(":=")[1].split())
+
+
+def test_torch_bounds_are_the_tested_range() -> None:
+    """pyproject's torch bounds, the README's stated range and the versions
+    CI runs the suite on say the same: the oldest tested is the lower bound,
+    the newest tested is the last minor below the upper bound."""
+    req = next(x for x in (PKG / "pyproject.toml").read_text().splitlines() if x.strip().startswith('"torch'))
+    assert req.strip() == '"torch>=2.8,<2.16",', req
+    oldest, newest = tested_torch()[0], tested_torch()[-1]
+    assert oldest[:2] == (2, 8), oldest
+    assert newest[:2] == (2, 15), newest
+    readme = (REPO / "README.md").read_text()
+    assert "Supported torch: 2.8 through 2.15 (`torch>=2.8,<2.16`)" in readme
+
+
 # ---- setup.py, in process ----
 
 
@@ -274,6 +294,12 @@ def test_fresh_venv_runs_the_examples(tmp_path: Path) -> None:
                 text=True,
                 timeout=scale(600),
             )
+
+        # pip took the newest torch the package allows, which CI also tests.
+        p = run(py, "-c", "import torch; print(torch.__version__)")
+        assert p.returncode == 0, p.stderr
+        installed = tuple(int(x) for x in p.stdout.split("+")[0].split(".")[:2])
+        assert installed == tested_torch()[-1][:2], (p.stdout, tested_torch())
 
         p = run(py, "-m", "gpubridge", "--tools")
         assert p.returncode == 0, p.stderr

@@ -28,21 +28,43 @@ TIMEOUT_S = round(scale(30))
 VENDORS = ["nvidia", "nvidia", "amd", "amd"]
 
 
-def run(tmp_path: Path, wrap: dict[int, list[str]], env_of: dict[int, dict[str, str]]) -> list[dict]:
+def rank_env(tmp_path: Path, r: int, port: int, **extra: str) -> dict[str, str]:
+    """Rank r's environment for an env:// launch against the store on port
+    (rank 0's own unless TORCHELASTIC_USE_AGENT_STORE is set)."""
+    env = dict(
+        job_env(tmp_path), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(VENDORS)),
+        LOCAL_WORLD_SIZE=str(len(VENDORS)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        GPUBRIDGE_VENDOR=VENDORS[r], SETUP_TEST_TIMEOUT=str(TIMEOUT_S), **extra,
+    )  # fmt: skip
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    return env
+
+
+def run(
+    tmp_path: Path,
+    wrap: dict[int, list[str]],
+    env_of: dict[int, dict[str, str]],
+    store_on_rank0: bool = False,
+) -> list[dict]:
     """Starts one process per rank (rank r's command prefixed with wrap[r],
-    its environment extended with env_of[r]); returns every rank's result."""
-    store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
-    )
+    its environment extended with env_of[r]); returns every rank's result.
+    The store is this test's, or with store_on_rank0 rank 0's own (a plain
+    env:// launch: the store lives in a process that may be the failing one)."""
+    store = None
+    if store_on_rank0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    else:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=scale(60)), wait_for_workers=False
+        )
+        port = store.port
     procs = []
-    for r, v in enumerate(VENDORS):
-        env = dict(
-            job_env(tmp_path), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(VENDORS)),
-            LOCAL_WORLD_SIZE=str(len(VENDORS)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-            TORCHELASTIC_USE_AGENT_STORE="True", GPUBRIDGE_VENDOR=v,
-            GPUBRIDGE_NAMESPACE=f"setup-{tmp_path.name}", SETUP_TEST_TIMEOUT=str(TIMEOUT_S),
-            **env_of.get(r, {}),
-        )  # fmt: skip
+    for r in range(len(VENDORS)):
+        env = rank_env(tmp_path, r, port, GPUBRIDGE_NAMESPACE=f"setup-{tmp_path.name}", **env_of.get(r, {}))
+        if not store_on_rank0:
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         log = (tmp_path / f"rank{r}.log").open("wb")
         cmd = [*wrap.get(r, []), sys.executable, str(HERE / "setup_worker.py"), str(tmp_path)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
@@ -61,6 +83,7 @@ def run(tmp_path: Path, wrap: dict[int, list[str]], env_of: dict[int, dict[str, 
         assert f.exists(), f"rank {r} wrote no result:\n{log[-4000:]}"
         results.append(json.loads(f.read_text()))
     assert not bridge_pids(str(tmp_path)), "gbbridge serve left running"
+    del store
     return results
 
 
@@ -72,24 +95,49 @@ def same_error(results: list[dict]) -> str:
     return str(errors[0])
 
 
+def bad_bridge_env(tmp_path: Path) -> dict[str, str]:
+    """An environment whose gbbridge fails at once."""
+    tools = tmp_path / "tools"
+    if not tools.exists():
+        tools.mkdir()
+        for t in ("gbprobe", "gbdiscover"):
+            (tools / t).symlink_to(BIN / t)
+        bad = tools / "gbbridge"
+        msg = "gbbridge: unknown flag --timeout (an older gbbridge?)"
+        bad.write_text(f"#!/bin/sh\necho '{msg}' >&2\nexit 2\n")
+        bad.chmod(0o755)
+    return {"GPUBRIDGE_BIN_DIR": str(tools), "GPUBRIDGE_BIN_STRICT": "1"}
+
+
 @needs_tools
 def test_bridge_cannot_start_on_one_leader(tmp_path: Path) -> None:
     """Rank 2 (the AMD island's leader) has a gbbridge that fails at once."""
-    tools = tmp_path / "tools"
-    tools.mkdir()
-    for t in ("gbprobe", "gbdiscover"):
-        (tools / t).symlink_to(BIN / t)
-    bad = tools / "gbbridge"
-    bad.write_text("#!/bin/sh\necho 'gbbridge: unknown flag --timeout (an older gbbridge?)' >&2\nexit 2\n")
-    bad.chmod(0o755)
-    env = {"GPUBRIDGE_BIN_DIR": str(tools), "GPUBRIDGE_BIN_STRICT": "1"}
-    err = same_error(run(tmp_path, {}, {2: env}))
+    err = same_error(run(tmp_path, {}, {2: bad_bridge_env(tmp_path)}))
     assert err.startswith("gpubridge: set-up failed: rank 2: starting gbbridge serve:"), err
     assert "unknown flag --timeout" in err, err
 
 
 @needs_tools
-@pytest.mark.skipif(os.geteuid() != 0, reason="root only: needs a mount namespace with a tiny /dev/shm")
+def test_bridge_cannot_start_on_rank_0_hosting_the_store(tmp_path: Path) -> None:
+    """Rank 0 fails, and the store lives in its process (plain env://): it
+    must wait until every rank has read the outcome before it raises, or
+    the others would see a connection error instead of the reason."""
+    err = same_error(run(tmp_path, {}, {0: bad_bridge_env(tmp_path)}, store_on_rank0=True))
+    assert err.startswith("gpubridge: set-up failed: rank 0: starting gbbridge serve:"), err
+
+
+@needs_tools
+def test_bridge_cannot_start_on_both_leaders(tmp_path: Path) -> None:
+    """Both leaders fail (the issue's /dev/shm case hits every leader of a
+    host): the first cause recorded wins, and every rank raises that one."""
+    env = bad_bridge_env(tmp_path)
+    err = same_error(run(tmp_path, {}, {0: env, 2: env}, store_on_rank0=True))
+    assert err.startswith(("gpubridge: set-up failed: rank 0: ", "gpubridge: set-up failed: rank 2: ")), err
+    assert "unknown flag --timeout" in err, err
+
+
+@needs_tools
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a mount namespace with a tiny /dev/shm")
 def test_dev_shm_full_on_one_leader(tmp_path: Path) -> None:
     """Rank 2 runs in a mount namespace whose /dev/shm is a 64 KiB tmpfs: its
     gbbridge cannot allocate its ring file (the issue's case)."""
@@ -107,13 +155,8 @@ def start_job(outdir: Path, port: int, hold: Path | None = None) -> list[subproc
     env:// launch does), with no run id: the default namespace."""
     outdir.mkdir()
     procs = []
-    for r, v in enumerate(VENDORS):
-        env = dict(
-            job_env(outdir), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(VENDORS)),
-            LOCAL_WORLD_SIZE=str(len(VENDORS)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            GPUBRIDGE_VENDOR=v, SETUP_TEST_TIMEOUT=str(TIMEOUT_S),
-        )  # fmt: skip
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    for r in range(len(VENDORS)):
+        env = rank_env(outdir, r, port)
         cmd = [sys.executable, str(HERE / "setup_worker.py"), str(outdir), *([str(hold)] if hold else [])]
         log = (outdir / f"rank{r}.log").open("wb")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=outdir))
@@ -171,21 +214,47 @@ def test_second_job_on_the_same_port(tmp_path: Path) -> None:
 
 def test_stale_private_dirs_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A killed rank leaves its gpubridge-<pid>-* directory; the next group
-    created by this user removes it (and keeps the live ones)."""
-    from gpubridge import _setup  # noqa: PLC0415
-
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    created by this user removes it, and keeps the live ones: those whose
+    lock a living process holds, even when their pid means nothing here (a
+    process in another pid namespace sharing /tmp)."""
+    import fcntl  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
+
+    from gpubridge import _setup  # noqa: PLC0415
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     p = subprocess.Popen(["true"])  # a pid that is gone
     p.wait()
-    stale = tmp_path / f"gpubridge-{p.pid}-abc"
-    (stale / "x").mkdir(parents=True)
-    live = tmp_path / f"gpubridge-{os.getpid()}-def"
-    live.mkdir()
-    other = tmp_path / "gpubridge-notapid-x"
-    other.mkdir()
+    old_style = tmp_path / f"gpubridge-{p.pid}-abc"  # no lock: judged by its pid
+    (old_style / "x").mkdir(parents=True)
+    unlocked = tmp_path / "gpubridge-1-def"  # a lock nobody holds: its process is gone
+    unlocked.mkdir()
+    (unlocked / ".lock").touch()
+    foreign = tmp_path / f"gpubridge-{p.pid}-ghi"  # a dead pid here, but its lock is held
+    foreign.mkdir()
+    (foreign / ".lock").touch()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl,sys,time; f=open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)", str(foreign / ".lock")],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        other = tmp_path / "gpubridge-notapid-x"
+        other.mkdir()
+        mine = _setup.private_dir()
+        assert not old_style.exists() and not unlocked.exists()
+        assert foreign.exists() and other.exists() and mine.exists()
+        # This process's own directory is locked while it lives, and goes
+        # with its lock.
+        with open(mine / ".lock") as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _setup.remove_stale_dirs()
+        assert mine.exists() and foreign.exists()
+        _setup.remove_private_dir(mine)
+        assert not mine.exists()
+    finally:
+        holder.kill()
+        holder.wait()
     _setup.remove_stale_dirs()
-    assert not stale.exists()
-    assert live.exists() and other.exists()
+    assert not foreign.exists(), "its holder is gone"

@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from testenv import scale
 
 from gpubridge import _tools
 from gpubridge._discovery import discover, rank_problems
 from gpubridge._tools import ToolNotFoundError, find_tool
-from testenv import scale
 
 HERE = Path(__file__).resolve().parent
 PKG = HERE.parent

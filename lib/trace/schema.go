@@ -1,0 +1,151 @@
+package trace
+
+// Schema is the schema of every record the plugin writes (and of what
+// gbtrace fr makes of torch's dumps).
+const Schema = "gpubridge.trace/v1"
+
+// Record kinds.
+const (
+	KindRank       = "rank"       // a trace file's first line: who wrote it, its clock
+	KindDump       = "dump"       // a dump's first line: the same, why, and each group's progress
+	KindGroup      = "group"      // a group's name, ranks and this rank's place in it
+	KindCollective = "collective" // one collective on one rank
+	KindPhase      = "phase"      // a step of the user's own, outside any collective
+)
+
+// Results of a collective record.
+const (
+	ResultOK       = "ok"
+	ResultError    = "error"
+	ResultInFlight = "in flight"
+)
+
+// Clock maps a rank's clock onto the reference rank's: a time t of this
+// rank is t - OffsetNs there, within ErrorNs. OffsetNs nil: not measured.
+type Clock struct {
+	OffsetNs *int64 `json:"offset_ns"`
+	ErrorNs  *int64 `json:"error_ns"`
+	Ref      int    `json:"ref"`
+	Method   string `json:"method"`
+	Boot     string `json:"boot,omitempty"`
+}
+
+// Header is a source's first record (kind rank or dump).
+type Header struct {
+	Schema string `json:"schema"`
+	Kind   string `json:"kind"`
+	Rank   int    `json:"rank"`
+	Host   string `json:"host,omitempty"`
+	PID    int    `json:"pid,omitempty"`
+	Clock  Clock  `json:"clock"`
+	MonoNs int64  `json:"mono_ns"`
+	WallNs int64  `json:"wall_ns"`
+	// Dumps only.
+	Reason  string        `json:"reason,omitempty"`
+	Buffer  int           `json:"buffer,omitempty"`
+	Records int           `json:"records,omitempty"`
+	Groups  []GroupStatus `json:"groups,omitempty"`
+}
+
+// GroupStatus is a group's progress when a dump was written: the sequence
+// numbers submitted (called) and completed on that rank.
+type GroupStatus struct {
+	Name      string `json:"name"`
+	Rank      int    `json:"rank"`
+	Size      int    `json:"size"`
+	Submitted int64  `json:"submitted"`
+	Completed int64  `json:"completed"`
+}
+
+// Group is a group record: the group's global ranks and this rank's place.
+type Group struct {
+	Name   string `json:"name"`
+	Rank   int    `json:"rank"`
+	Size   int    `json:"size"`
+	Ranks  []int  `json:"ranks"`
+	Island string `json:"island,omitempty"`
+	Leader bool   `json:"leader,omitempty"`
+	Peers  []int  `json:"peers,omitempty"`
+	Policy string `json:"policy,omitempty"`
+	Device string `json:"device,omitempty"`
+}
+
+// GroupRef names a collective's group.
+type GroupRef struct {
+	Name string `json:"name"`
+	Rank int    `json:"rank"`
+	Size int    `json:"size"`
+}
+
+// Phase is one step of a collective on one rank (host ns; device ns mapped
+// onto the host clock when there are any). End nil: still running.
+type Phase struct {
+	Name     string `json:"name"`
+	Start    int64  `json:"start"`
+	End      *int64 `json:"end"`
+	GPUStart *int64 `json:"gpu_start,omitempty"`
+	GPUEnd   *int64 `json:"gpu_end,omitempty"`
+}
+
+// Collective is one collective on one rank.
+type Collective struct {
+	Rank     int      `json:"rank"`
+	Group    GroupRef `json:"group"`
+	Seq      int64    `json:"seq"`
+	Op       string   `json:"op"`
+	Call     string   `json:"call,omitempty"`
+	Async    bool     `json:"async,omitempty"`
+	Bytes    int64    `json:"bytes"`
+	DType    *string  `json:"dtype"`
+	ReduceOp *string  `json:"reduce_op"`
+	Root     *int     `json:"root"`
+	Policy   string   `json:"policy,omitempty"`
+	Codec    string   `json:"codec,omitempty"`
+	Island   string   `json:"island,omitempty"`
+	Leader   bool     `json:"leader,omitempty"`
+	Peers    []int    `json:"peers,omitempty"`
+	Device   string   `json:"device,omitempty"`
+	Thread   string   `json:"thread,omitempty"`
+	Arrived  int64    `json:"arrived"`
+	Start    *int64   `json:"start"`
+	End      *int64   `json:"end"`
+	Phases   []Phase  `json:"phases"`
+	Result   string   `json:"result"`
+	Error    string   `json:"error,omitempty"`
+	Step     string   `json:"step,omitempty"`
+	StepNs   *int64   `json:"step_ns,omitempty"`
+}
+
+// UserPhase is a step the user marked outside any collective
+// (gpubridge.observe.phase).
+type UserPhase struct {
+	Rank   int    `json:"rank"`
+	Name   string `json:"name"`
+	Thread string `json:"thread,omitempty"`
+	Start  int64  `json:"start"`
+	End    int64  `json:"end"`
+}
+
+// Source is what one process (one rank) wrote: a trace file, a dump, or a
+// torch Flight Recorder dump converted.
+type Source struct {
+	Name        string // the file, or "stdin"
+	Format      string // "trace", "dump", "torch-fr"
+	Header      Header
+	Groups      map[string]Group
+	Collectives []Collective
+	Phases      []UserPhase
+	Skipped     int // records of kinds this version does not know
+}
+
+// Rank is the source's global rank.
+func (s *Source) Rank() int { return s.Header.Rank }
+
+// Offset is the ns to subtract from this source's times to put them on
+// the reference's clock (0 when not measured), and whether it was.
+func (s *Source) Offset() (int64, bool) {
+	if s.Header.Clock.OffsetNs == nil {
+		return 0, false
+	}
+	return *s.Header.Clock.OffsetNs, true
+}

@@ -1,0 +1,94 @@
+"""Observing collectives: a record of each collective this rank runs, handed
+to the observers attached, and steps of one's own.
+
+```python
+class Timings(gpubridge.observe.CollectiveObserver):
+    def __init__(self):
+        self.records = []
+
+    def on_collective(self, record):
+        self.records.append(record)  # keep it cheap; read the times later
+
+gpubridge.add_observer(Timings())
+```
+
+Rules: observers never communicate (gpubridge refuses its collectives from
+inside ``on_collective``), they are local (sequence numbers count every
+collective, observed or not), and one that raises is detached on its own
+rank with a RuntimeWarning and a call to its ``on_detach(exc)``, while
+collectives carry on. Async collectives are observed on the worker thread,
+in submission order. On GPUs a record's device times are CUDA events read
+later: check ``record.ready()`` first; with no observer and no trace file,
+no event is created. ``phase("name")`` marks a step of one's own: inside a
+collective (a custom policy's step) it is a phase of that collective's
+record; outside one (forward, backward, optimizer), a record of its own in
+the trace file, which ``gbtrace perfetto`` shows on its own track.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from gpubridge import _inflight as fl
+from gpubridge import _trace
+from gpubridge._record import CollectiveRecord, Phase
+
+__all__ = [
+    "CollectiveObserver",
+    "CollectiveRecord",
+    "Phase",
+    "add_observer",
+    "dump_trace",
+    "phase",
+    "remove_observer",
+]
+
+
+class CollectiveObserver:
+    """A base class for observers (any object with on_collective will do)."""
+
+    def on_collective(self, record: CollectiveRecord) -> None:
+        """Called after each collective of this rank, on the thread that ran
+        it. Keep it cheap; never communicate."""
+
+    def on_detach(self, exc: BaseException) -> None:
+        """Called once this observer was detached for raising exc."""
+
+
+def add_observer(observer: Any) -> None:
+    """Start handing this rank's collective records to observer."""
+    _trace.add_observer(observer)
+
+
+def remove_observer(observer: Any) -> None:
+    _trace.remove_observer(observer)
+
+
+def dump_trace(reason: str = "gpubridge.dump_trace()") -> str | None:
+    """Writes the flight recorder (this rank's last collectives and what is
+    in flight) to the dump directory (GPUBRIDGE_TRACE_DUMP_DIR); returns the
+    file's path, or None when it could not be written."""
+    p = _trace.dump(reason)
+    return str(p) if p is not None else None
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Marks a step of one's own (see the module's doc)."""
+    e = fl.current()
+    if e is not None:
+        prev = e.step
+        e.set_step(name)
+        try:
+            yield
+        finally:
+            e.set_step(prev)
+        return
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        _trace.add_phase(name, start, time.monotonic())
