@@ -30,7 +30,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/check.*.json")):
               f"islands={d['islands']} bridge={d['bridge']} init={d['init_s']}s checks_s={d['checks_s']}s total={d['total_s']}s "
               f"async={ {k: v for k, v in d['async'].items() if k != 'in_flight_while_waiting'} } "
               f"in_flight={[ (e['op'], e['seq'], e['step']) for e in d['async']['in_flight_while_waiting']]} "
-              f"ddp={d['ddp']} bridge_exit={d['bridge_exit']}")
+              f"ddp={d['ddp']} bridge_exit={d['bridge_exit']} exchanged={d.get('exchanged')}")
 PY
 }
 if [ "$ngpu" -ge 2 ]; then
@@ -60,7 +60,46 @@ if [ "$ngpu" -ge 2 ]; then
     tail -4 "$out/$ex.log"
   done
 else
-  echo "== one GPU: 2 ranks would share it inside one island; skipped (needs nvidia-h200-x2)"
+  # One GPU: two torchrun "nodes" of one rank each, both on cuda:0, one
+  # island each (a split test of two islands sharing the GPU and its host
+  # link); the reference is a world Gloo group on CPU copies, as above.
+  echo "== one GPU: split test, 2 ranks on the one GPU as two torchrun nodes (2 islands x 1 rank) vs world Gloo on CPU copies"
+  for mode in auto host; do  # the GPU path's exchange-and-add (auto, >= 1 MiB) and the host reduce
+    start=$(date +%s)
+    port=$((29600 + RANDOM % 200))
+    pids=()
+    d=$out/check2/$mode; mkdir -p "$d"
+    for node in 0 1; do
+      GPUBRIDGE_BRIDGE_REDUCE=$mode timeout 300 python3 -m torch.distributed.run --nnodes 2 --node-rank $node \
+        --nproc-per-node 1 --max-restarts 0 --master-addr 127.0.0.1 --master-port $port \
+        bench/gpu/plugin_check.py "$d" gloo > "$d/node$node.log" 2>&1 &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || { echo "FAILED node, GPUBRIDGE_BRIDGE_REDUCE=$mode (rc $?)"; fail=1; }; done
+    echo "  GPUBRIDGE_BRIDGE_REDUCE=$mode: wall $(( $(date +%s) - start )) s"; summary "$d"
+    tail -3 "$d/node0.log"
+    python3 - "$d" "$mode" <<'PY' || fail=1
+import glob, json, sys
+rows = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/check.*.json")]
+want_gpu = sys.argv[2] == "auto"  # auto: every 1 MiB+ all_reduce reduced on the GPU
+bad = [r.get("rank") for r in rows if "error" in r or (r.get("exchanged", 0) > 0) != want_gpu]
+if len(rows) != 2 or bad:
+    sys.exit(f"  the {sys.argv[2]} run did not take the path it names on ranks {bad} ({len(rows)} results)")
+PY
+    pgrep -f 'gbbridge serve' && { echo "leftover gbbridge found"; fail=1; }
+  done
+  mkdir -p "$out/check4"
+  for ex in ddp_train fsdp_train; do
+    echo "== examples/$ex.py on the one GPU (split test: two nodes of one rank), as a user launches it"
+    port=$((29600 + RANDOM % 200)); pids=()
+    for node in 0 1; do
+      timeout 200 python3 -m torch.distributed.run --nnodes 2 --node-rank $node --nproc-per-node 1 --max-restarts 0 \
+        --master-addr 127.0.0.1 --master-port $port examples/$ex.py > "$out/$ex.$node.out" 2> "$out/$ex.$node.log" &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || { echo "FAILED $ex (rc $?)"; fail=1; }; done
+    tail -3 "$out/$ex.0.log"
+  done
 fi
 echo "== plugin-check done, fail=$fail"
 tar czf "$out/plugin-check.tgz" -C "$out" check2 check4 && rm -rf "$out/check2" "$out/check4"

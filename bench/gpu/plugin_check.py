@@ -179,6 +179,11 @@ def main() -> int:
         same(gathered[r * flat.numel() : (r + 1) * flat.numel()], flat, f"DDP parameters of rank {r}")
     info["ddp"] = {"loss_first": losses[0], "loss_last": losses[-1], "params_identical": True}
 
+    # How many all_reduces this leader reduced on the GPU itself (the
+    # exchange-and-add path, GPUBRIDGE_BRIDGE_REDUCE); 0 off the bridge.
+    ep = getattr(pg, "_endpoint", None)
+    info["exchanged"] = ep.exchanged if ep is not None else 0
+    info["reduce_mode"] = os.environ.get("GPUBRIDGE_BRIDGE_REDUCE", "auto")
     dist.destroy_process_group()
     info["bridge_exit"] = getattr(pg, "bridge_exit", None)
     info["ok"] = True

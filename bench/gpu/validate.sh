@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One GPU-host session of checks and benchmarks, from the repository root:
+#   bash bench/gpu/validate.sh STEP...      (default: every step)
+# STEP: plugin-check exchange host-bridge codec trace rebalance overhead.
+# Each step runs one of bench/gpu's scripts under `timeout` (its share of
+# GB_BUDGET_S, default 540 s, so a session fits a 10-minute device call) with
+# its output in $OUT/STEP/, packed into $OUT/STEP.tgz afterwards; the files
+# that come back are those archives, validate.log (every step's output) and
+# validate.jsonl (one row per step: name, exit status, seconds; schema
+# gpubridge.validate/v1). Exit status: 0 when every step passed, 1 when one
+# failed or ran out of time, 2 on a usage error.
+# Needs bin/ built on the dev machine and carried, torch with CUDA.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
+exec > >(tee -a "$out/validate.log") 2>&1
+GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
+all=(plugin-check exchange host-bridge codec trace rebalance overhead)
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=("${all[@]}")
+declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=60 [trace]=120 [rebalance]=150 [overhead]=90)
+for s in "${steps[@]}"; do [ -n "${share[$s]:-}" ] || { echo "unknown step $s (steps: ${all[*]})"; exit 2; }; done
+budget=${GB_BUDGET_S:-540}; t_end=$(( $(date +%s) + budget ))
+echo "== $(date -u +%FT%TZ) validate: commit $GB_COMMIT; steps ${steps[*]}; $(nproc --all) cores"
+nvidia-smi -L 2>/dev/null || echo "(no nvidia-smi)"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())'
+fail=0
+for s in "${steps[@]}"; do
+  left=$(( t_end - $(date +%s) ))
+  lim=${share[$s]}; [ "$lim" -le "$left" ] || lim=$left
+  d=$out/$s; mkdir -p "$d"
+  echo "== step $s (limit ${lim} s)"
+  start=$(date +%s)
+  if [ "$lim" -le 5 ]; then
+    rc=124; echo "  no time left"
+  else
+    case $s in
+      plugin-check) OUT=$d timeout "$lim" bash bench/gpu/plugin-check.sh ;;
+      exchange) OUT=$d GB_LIMIT_S=$(( lim - 10 )) timeout "$lim" bash bench/gpu/exchange-bench.sh ;;
+      host-bridge) OUT=$d GB_ITERS=${GB_ITERS:-3} timeout "$lim" bash bench/gpu/host-bridge-bench.sh ;;
+      codec) PYTHONPATH=$PWD/torchplugin timeout "$lim" python3 bench/gpu/codec_check.py "$d" ;;
+      trace) OUT=$d timeout "$lim" bash bench/gpu/trace-check.sh ;;
+      rebalance) OUT=$d timeout "$lim" bash bench/gpu/rebalance.sh ;;
+      overhead)
+        GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=1 timeout "$lim" \
+          python3 -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
+          bench/gpu/plugin_overhead.py "$d/overhead.jsonl" --check-calls --rounds 6 --iters 1000 ;;
+    esac
+    rc=$?
+  fi
+  secs=$(( $(date +%s) - start ))
+  echo "== step $s: rc $rc, ${secs} s"
+  [ "$rc" -eq 0 ] || fail=1
+  printf '{"schema":"gpubridge.validate/v1","commit":"%s","step":"%s","rc":%d,"seconds":%d}\n' \
+    "$GB_COMMIT" "$s" "$rc" "$secs" >> "$out/validate.jsonl"
+  pkill -f 'gbbridge serve' 2>/dev/null && echo "  (a gbbridge serve was left running after $s)"
+  tar czf "$out/$s.tgz" -C "$out" "$s" && rm -rf "$d"
+done
+echo "== validate done: fail=$fail"
+exit $fail
