@@ -51,7 +51,18 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     flattened; the 16-bit types widen exactly."""
     if x.dtype not in _FLOATS:
         raise TypeError(f"fp8 takes float32, bfloat16 or float16 tensors, not {x.dtype}")
-    return x.reshape(-1).to(torch.float32).contiguous().view(torch.int32)
+    flat = x.reshape(-1).contiguous()
+    if x.dtype == torch.bfloat16:  # the top half of a float32, on every device
+        return (flat.view(torch.int16).to(torch.int32) & 0xFFFF) << 16
+    w = flat.to(torch.float32).view(torch.int32)
+    if x.dtype == torch.float16:
+        # CUDA widens every float16 NaN to one positive NaN: a NaN's bits
+        # are set from the input's, as CPUs widen it (quiet, the sign, the
+        # payload at the top).
+        h = flat.view(torch.int16).to(torch.int32) & 0xFFFF
+        nan = (h & 0x7FFF) > 0x7C00
+        w = torch.where(nan, ((h & 0x8000) << 16) | _QNAN | ((h & 0x3FF) << 13), w)
+    return w
 
 
 def _signed(mag: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
