@@ -52,13 +52,17 @@ import (
 // on the channel, the device's async events and an eventfd; waiters spin
 // on their own queue for a few microseconds first. Nothing waits without a
 // deadline: a peer that stops reading exhausts the sender's credit and
-// its deadline; a peer whose HCA stops answering (dead process, link
-// down) fails every request after the transport retries (about 8.6 s); a
-// member that only waits sends a zero-length RDMA WRITE to each peer every
-// verbsKeepAlive, whose failure shows a silent peer within about 12 s.
-// Any failed completion breaks every stream to that peer with an error
-// naming it (remote access error: a forged or stale endpoint record), and
-// the layer above aborts the mesh as with TCP.
+// its deadline. A member waiting on a peer it has heard nothing from for
+// verbsKeepAlive pings it (a zero-length SEND with immediate data on the
+// control queue pair, which the peer's progress goroutine answers with a
+// pong); a peer unheard for verbsDeadAfter more (its process died or is
+// stopped, or the link is down) fails every stream to it, naming it. This
+// does not rely on the HCA's transport retries, which fail requests to a
+// vanished queue pair after about 8.6 s on real HCAs but, on soft-RoCE
+// (rdma_rxe, Linux 6.1), were seen never to. Any failed completion breaks
+// every stream to that peer with an error naming it (remote access
+// error: a forged or stale endpoint record), and the layer above aborts
+// the mesh as with TCP.
 //
 // Set-up (verbs_setup.go): the endpoint record carries the device, GID or
 // LID, MTU, ring address and key, and the control queue pair number for
@@ -78,11 +82,12 @@ const (
 	// verbsTick is how often the progress goroutine looks for waiters
 	// that need a keep-alive, without events.
 	verbsTick = 250 * time.Millisecond
-	// verbsKeepAlive: a member that has waited this long on a peer, with
-	// nothing heard from it, sends it a zero-length write.
-	verbsKeepAlive = 2 * time.Second
 	// verbsCloseGrace bounds the KindClose frames Close sends.
 	verbsCloseGrace = 500 * time.Millisecond
+	// verbsSettleIdle: Close waits for the writes it posted to complete
+	// while completions come, at most this long without one (more than
+	// the retry time, after which a silent peer's writes fail).
+	verbsSettleIdle = 12 * time.Second
 	// verbsSpin is how long a waiter polls its own queue before it sleeps.
 	verbsSpin = 20 * time.Microsecond
 	// verbsZeroCopyMin: payloads at least this large are written from
@@ -104,6 +109,14 @@ const (
 	verbsRetries    = 7
 	verbsRNRRetries = 7
 	verbsMinRNR     = 12 // 0.64 ms
+)
+
+// verbsKeepAlive: a member waiting on a peer it has heard nothing from for
+// this long pings it; verbsDeadAfter more without a word and the peer is
+// taken for dead. Variables so that tests can shorten them.
+var (
+	verbsKeepAlive = 2 * time.Second
+	verbsDeadAfter = 12 * time.Second
 )
 
 // verbsMesh is one member's verbs links to every other member.
@@ -136,9 +149,9 @@ type verbsMesh struct {
 
 // verbsPeer is what the mesh knows about a peer as a whole.
 type verbsPeer struct {
-	heard   atomic.Int64 // unix nanoseconds of the last completion from it
-	nopBusy bool         // a keep-alive write is outstanding (nopMu)
-	failed  error        // the first failure of any of its queue pairs (nopMu)
+	heard    atomic.Int64 // unix nanoseconds of the last message from it
+	pingBusy bool         // a ping awaits its pong (nopMu)
+	failed   error        // the first failure of any of its queue pairs (nopMu)
 }
 
 // startProgress starts the progress goroutine.
@@ -177,9 +190,9 @@ func (m *verbsMesh) progress() {
 	}
 }
 
-// housekeep polls every queue (a lost event costs at most a tick) and
-// sends a keep-alive to each peer that a stream has been waiting on for
-// verbsKeepAlive with nothing heard from it.
+// housekeep polls every queue (a lost event costs at most a tick), pings
+// each peer a stream is waiting on that has been silent for
+// verbsKeepAlive, and fails a peer silent for verbsDeadAfter more.
 func (m *verbsMesh) housekeep() {
 	now := time.Now()
 	waiting := make([]bool, m.size)
@@ -190,25 +203,31 @@ func (m *verbsMesh) housekeep() {
 		}
 	}
 	for p, w := range waiting {
-		if !w || now.Sub(time.Unix(0, m.peersState[p].heard.Load())) < verbsKeepAlive {
+		silent := now.Sub(time.Unix(0, m.peersState[p].heard.Load()))
+		if !w || silent < verbsKeepAlive {
+			continue
+		}
+		if silent > verbsKeepAlive+verbsDeadAfter {
+			m.peerFailed(p, &PeerError{Peer: m.Peer(p), Err: fmt.Errorf("%w (nothing heard for %v, keep-alives unanswered): is %s dead or stopped, or is the link down? (this side: %s)",
+				ErrConnClosed, silent.Round(time.Second), m.process(p), m.dev.port())})
 			continue
 		}
 		m.nopMu.Lock()
-		busy := m.peersState[p].nopBusy || m.peersState[p].failed != nil
+		busy := m.peersState[p].pingBusy || m.peersState[p].failed != nil
 		if !busy {
-			m.peersState[p].nopBusy = true
+			m.peersState[p].pingBusy = true
 		}
 		m.nopMu.Unlock()
 		if !busy {
-			m.links[p][m.streams].keepAlive()
+			m.links[p][m.streams].signal(immPing)
 		}
 	}
 }
 
-// nopDone records the completion of a keep-alive write to peer.
-func (m *verbsMesh) nopDone(peer int) {
+// ponged records a pong from peer.
+func (m *verbsMesh) ponged(peer int) {
 	m.nopMu.Lock()
-	m.peersState[peer].nopBusy = false
+	m.peersState[peer].pingBusy = false
 	m.nopMu.Unlock()
 }
 
@@ -251,24 +270,33 @@ func (m *verbsMesh) Abort(err error) {
 	})
 	wg.Wait()
 	cancel()
-	m.settle(until)
+	m.settle(abortGrace)
 	m.log.Debug("bridge aborted", "err", err)
 	_ = m.Close()
 }
 
-// settle waits (until at most) for every posted send request to
-// complete, so that frames just written leave before the queue pairs are
-// flushed.
-func (m *verbsMesh) settle(until time.Time) {
+// settle waits for every posted send request to complete, so that frames
+// Send accepted leave before the queue pairs are flushed: as long as
+// completions keep coming (a peer that does not answer fails them within
+// the transport's retry time), and at most maxIdle without one.
+func (m *verbsMesh) settle(maxIdle time.Duration) {
+	last, prev := time.Now(), -1
 	for {
-		busy := false
+		n := 0
 		m.each(func(s *verbsStream) {
 			s.drain(false)
 			s.mu.Lock()
-			busy = busy || len(s.sq) > 0
+			n += len(s.sq)
 			s.mu.Unlock()
 		})
-		if !busy || !time.Now().Before(until) {
+		if n == 0 {
+			return
+		}
+		if n != prev {
+			last, prev = time.Now(), n
+		}
+		if time.Since(last) > maxIdle {
+			m.log.Warn("verbs: send requests still outstanding at close", "requests", n, "idle", maxIdle)
 			return
 		}
 		time.Sleep(time.Millisecond)
@@ -300,7 +328,7 @@ func (m *verbsMesh) Close() error {
 		}
 	})
 	cancel()
-	m.settle(until)
+	m.settle(verbsSettleIdle)
 	m.teardown()
 	return nil
 }
@@ -311,7 +339,7 @@ func (m *verbsMesh) Close() error {
 // everything.
 func (m *verbsMesh) teardown() {
 	m.each(func(s *verbsStream) { s.failQP() })
-	m.settle(time.Now().Add(abortGrace))
+	m.settle(abortGrace)
 	m.torn.Store(true)
 	m.dev.wake()
 	if m.stopped != nil {

@@ -42,10 +42,21 @@ type fakeFabric struct {
 	rnr int
 	// psnMismatch counts connections whose sequence numbers disagree.
 	psnMismatch int
+	// silent: requests to a vanished peer never complete (as seen on
+	// rdma_rxe) instead of failing after the transport retries.
+	silent bool
 }
 
 func newFakeFabric() *fakeFabric {
 	return &fakeFabric{mrs: map[uint32]*fakeMR{}, qps: map[uint32]*fakeQP{}, nextKey: 0x100, nextQPN: 0x11}
+}
+
+// lostPeer is the fate of a request to a peer that is gone.
+func (f *fakeFabric) lostPeer() fakeFault {
+	if f.silent {
+		return faultHold
+	}
+	return faultRetryExc
 }
 
 type fakeMR struct {
@@ -278,7 +289,7 @@ func (q *fakeQP) write(wr uint64, sges []ibverbs.SGE, raddr uint64, rkey uint32,
 	}
 	p := q.peer
 	if p == nil || p.gone || p.errored {
-		fault = faultRetryExc
+		fault = f.lostPeer()
 	}
 	if fault == faultNone && len(data) > 0 {
 		m := f.mrs[rkey]
@@ -312,7 +323,7 @@ func (q *fakeQP) sendImm(wr uint64, imm uint32) error {
 		fault = f.fault(q, wr, imm, true, 0)
 	}
 	if p := q.peer; p == nil || p.gone || p.errored {
-		fault = faultRetryExc
+		fault = f.lostPeer()
 	}
 	if fault == faultNone {
 		q.deliver(ibverbs.OpcodeRecv, imm, 0)

@@ -38,7 +38,7 @@ const (
 	verbsHelloText = "gpubridge verbs hello"
 	// verbsLostGrace is how long set-up waits for a recorded failure
 	// before it reports a peer that stopped answering.
-	verbsLostGrace = time.Second
+	verbsLostGrace = 2 * time.Second
 )
 
 // verbsEndpoint is a verbs member's endpoint record.
@@ -371,9 +371,11 @@ func (m *verbsMesh) connectPeer(ctx context.Context, s *setup, sel verbsPort, ep
 	// fail words a failure: a timeout names the peer waited for (what is
 	// what it did not do), a peer's error names it already.
 	fail := func(what string, err error) error {
-		if errors.Is(err, ErrConnClosed) {
-			// A peer that failed tears its queue pairs down: give its
-			// recorded failure (the cause) the time to reach us.
+		var pe *PeerError
+		if errors.As(err, &pe) {
+			// A peer that failed tears its queue pairs and rings down,
+			// which shows here as its fault: give its recorded failure
+			// (the cause) the time to reach us.
 			t := time.NewTimer(verbsLostGrace)
 			select {
 			case <-ctx.Done():
@@ -384,7 +386,6 @@ func (m *verbsMesh) connectPeer(ctx context.Context, s *setup, sel verbsPort, ep
 		if rendezvous.DoneCause(ctx) != nil {
 			return s.rv.Explain(ctx, err, what, p)
 		}
-		var pe *PeerError
 		if errors.As(err, &pe) {
 			return fmt.Errorf("%s: %w", what, err)
 		}

@@ -88,7 +88,7 @@ type sqKind uint8
 const (
 	sqData sqKind = iota
 	sqCredit
-	sqNop
+	sqSignal // a ping or a pong
 )
 
 // sqEntry is a posted send request.
@@ -187,9 +187,9 @@ func (s *verbsStream) complete(w ibverbs.WC) {
 		}
 		return
 	}
-	m.peersState[s.peer].heard.Store(time.Now().UnixNano())
 	var perr error
 	if recv {
+		m.peersState[s.peer].heard.Store(time.Now().UnixNano())
 		perr = s.recvDone(w)
 	} else {
 		perr = s.sendDone(w)
@@ -219,9 +219,6 @@ func (s *verbsStream) popSQ(wr uint64) (sqEntry, bool) {
 		}
 		if e.kind == sqCredit {
 			s.creditBusy = false
-		}
-		if e.kind == sqNop {
-			defer s.m.nopDone(s.peer)
 		}
 		if e.wr == wr {
 			return e, true
@@ -261,8 +258,24 @@ func (s *verbsStream) recvDone(w ibverbs.WC) error {
 			s.recEnds = s.recEnds[1:]
 		}
 		wakeOne(s.sendWake)
-	default:
-		return fmt.Errorf("unknown immediate value %#08x", w.Imm)
+	case immPing, immPong:
+		if w.Imm&immValue != 0 || s.idx != s.m.streams {
+			return fmt.Errorf("immediate value %#08x on stream %d", w.Imm, s.idx)
+		}
+		if w.Imm&immKind == immPong {
+			s.m.ponged(s.peer)
+			return nil
+		}
+		// Answer from here (the progress goroutine): the peer's keep-alive
+		// shows this process is alive, not only its HCA.
+		if len(s.sq) < verbsSendQueue && !s.m.torn.Load() && s.sbroken == nil {
+			wr := s.nextWR + 1
+			if err := s.qp.sendImm(wr, immPong); err != nil {
+				return fmt.Errorf("answer a ping: %w", err)
+			}
+			s.nextWR = wr
+			s.sq = append(s.sq, sqEntry{wr: wr, kind: sqSignal})
+		}
 	}
 	return nil
 }
@@ -451,7 +464,8 @@ func (s *verbsStream) writeRecord(ctx context.Context, hdr wire.Header, seg []by
 			return false, fmt.Errorf("send to %s: %w", s.m.Peer(s.peer), ErrClosed)
 		}
 		pos, used = place(need, s.head, s.rCap)
-		if s.head+used-s.tail > s.rCap || len(s.recEnds) >= verbsWindow || len(s.sq) >= verbsSendQueue-2 {
+		// Room stays for a credit, a ping and a pong.
+		if s.head+used-s.tail > s.rCap || len(s.recEnds) >= verbsWindow || len(s.sq) >= verbsSendQueue-4 {
 			return false, nil
 		}
 		if zc == nil {
@@ -516,22 +530,18 @@ func (s *verbsStream) writeRecord(ctx context.Context, hdr wire.Header, seg []by
 	return wr, nil
 }
 
-// keepAlive posts a zero-length write to the peer: its acknowledgement
-// shows the peer's HCA is there; its failure breaks the peer's streams.
-func (s *verbsStream) keepAlive() {
+// signal posts a ping to the peer (control streams).
+func (s *verbsStream) signal(imm uint32) {
 	s.mu.Lock()
 	var err error
 	if s.sbroken == nil && len(s.sq) < verbsSendQueue && !s.m.torn.Load() {
 		wr := s.nextWR + 1
-		if err = s.qp.write(wr, nil, s.rAddr, s.rKey, 0, false); err == nil {
+		if err = s.qp.sendImm(wr, imm); err == nil {
 			s.nextWR = wr
-			s.sq = append(s.sq, sqEntry{wr: wr, kind: sqNop})
-			s.mu.Unlock()
-			return
+			s.sq = append(s.sq, sqEntry{wr: wr, kind: sqSignal})
 		}
 	}
 	s.mu.Unlock()
-	s.m.nopDone(s.peer)
 	if err != nil {
 		s.m.peerFailed(s.peer, &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("keep-alive on stream %d: %w", s.idx, err)})
 	}

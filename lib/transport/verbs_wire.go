@@ -17,6 +17,8 @@ import (
 const (
 	immData   = 0 << 30 // a record was written: its length in 64-byte units
 	immCredit = 1 << 30 // the peer released its ring up to this position, in 64-byte units modulo 2^30
+	immPing   = 2 << 30 // keep-alive (control streams): answer with a pong; the rest is zero
+	immPong   = 3 << 30 // the answer to a ping; the rest is zero
 	immKind   = 3 << 30
 	immValue  = 1<<30 - 1
 )
