@@ -58,7 +58,7 @@ boot() { # boot ROLE PEER MAC SMP MEM
     -kernel "/boot/vmlinuz-$K" -initrd "$W/initrd.cpio.gz" \
     -append "console=ttyS0 quiet panic=-1 gb.role=$1 gb.scale=$SCALE" \
     -netdev "dgram,id=n0,local.type=unix,local.path=$W/$1.sock,remote.type=unix,remote.path=$W/$2.sock" \
-    -device "virtio-net-pci,netdev=n0,mac=$3" \
+    -device "virtio-net-pci,netdev=n0,mac=$3,host_mtu=9000" \
     -virtfs "local,path=$W/out-$1,mount_tag=out,security_model=none,id=out" \
     > "$W/console-$1.log" 2>&1 < /dev/null
   echo $? > "$W/qemu-$1.rc"

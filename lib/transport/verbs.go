@@ -198,6 +198,7 @@ func (m *verbsMesh) housekeep() {
 	waiting := make([]bool, m.size)
 	for _, s := range m.byKey {
 		s.drain(false)
+		s.kick()
 		if w := s.waitingSince.Load(); w != 0 && now.Sub(time.Unix(0, w)) > verbsKeepAlive {
 			waiting[s.peer] = true
 		}
@@ -219,7 +220,7 @@ func (m *verbsMesh) housekeep() {
 		}
 		m.nopMu.Unlock()
 		if !busy {
-			m.links[p][m.streams].signal(immPing)
+			m.links[p][m.streams].ping()
 		}
 	}
 }
@@ -348,12 +349,14 @@ func (m *verbsMesh) teardown() {
 	var errs []error
 	m.each(func(s *verbsStream) {
 		// Nobody polls or posts on it once it is gone.
+		s.postMu.Lock()
 		s.pollMu.Lock()
 		s.mu.Lock()
 		errs = append(errs, s.qp.close())
 		s.sq = nil
 		s.mu.Unlock()
 		s.pollMu.Unlock()
+		s.postMu.Unlock()
 		s.wakeAll()
 	})
 	m.regs.closeAll()

@@ -27,6 +27,15 @@ type verbsStream struct {
 	smu    sync.Mutex // the sender (Send, Abort's and Close's frames)
 	pollMu sync.Mutex
 	wcs    [16]ibverbs.WC
+	// postMu serializes the queue pair's posts, in the order of their sq
+	// entries. ibv_post_send can do the device's work in the caller
+	// (rdma_rxe runs its requester in process context), so it is never
+	// called with mu held and the progress goroutine never waits for it:
+	// credits, pings and pongs are marked due under mu and posted by
+	// whoever holds postMu or takes it next (kick).
+	postMu  sync.Mutex
+	pingDue bool
+	pongDue int
 
 	mu sync.Mutex
 
@@ -194,6 +203,7 @@ func (s *verbsStream) complete(w ibverbs.WC) {
 	} else {
 		perr = s.sendDone(w)
 	}
+	s.kick()
 	if perr != nil {
 		m.peerFailed(s.peer, &PeerError{Peer: m.Peer(s.peer), Err: fmt.Errorf("stream %d: protocol error: %w", s.idx, perr)})
 	}
@@ -266,26 +276,16 @@ func (s *verbsStream) recvDone(w ibverbs.WC) error {
 			s.m.ponged(s.peer)
 			return nil
 		}
-		// Answer from here (the progress goroutine): the peer's keep-alive
-		// shows this process is alive, not only its HCA.
-		if len(s.sq) < verbsSendQueue && !s.m.torn.Load() && s.sbroken == nil {
-			wr := s.nextWR + 1
-			if err := s.qp.sendImm(wr, immPong); err != nil {
-				return fmt.Errorf("answer a ping: %w", err)
-			}
-			s.nextWR = wr
-			s.sq = append(s.sq, sqEntry{wr: wr, kind: sqSignal})
-		}
+		// Answered by this process (kick, from the progress goroutine):
+		// the peer learns that the process is alive, not only its HCA.
+		s.pongDue++
 	}
 	return nil
 }
 
 func (s *verbsStream) sendDone(w ibverbs.WC) error {
 	s.mu.Lock()
-	e, ok := s.popSQ(w.WRID)
-	if ok && e.kind == sqCredit {
-		s.maybeCreditLocked()
-	}
+	_, ok := s.popSQ(w.WRID)
 	s.completedWR = max(s.completedWR, w.WRID)
 	s.mu.Unlock()
 	wakeOne(s.sendWake)
@@ -479,9 +479,12 @@ func (s *verbsStream) writeRecord(ctx context.Context, hdr wire.Header, seg []by
 	if err != nil {
 		return 0, err
 	}
+	s.postMu.Lock()
+	defer s.kick()
+	defer s.postMu.Unlock()
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if s.m.torn.Load() {
+		s.mu.Unlock()
 		return 0, fmt.Errorf("send to %s: %w", s.m.Peer(s.peer), ErrClosed)
 	}
 	rec := verbsRecord{length: uint32(need), flags: flags, seg: uint32(len(seg)), seq: s.sendSeq, hdr: hdr}
@@ -496,6 +499,8 @@ func (s *verbsStream) writeRecord(ctx context.Context, hdr wire.Header, seg []by
 		sges[0] = ibverbs.SGE{Addr: s.stageAddr + at, Len: uint32(need), LKey: s.stageKey}
 		ns = 1
 		stEnd = s.stHead + stUsed
+		s.stHead = stEnd
+		s.m.regs.copied.Add(int64(len(seg)))
 	} else {
 		at := uint64(s.sendSeq%verbsWindow) * verbsRecHdr
 		putVerbsRecord(s.hdrs[at:at+verbsRecHdr], rec)
@@ -507,63 +512,99 @@ func (s *verbsStream) writeRecord(ctx context.Context, hdr wire.Header, seg []by
 		if len(seg) == 0 {
 			ns = 1
 		}
+		s.m.regs.zeroCopied.Add(int64(len(seg)))
 	}
+	// The request is accounted for before it is posted (its completion
+	// may come at once); postMu keeps the posts in this order.
 	wr := s.nextWR + 1
-	if err := s.qp.write(wr, sges[:ns], s.rAddr+pos%s.rCap, s.rKey, immData|uint32(need/64), true); err != nil {
-		e := &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %w", s.idx, err)}
-		if s.sbroken == nil {
-			s.sbroken = e
-		}
-		return 0, e
-	}
 	s.nextWR = wr
 	s.sq = append(s.sq, sqEntry{wr: wr, kind: sqData, stEnd: stEnd})
+	raddr := s.rAddr + pos%s.rCap
 	s.head += used
 	s.recEnds = append(s.recEnds, s.head)
 	s.sendSeq++
-	if zc == nil {
-		s.stHead = stEnd
-		s.m.regs.copied.Add(int64(len(seg)))
-	} else {
-		s.m.regs.zeroCopied.Add(int64(len(seg)))
+	s.mu.Unlock()
+	if err := s.qp.write(wr, sges[:ns], raddr, s.rKey, immData|uint32(need/64), true); err != nil {
+		e := &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %w", s.idx, err)}
+		s.breakWith(e)
+		return 0, e
 	}
+	s.flushDue()
 	return wr, nil
 }
 
-// signal posts a ping to the peer (control streams).
-func (s *verbsStream) signal(imm uint32) {
+// ping asks the peer for a pong (control streams).
+func (s *verbsStream) ping() {
 	s.mu.Lock()
-	var err error
-	if s.sbroken == nil && len(s.sq) < verbsSendQueue && !s.m.torn.Load() {
-		wr := s.nextWR + 1
-		if err = s.qp.sendImm(wr, imm); err == nil {
-			s.nextWR = wr
-			s.sq = append(s.sq, sqEntry{wr: wr, kind: sqSignal})
-		}
-	}
+	s.pingDue = true
 	s.mu.Unlock()
-	if err != nil {
-		s.m.peerFailed(s.peer, &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("keep-alive on stream %d: %w", s.idx, err)})
+	s.kick()
+}
+
+// kick posts what is due unless another goroutine holds postMu (which
+// posts it when done); it never waits.
+func (s *verbsStream) kick() {
+	for s.postMu.TryLock() {
+		s.flushDue()
+		s.postMu.Unlock()
+		s.mu.Lock()
+		more := s.dueLocked()
+		s.mu.Unlock()
+		if !more {
+			return
+		}
 	}
 }
 
-// maybeCreditLocked sends the released position to the peer unless a
-// credit is in flight (its completion sends the next). Callers hold mu.
-func (s *verbsStream) maybeCreditLocked() {
-	if s.creditBusy || s.released <= s.reported || s.rbroken != nil || s.m.closing.Load() || s.m.torn.Load() {
-		return
+// dueLocked says whether a credit, ping or pong is due and can be
+// posted. Callers hold mu.
+func (s *verbsStream) dueLocked() bool {
+	if s.m.torn.Load() || s.sbroken != nil || len(s.sq) >= verbsSendQueue {
+		return false
 	}
-	wr := s.nextWR + 1
-	if err := s.qp.sendImm(wr, creditImm(s.released)); err != nil {
-		if s.rbroken == nil {
-			s.rbroken = &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: credit: %w", s.idx, err)}
+	credit := !s.creditBusy && s.released > s.reported && s.rbroken == nil && !s.m.closing.Load()
+	return credit || s.pingDue || s.pongDue > 0
+}
+
+// flushDue posts the due credit (one in flight: its completion lets the
+// next go), ping and pongs. Callers hold postMu.
+func (s *verbsStream) flushDue() {
+	type post struct {
+		wr   uint64
+		imm  uint32
+		what string
+	}
+	var posts [3]post
+	n := 0
+	s.mu.Lock()
+	add := func(kind sqKind, imm uint32, what string) {
+		wr := s.nextWR + 1
+		s.nextWR = wr
+		s.sq = append(s.sq, sqEntry{wr: wr, kind: kind})
+		posts[n] = post{wr, imm, what}
+		n++
+	}
+	if s.dueLocked() {
+		if !s.creditBusy && s.released > s.reported && s.rbroken == nil && !s.m.closing.Load() {
+			s.creditBusy, s.reported = true, s.released
+			add(sqCredit, creditImm(s.released), "credit")
 		}
-		return
+		if s.pongDue > 0 && len(s.sq) < verbsSendQueue {
+			s.pongDue--
+			add(sqSignal, immPong, "pong")
+		}
+		if s.pingDue && len(s.sq) < verbsSendQueue {
+			s.pingDue = false
+			add(sqSignal, immPing, "ping")
+		}
 	}
-	s.nextWR = wr
-	s.sq = append(s.sq, sqEntry{wr: wr, kind: sqCredit})
-	s.creditBusy = true
-	s.reported = s.released
+	s.mu.Unlock()
+	for _, p := range posts[:n] {
+		if err := s.qp.sendImm(p.wr, p.imm); err != nil {
+			s.m.peerFailed(s.peer, &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %s: %w", s.idx, p.what, err)})
+			return
+		}
+	}
 }
 
 // Recv reads the next frame (see Stream).
@@ -619,6 +660,7 @@ func (s *verbsStream) RecvHold(ctx context.Context) (wire.Header, []byte, func()
 // consume marks the ring read up to end and releases what no held frame
 // pins; with pin, the frame just read is held in place.
 func (s *verbsStream) consume(end uint64, pin bool) *verbsPin {
+	defer s.kick()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var p *verbsPin
@@ -632,6 +674,7 @@ func (s *verbsStream) consume(end uint64, pin bool) *verbsPin {
 }
 
 func (s *verbsStream) unpin(p *verbsPin) {
+	defer s.kick()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	p.released = true
@@ -643,16 +686,13 @@ func (s *verbsStream) unpin(p *verbsPin) {
 }
 
 // advanceLocked releases the ring up to the first pinned frame, or up to
-// rd, and returns credit. Callers hold mu.
+// rd; the caller kicks the credit out. Callers hold mu.
 func (s *verbsStream) advanceLocked() {
 	to := s.rd
 	if len(s.pins) > 0 {
 		to = s.pins[0].start
 	}
-	if to > s.released {
-		s.released = to
-		s.maybeCreditLocked()
-	}
+	s.released = max(s.released, to)
 }
 
 // next reads the next frame. A frame of one record is returned in place,
