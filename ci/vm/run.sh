@@ -64,7 +64,7 @@ boot() { # boot ROLE PEER MAC SMP MEM
   echo $? > "$W/qemu-$1.rc"
 }
 t0=$(date +%s)
-boot a b 52:54:00:00:00:01 2 2048 & pids+=($!)
+boot a b 52:54:00:00:00:01 2 3072 & pids+=($!)
 boot b a 52:54:00:00:00:02 1 1024 & pids+=($!)
 wait "${pids[@]}" || true
 pids=()

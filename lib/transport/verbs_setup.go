@@ -265,15 +265,18 @@ func (m *verbsMesh) ringSizes(ringBytes int) (uint64, uint64) {
 // build makes every queue pair, ring and staging area. Rings: one
 // registration for every inbound ring (its address and key go in the
 // record; peer p's rings begin at peerIndex(self, p) × (S × dataCap +
-// ctlCap)); staging: one registration for every stream's staging ring and
+// ctlCap)); staging: one registration for every stream's staging ring
+// (half a data ring and a page: one frame of the largest record size in
+// flight, smaller ones beside it; a control ring's size for control) and
 // header slots.
 func (m *verbsMesh) build(sel verbsPort, ringBytes int) error {
 	n, self, S := m.size, m.self, m.streams
 	m.dataCap, m.ctlCap = m.ringSizes(ringBytes)
+	dataStage := (m.dataCap/2+4095)&^4095 + 4096
 	perPeer := uint64(S)*m.dataCap + m.ctlCap
 	hdrBytes := uint64(verbsWindow * verbsRecHdr)
 	rings := make([]byte, uint64(n-1)*perPeer)
-	stage := make([]byte, uint64(n-1)*(perPeer+uint64(S+1)*hdrBytes))
+	stage := make([]byte, uint64(n-1)*(uint64(S)*dataStage+m.ctlCap+uint64(S+1)*hdrBytes))
 	rmr, err := m.dev.register(rings, true)
 	if err != nil {
 		return fmt.Errorf("register %d MiB of receive rings on %s: %w (is the locked-memory limit, ulimit -l, too low?)", len(rings)>>20, sel.dev, err)
@@ -293,9 +296,9 @@ func (m *verbsMesh) build(sel verbsPort, ringBytes int) error {
 		}
 		m.links[p] = make([]*verbsStream, S+1)
 		for st := range S + 1 {
-			cp := m.dataCap
+			cp, sp := m.dataCap, dataStage
 			if st == S {
-				cp = m.ctlCap
+				cp, sp = m.ctlCap, m.ctlCap
 			}
 			key := len(m.byKey)
 			qp, err := m.dev.newQP(key, verbsSendQueue, verbsRecvQueue)
@@ -304,8 +307,8 @@ func (m *verbsMesh) build(sel verbsPort, ringBytes int) error {
 			}
 			s := newVerbsStream(m, p, st, qp, rings[roff:roff+cp:roff+cp])
 			roff += cp
-			s.stage, s.stageKey, s.stageAddr = stage[soff:soff+cp:soff+cp], slk, smr.addr()+soff
-			soff += cp
+			s.stage, s.stageKey, s.stageAddr = stage[soff:soff+sp:soff+sp], slk, smr.addr()+soff
+			soff += sp
 			s.hdrs, s.hdrKey, s.hdrAddr = stage[soff:soff+hdrBytes:soff+hdrBytes], slk, smr.addr()+soff
 			soff += hdrBytes
 			m.links[p][st] = s

@@ -469,6 +469,12 @@ func (s *verbsStream) writeRecord(ctx context.Context, hdr wire.Header, seg []by
 			return false, nil
 		}
 		if zc == nil {
+			if s.stHead == s.stTail {
+				// Nothing staged is in flight: start at the beginning, so
+				// that any record up to the staging's size fits (the ring
+				// is smaller than two of the largest).
+				s.stHead, s.stTail = 0, 0
+			}
 			stPos, stUsed = place(need, s.stHead, uint64(len(s.stage)))
 			if s.stHead+stUsed-s.stTail > uint64(len(s.stage)) {
 				return false, nil
@@ -794,9 +800,11 @@ func (s *verbsStream) deliver(h wire.Header, p []byte, fn func(wire.Header, []by
 		perr = &PeerError{Peer: s.m.Peer(s.peer), Err: ErrPeerClosed}
 	}
 	if perr != nil {
-		// The peer's mesh is gone: every stream to it (frames already in
-		// their rings are still read first).
-		s.m.peerFailed(s.peer, perr)
+		// This stream is done both ways. The others stay until they see
+		// their own close (as TCP connections do): a peer that finished
+		// closes while its last frames on other queue pairs are still on
+		// their way, which nothing orders against this one.
+		s.breakWith(perr)
 		return perr
 	}
 	return fn(h, p)
