@@ -139,7 +139,6 @@ type verbsMesh struct {
 	aborting atomic.Bool
 	done     chan struct{} // closed by Close
 	stopped  chan struct{} // closed when the progress goroutine ends
-	stopOnce sync.Once
 	closeMu  sync.Mutex
 	closed   bool
 	torn     atomic.Bool // the queue pairs are destroyed

@@ -170,7 +170,6 @@ type fakeQP struct {
 	recvs            []uint64 // posted receive ids
 	maxRecv, maxSend int
 	held             []ibverbs.WC // completions a faultHold keeps back
-	sends            int          // outstanding send requests
 	hooks            fakeHooks
 }
 

@@ -172,7 +172,7 @@ func TestVerbsRxeSilentPeer(t *testing.T) {
 // A peer that stops reading: the sender's deadline names it.
 func TestVerbsRxeStalledReader(t *testing.T) {
 	ms, _ := rxeBridge(t, 2, 1, 64<<10, false)
-	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(5*time.Second))
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(3*time.Second))
 	defer cancel()
 	var err error
 	for i := 0; err == nil && i < 10000; i++ {

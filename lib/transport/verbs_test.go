@@ -359,12 +359,14 @@ func TestVerbsSilentPeerIsFound(t *testing.T) {
 // for dead; once it vanishes, it is.
 func TestVerbsKeepAlivesTellAliveFromDead(t *testing.T) {
 	defer func(k, d time.Duration) { verbsKeepAlive, verbsDeadAfter = k, d }(verbsKeepAlive, verbsDeadAfter)
-	verbsKeepAlive, verbsDeadAfter = 300*time.Millisecond, 700*time.Millisecond
+	// Shorter than the defaults, still not sub-second: a loaded machine
+	// must not lose a live peer.
+	verbsKeepAlive, verbsDeadAfter = testenv.Scale(time.Second), testenv.Scale(2*time.Second)
 	f, devs, ms := fakeBridge(t, 2, 1, 64<<10, false)
 	f.mu.Lock()
 	f.silent = true
 	f.mu.Unlock()
-	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(4*time.Second))
+	ctx, cancel := context.WithTimeout(context.Background(), 3*(verbsKeepAlive+verbsDeadAfter))
 	defer cancel()
 	err := ms[0].Control(1).Recv(ctx, func(wire.Header, []byte) error { return nil })
 	require.ErrorIs(t, err, context.DeadlineExceeded, "a live peer stays alive")
