@@ -283,10 +283,19 @@ func (m *verbsMesh) settle(maxIdle time.Duration) {
 	last, prev := time.Now(), -1
 	for {
 		n := 0
+		m.nopMu.Lock()
+		failed := make([]bool, m.size)
+		for p := range m.peersState {
+			failed[p] = m.peersState[p].failed != nil
+		}
+		m.nopMu.Unlock()
 		m.each(func(s *verbsStream) {
 			s.drain(false)
 			s.mu.Lock()
-			n += len(s.sq)
+			if !failed[s.peer] {
+				// A failed peer's requests are not waited for.
+				n += len(s.sq)
+			}
 			s.mu.Unlock()
 		})
 		if n == 0 {
