@@ -57,21 +57,32 @@ func deviceList() (unsafe.Pointer, []unsafe.Pointer, error) {
 	return unsafe.Pointer(list), unsafe.Slice((*unsafe.Pointer)(unsafe.Pointer(list)), int(n)), nil
 }
 
-// Devices lists the RDMA devices libibverbs sees, by name.
-func Devices() ([]string, error) {
+// withDevices loads libibverbs and calls f with its device list, freed
+// after f.
+func withDevices(f func(devs []unsafe.Pointer) error) error {
 	if err := Load(""); err != nil {
-		return nil, err
+		return err
 	}
 	list, devs, err := deviceList()
 	if err != nil {
-		return nil, err
+		return err
 	}
 	defer C.gbv_free_device_list((*unsafe.Pointer)(list))
-	names := make([]string, 0, len(devs))
-	for _, d := range devs {
-		names = append(names, C.GoString(C.gbv_device_name(d)))
-	}
-	return names, nil
+	return f(devs)
+}
+
+func deviceName(d unsafe.Pointer) string { return C.GoString(C.gbv_device_name(d)) }
+
+// Devices lists the RDMA devices libibverbs sees, by name.
+func Devices() ([]string, error) {
+	var names []string
+	err := withDevices(func(devs []unsafe.Pointer) error {
+		for _, d := range devs {
+			names = append(names, deviceName(d))
+		}
+		return nil
+	})
+	return names, err
 }
 
 // Context is an open device.
@@ -82,28 +93,24 @@ type Context struct {
 
 // Open opens the device called name.
 func Open(name string) (*Context, error) {
-	if err := Load(""); err != nil {
-		return nil, err
-	}
-	list, devs, err := deviceList()
-	if err != nil {
-		return nil, err
-	}
-	defer C.gbv_free_device_list((*unsafe.Pointer)(list))
-	var have []string
-	for _, d := range devs {
-		dn := C.GoString(C.gbv_device_name(d))
-		if dn != name {
-			have = append(have, dn)
-			continue
+	var c *Context
+	err := withDevices(func(devs []unsafe.Pointer) error {
+		var have []string
+		for _, d := range devs {
+			if dn := deviceName(d); dn != name {
+				have = append(have, dn)
+				continue
+			}
+			ctx, err := C.gbv_open_device(d)
+			if ctx == nil {
+				return fmt.Errorf("ibv_open_device %s: %w", name, errnoOr(err, syscall.EIO))
+			}
+			c = &Context{Name: name, p: ctx}
+			return nil
 		}
-		ctx, err := C.gbv_open_device(d)
-		if ctx == nil {
-			return nil, fmt.Errorf("ibv_open_device %s: %w", name, errnoOr(err, syscall.EIO))
-		}
-		return &Context{Name: name, p: ctx}, nil
-	}
-	return nil, fmt.Errorf("no RDMA device %s (libibverbs sees: %v)", name, have)
+		return fmt.Errorf("no RDMA device %s (libibverbs sees: %v)", name, have)
+	})
+	return c, err
 }
 
 // Close closes the device. Everything made from it must be closed first.

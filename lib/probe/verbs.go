@@ -84,42 +84,24 @@ func RealVerbs(path string) Verbs {
 		if err := ibverbs.Load(path); err != nil {
 			return nil, err
 		}
-		names, err := ibverbs.Devices()
+		devs, err := ibverbs.Scan()
 		if err != nil {
 			return nil, err
 		}
-		out := make([]VerbsDevice, 0, len(names))
-		for _, n := range names {
-			out = append(out, queryVerbsDevice(n))
+		out := make([]VerbsDevice, 0, len(devs))
+		for _, d := range devs {
+			v := VerbsDevice{Name: d.Name, MaxQP: d.Attr.MaxQP, MaxQPWR: d.Attr.MaxQPWR}
+			if d.Err != nil {
+				v.Error = d.Err.Error()
+			}
+			for _, p := range d.Ports {
+				v.Ports = append(v.Ports, VerbsPort{Port: p.Num, State: p.Attr.State.String(), LinkLayer: p.Attr.LinkLayer.String(),
+					ActiveMTU: p.Attr.ActiveMTU.Bytes(), MaxMTU: p.Attr.MaxMTU.Bytes(), Gbps: p.Attr.Gbps()})
+			}
+			out = append(out, v)
 		}
 		return out, nil
 	})
-}
-
-func queryVerbsDevice(name string) VerbsDevice {
-	d := VerbsDevice{Name: name}
-	c, err := ibverbs.Open(name)
-	if err != nil {
-		d.Error = err.Error()
-		return d
-	}
-	defer c.Close()
-	da, err := c.QueryDevice()
-	if err != nil {
-		d.Error = err.Error()
-		return d
-	}
-	d.MaxQP, d.MaxQPWR = da.MaxQP, da.MaxQPWR
-	for p := 1; p <= da.Ports; p++ {
-		pa, err := c.QueryPort(p)
-		if err != nil {
-			d.Error = err.Error()
-			return d
-		}
-		d.Ports = append(d.Ports, VerbsPort{Port: p, State: pa.State.String(), LinkLayer: pa.LinkLayer.String(),
-			ActiveMTU: pa.ActiveMTU.Bytes(), MaxMTU: pa.MaxMTU.Bytes(), Gbps: pa.Gbps()})
-	}
-	return d
 }
 
 // queryVerbs runs lib.Query bounded by timeout and ctx (a broken driver

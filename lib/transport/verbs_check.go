@@ -87,8 +87,8 @@ func VerbsCheck(ctx context.Context, o VerbsCheckOptions) (*VerbsCheckReport, er
 	if err != nil {
 		return nil, err
 	}
-	rep := &VerbsCheckReport{Device: sel.dev, Port: sel.port.num, State: sel.port.attr.State.String(), LinkLayer: sel.port.attr.LinkLayer.String(),
-		ActiveMTU: sel.port.attr.ActiveMTU.Bytes(), Gbps: sel.port.attr.Gbps(), LID: int(sel.port.attr.LID),
+	rep := &VerbsCheckReport{Device: sel.dev, Port: sel.port.Num, State: sel.port.Attr.State.String(), LinkLayer: sel.port.Attr.LinkLayer.String(),
+		ActiveMTU: sel.port.Attr.ActiveMTU.Bytes(), Gbps: sel.port.Attr.Gbps(), LID: int(sel.port.Attr.LID),
 		GIDIndex: sel.gid.Index, GID: sel.gid.GID.String(), GIDType: sel.gid.Type.String(), Netdev: sel.ifname, Chosen: sel.how,
 		MaxQP: sel.limits.MaxQP, MaxQPWR: sel.limits.MaxQPWR}
 	t0 := time.Now()
@@ -97,7 +97,7 @@ func VerbsCheck(ctx context.Context, o VerbsCheckOptions) (*VerbsCheckReport, er
 		err = cerr
 	}
 	if err != nil {
-		return rep, fmt.Errorf("loopback on %s port %d: %w", sel.dev, sel.port.num, err)
+		return rep, fmt.Errorf("loopback on %s port %d: %w", sel.dev, sel.port.Num, err)
 	}
 	rep.LoopbackBytes, rep.LoopbackMicros = n, float64(time.Since(t0).Microseconds())
 	return rep, nil
@@ -133,8 +133,8 @@ func verbsLoopback(ctx context.Context, sel verbsPort, dev vDev) (int, error) {
 		return 0, err
 	}
 	for i, q := range qps {
-		r := vRemote{qpn: qps[1-i].num(), lid: sel.port.attr.LID, gid: sel.gid.GID, global: sel.port.attr.LinkLayer == ibverbs.LinkEthernet,
-			mtu: sel.port.attr.ActiveMTU, gidIndex: sel.gid.Index, port: sel.port.num}
+		r := vRemote{qpn: qps[1-i].num(), lid: sel.port.Attr.LID, gid: sel.gid.GID, global: sel.port.Attr.LinkLayer == ibverbs.LinkEthernet,
+			mtu: sel.port.Attr.ActiveMTU, gidIndex: sel.gid.Index, port: sel.port.Num}
 		if err := q.connect(r, 0x123456, 0x123456); err != nil {
 			return 0, err
 		}

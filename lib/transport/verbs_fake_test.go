@@ -265,30 +265,42 @@ func (q *fakeQP) complete(wr uint64, op int, fault fakeFault) {
 	}
 }
 
+// post is what every posted send request goes through (f.mu held): a
+// destroyed queue pair refuses it, one in the error state flushes it,
+// else the test's fault and a vanished peer decide its fate. ok is false
+// when the request is done already.
+func (q *fakeQP) post(wr uint64, imm uint32, withImm bool, n int) (fakeFault, bool, error) {
+	f := q.d.f
+	if q.gone {
+		return 0, false, errors.New("fake: post on a destroyed queue pair")
+	}
+	if q.errored {
+		q.push(ibverbs.WC{WRID: wr, Status: ibverbs.StatusFlush, QPNum: q.qpn})
+		return 0, false, nil
+	}
+	fault := faultNone
+	if f.fault != nil {
+		fault = f.fault(q, wr, imm, withImm, n)
+	}
+	if p := q.peer; p == nil || p.gone || p.errored {
+		fault = f.lostPeer()
+	}
+	return fault, true, nil
+}
+
 func (q *fakeQP) write(wr uint64, sges []ibverbs.SGE, raddr uint64, rkey uint32, imm uint32, withImm bool) error {
 	f := q.d.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if q.gone {
-		return errors.New("fake: post on a destroyed queue pair")
-	}
-	if q.errored {
-		q.push(ibverbs.WC{WRID: wr, Status: ibverbs.StatusFlush, QPNum: q.qpn})
-		return nil
-	}
 	data, ok := q.gather(sges)
-	if !ok {
+	if !ok && !q.gone && !q.errored {
 		q.push(ibverbs.WC{WRID: wr, Status: ibverbs.StatusLocProt, QPNum: q.qpn})
 		q.failLocked()
 		return nil
 	}
-	fault := faultNone
-	if f.fault != nil {
-		fault = f.fault(q, wr, imm, withImm, len(data))
-	}
-	p := q.peer
-	if p == nil || p.gone || p.errored {
-		fault = f.lostPeer()
+	fault, ok, err := q.post(wr, imm, withImm, len(data))
+	if !ok {
+		return err
 	}
 	if fault == faultNone && len(data) > 0 {
 		m := f.mrs[rkey]
@@ -310,19 +322,9 @@ func (q *fakeQP) sendImm(wr uint64, imm uint32) error {
 	f := q.d.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if q.gone {
-		return errors.New("fake: post on a destroyed queue pair")
-	}
-	if q.errored {
-		q.push(ibverbs.WC{WRID: wr, Status: ibverbs.StatusFlush, QPNum: q.qpn})
-		return nil
-	}
-	fault := faultNone
-	if f.fault != nil {
-		fault = f.fault(q, wr, imm, true, 0)
-	}
-	if p := q.peer; p == nil || p.gone || p.errored {
-		fault = f.lostPeer()
+	fault, ok, err := q.post(wr, imm, true, 0)
+	if !ok {
+		return err
 	}
 	if fault == faultNone {
 		q.deliver(ibverbs.OpcodeRecv, imm, 0)
@@ -390,7 +392,7 @@ func (f *fakeFabric) opener(devs []*fakeDev) func(ctx context.Context, c *Config
 		d := devs[c.Self]
 		var g ibverbs.GID
 		copy(g[10:], []byte{0xff, 0xff, 10, 0, 0, byte(c.Self + 1)})
-		p := verbsPort{dev: d.name, port: verbsPortInfo{num: 1, attr: ibverbs.PortAttr{State: ibverbs.PortActive, ActiveMTU: 3, MaxMTU: 5, LinkLayer: ibverbs.LinkEthernet}},
+		p := verbsPort{dev: d.name, port: verbsPortInfo{Num: 1, Attr: ibverbs.PortAttr{State: ibverbs.PortActive, ActiveMTU: 3, MaxMTU: 5, LinkLayer: ibverbs.LinkEthernet}},
 			gid: ibverbs.GIDEntry{Index: 1, GID: g, Type: ibverbs.GIDTypeRoCEv2}, how: "the test's fake", ifname: "fake0"}
 		return p, d, nil
 	}

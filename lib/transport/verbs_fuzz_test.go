@@ -106,6 +106,21 @@ func fuzzVerbsStream(ring []byte, lens []uint16) *verbsStream {
 	return s
 }
 
+// ringInput splits a fuzz input: the announced lengths, then the ring.
+func ringInput(data []byte) ([]byte, []uint16) {
+	if len(data) < 1 {
+		return nil, nil
+	}
+	k := min(int(data[0]), 32, (len(data)-1)/2)
+	lens := make([]uint16, k)
+	for i := range lens {
+		lens[i] = binary.LittleEndian.Uint16(data[1+2*i:])
+	}
+	ring := make([]byte, 8192)
+	copy(ring, data[1+2*k:])
+	return ring, lens
+}
+
 // nullQP takes posts and completes nothing: the fuzzed stream's credits go
 // nowhere.
 type nullQP struct{}
@@ -154,16 +169,11 @@ func FuzzVerbsRing(f *testing.F) {
 	f.Add(verbsRingSeed(verbsRec(0, verbsRecLast, h, p)))
 	f.Add([]byte{3, 0xff, 0xff, 1, 0, 0, 0})
 	f.Fuzz(func(t *testing.T, data []byte) {
-		if len(data) < 1 {
+		ring, lens := ringInput(data)
+		if ring == nil {
 			return
 		}
-		k := min(int(data[0]), 32, (len(data)-1)/2)
-		lens := make([]uint16, k)
-		for i := range lens {
-			lens[i] = binary.LittleEndian.Uint16(data[1+2*i:])
-		}
-		ring := make([]byte, 8192)
-		copy(ring, data[1+2*k:])
+		k := len(lens)
 		s := fuzzVerbsStream(ring, lens)
 		announced := s.arrived
 		ctx, cancel := context.WithCancel(context.Background())
@@ -190,14 +200,7 @@ func TestVerbsRingSeeds(t *testing.T) {
 	p := []byte("hello, verbs ring")
 	h.Seal(p, true)
 	recv := func(data []byte) ([]string, error) {
-		k := int(data[0])
-		lens := make([]uint16, k)
-		for i := range lens {
-			lens[i] = binary.LittleEndian.Uint16(data[1+2*i:])
-		}
-		ring := make([]byte, 8192)
-		copy(ring, data[1+2*k:])
-		s := fuzzVerbsStream(ring, lens)
+		s := fuzzVerbsStream(ringInput(data))
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
 		var got []string

@@ -37,8 +37,8 @@ func needRDMA(t *testing.T) {
 		t.Skipf("%s (%v)", noRDMADevice, err)
 	}
 	for _, d := range devs {
-		for _, p := range d.ports {
-			if d.err == nil && p.attr.State == ibverbs.PortActive {
+		for _, p := range d.Ports {
+			if d.Err == nil && p.Attr.State == ibverbs.PortActive {
 				return
 			}
 		}
@@ -50,22 +50,8 @@ func needRDMA(t *testing.T) {
 func rxeBridge(t *testing.T, n, streams, ringBytes int, crc bool, mod ...func(i int, c *Config)) ([]*verbsMesh, *bridge) {
 	t.Helper()
 	needRDMA(t)
-	b := newBridge(t, Verbs, n, streams, crc).set(func(c *Config) {
-		c.RingBytes = ringBytes
-		c.Timeout = testenv.Scale(60 * time.Second)
-	})
-	for i := range b.cfgs {
-		for _, m := range mod {
-			m(i, &b.cfgs[i])
-		}
-	}
-	meshes, errs := b.establish(t)
-	out := make([]*verbsMesh, n)
-	for i, err := range errs {
-		require.NoError(t, err, "member %d", i)
-		out[i] = meshes[i].(*verbsMesh)
-	}
-	return out, b
+	b := newBridge(t, Verbs, n, streams, crc).set(func(c *Config) { c.Timeout = testenv.Scale(60 * time.Second) })
+	return verbsMeshes(t, b, ringBytes, mod), b
 }
 
 // Frames of many sizes (split ones too, zero-copy and copied, with CRC)

@@ -26,19 +26,12 @@ const (
 	EnvIBGIDIndex = "GPUBRIDGE_IB_GID_INDEX"
 )
 
-// verbsDevInfo is what a scan of libibverbs' devices found.
-type verbsDevInfo struct {
-	name  string
-	attr  ibverbs.DeviceAttr
-	ports []verbsPortInfo
-	err   error // opening or querying it failed
-}
-
-type verbsPortInfo struct {
-	num  int
-	attr ibverbs.PortAttr
-	gids []ibverbs.GIDEntry
-}
+// verbsDevInfo and verbsPortInfo are what a scan of libibverbs' devices
+// found.
+type (
+	verbsDevInfo  = ibverbs.DeviceInfo
+	verbsPortInfo = ibverbs.PortInfo
+)
 
 // verbsPort is the port and GID a member uses, and why.
 type verbsPort struct {
@@ -55,12 +48,12 @@ type verbsPort struct {
 // (Ethernet, RoCE v2 GID 1 ::ffff:10.0.0.1 on eth0)".
 func (p verbsPort) Describe() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "%s port %d (%s", p.dev, p.port.num, p.port.attr.LinkLayer)
-	if p.port.attr.LinkLayer == ibverbs.LinkEthernet || !p.gid.GID.IsZero() {
+	fmt.Fprintf(&b, "%s port %d (%s", p.dev, p.port.Num, p.port.Attr.LinkLayer)
+	if p.port.Attr.LinkLayer == ibverbs.LinkEthernet || !p.gid.GID.IsZero() {
 		fmt.Fprintf(&b, ", %s GID %d %s", p.gid.Type, p.gid.Index, p.gid.GID)
 	}
-	if p.port.attr.LinkLayer == ibverbs.LinkInfiniBand {
-		fmt.Fprintf(&b, ", LID %#x", p.port.attr.LID)
+	if p.port.Attr.LinkLayer == ibverbs.LinkInfiniBand {
+		fmt.Fprintf(&b, ", LID %#x", p.port.Attr.LID)
 	}
 	if p.ifname != "" {
 		fmt.Fprintf(&b, " on %s", p.ifname)
@@ -70,46 +63,7 @@ func (p verbsPort) Describe() string {
 }
 
 // scanVerbs lists every device with its ports and GIDs.
-func scanVerbs() ([]verbsDevInfo, error) {
-	names, err := ibverbs.Devices()
-	if err != nil {
-		return nil, err
-	}
-	slices.Sort(names)
-	out := make([]verbsDevInfo, 0, len(names))
-	for _, n := range names {
-		out = append(out, scanVerbsDevice(n))
-	}
-	return out, nil
-}
-
-func scanVerbsDevice(name string) verbsDevInfo {
-	d := verbsDevInfo{name: name}
-	c, err := ibverbs.Open(name)
-	if err != nil {
-		d.err = err
-		return d
-	}
-	defer c.Close()
-	if d.attr, err = c.QueryDevice(); err != nil {
-		d.err = err
-		return d
-	}
-	for p := 1; p <= d.attr.Ports; p++ {
-		pa, err := c.QueryPort(p)
-		if err != nil {
-			d.err = err
-			return d
-		}
-		gids, err := c.GIDs(p)
-		if err != nil {
-			d.err = err
-			return d
-		}
-		d.ports = append(d.ports, verbsPortInfo{num: p, attr: pa, gids: gids})
-	}
-	return d
-}
+func scanVerbs() ([]verbsDevInfo, error) { return ibverbs.Scan() }
 
 // verbsWant is what a member asks of its port: the environment's
 // settings and the address it would use for TCP.
@@ -140,25 +94,25 @@ func pickVerbsPort(devs []verbsDevInfo, w verbsWant) (verbsPort, error) {
 	}
 	var have []string
 	for _, d := range devs {
-		if d.err != nil {
-			have = append(have, fmt.Sprintf("%s (cannot open: %v)", d.name, d.err))
+		if d.Err != nil {
+			have = append(have, fmt.Sprintf("%s (cannot open: %v)", d.Name, d.Err))
 			continue
 		}
-		for _, p := range d.ports {
-			have = append(have, fmt.Sprintf("%s port %d %s %s", d.name, p.num, p.attr.LinkLayer, p.attr.State))
+		for _, p := range d.Ports {
+			have = append(have, fmt.Sprintf("%s port %d %s %s", d.Name, p.Num, p.Attr.LinkLayer, p.Attr.State))
 		}
 	}
 	haveText := strings.Join(have, ", ")
 
 	if w.hca != "" {
 		name, portText, hasPort := strings.Cut(w.hca, ":")
-		i := slices.IndexFunc(devs, func(d verbsDevInfo) bool { return d.name == name })
+		i := slices.IndexFunc(devs, func(d verbsDevInfo) bool { return d.Name == name })
 		if i < 0 {
 			return verbsPort{}, fmt.Errorf("%s=%s: no such RDMA device (have: %s)", EnvIBHCA, w.hca, haveText)
 		}
 		d := devs[i]
-		if d.err != nil {
-			return verbsPort{}, fmt.Errorf("%s=%s: %v", EnvIBHCA, w.hca, d.err)
+		if d.Err != nil {
+			return verbsPort{}, fmt.Errorf("%s=%s: %v", EnvIBHCA, w.hca, d.Err)
 		}
 		var port *verbsPortInfo
 		if hasPort {
@@ -166,18 +120,18 @@ func pickVerbsPort(devs []verbsDevInfo, w verbsWant) (verbsPort, error) {
 			if err != nil {
 				return verbsPort{}, fmt.Errorf("%s=%s: port %q is not a number", EnvIBHCA, w.hca, portText)
 			}
-			for k := range d.ports {
-				if d.ports[k].num == n {
-					port = &d.ports[k]
+			for k := range d.Ports {
+				if d.Ports[k].Num == n {
+					port = &d.Ports[k]
 				}
 			}
 			if port == nil {
 				return verbsPort{}, fmt.Errorf("%s=%s: %s has no port %d (have: %s)", EnvIBHCA, w.hca, name, n, haveText)
 			}
 		} else {
-			for k := range d.ports {
-				if d.ports[k].attr.State == ibverbs.PortActive {
-					port = &d.ports[k]
+			for k := range d.Ports {
+				if d.Ports[k].Attr.State == ibverbs.PortActive {
+					port = &d.Ports[k]
 					break
 				}
 			}
@@ -191,11 +145,11 @@ func pickVerbsPort(devs []verbsDevInfo, w verbsWant) (verbsPort, error) {
 	// The port whose RoCE v2 GID has the address that routes to the store.
 	if w.ip != nil && !w.ip.IsLoopback() {
 		for _, d := range devs {
-			for _, p := range d.ports {
-				if d.err != nil || p.attr.State != ibverbs.PortActive {
+			for _, p := range d.Ports {
+				if d.Err != nil || p.Attr.State != ibverbs.PortActive {
 					continue
 				}
-				for _, g := range p.gids {
+				for _, g := range p.GIDs {
 					if g.Type != ibverbs.GIDTypeIB && g.GID.IP().Equal(w.ip) {
 						how := fmt.Sprintf("its GID has %s, the address that routes to the store", w.ip)
 						if w.ifname != "" {
@@ -211,11 +165,11 @@ func pickVerbsPort(devs []verbsDevInfo, w verbsWant) (verbsPort, error) {
 	// says otherwise (the store on this host).
 	local := w.ip == nil || w.ip.IsLoopback()
 	for _, d := range devs {
-		for _, p := range d.ports {
-			if d.err != nil || p.attr.State != ibverbs.PortActive {
+		for _, p := range d.Ports {
+			if d.Err != nil || p.Attr.State != ibverbs.PortActive {
 				continue
 			}
-			if p.attr.LinkLayer == ibverbs.LinkEthernet && !local {
+			if p.Attr.LinkLayer == ibverbs.LinkEthernet && !local {
 				continue
 			}
 			how := "the first active InfiniBand port"
@@ -234,53 +188,57 @@ func pickVerbsPort(devs []verbsDevInfo, w verbsWant) (verbsPort, error) {
 
 // finishPort picks the GID of the chosen port and checks it is usable.
 func finishPort(d verbsDevInfo, p verbsPortInfo, w verbsWant, how string) (verbsPort, error) {
-	out := verbsPort{dev: d.name, port: p, how: how, ifname: w.ifname, limits: d.attr}
-	if p.attr.State != ibverbs.PortActive {
-		return out, fmt.Errorf("%s port %d is %s, not ACTIVE (chosen by %s)", d.name, p.num, p.attr.State, how)
+	out := verbsPort{dev: d.Name, port: p, how: how, ifname: w.ifname, limits: d.Attr}
+	if p.Attr.State != ibverbs.PortActive {
+		return out, fmt.Errorf("%s port %d is %s, not ACTIVE (chosen by %s)", d.Name, p.Num, p.Attr.State, how)
 	}
-	if p.attr.ActiveMTU.Bytes() == 0 {
-		return out, fmt.Errorf("%s port %d has no active MTU (%d)", d.name, p.num, p.attr.ActiveMTU)
+	if p.Attr.ActiveMTU.Bytes() == 0 {
+		return out, fmt.Errorf("%s port %d has no active MTU (%d)", d.Name, p.Num, p.Attr.ActiveMTU)
 	}
 	if w.gidIndex >= 0 {
-		i := slices.IndexFunc(p.gids, func(g ibverbs.GIDEntry) bool { return g.Index == w.gidIndex })
+		i := slices.IndexFunc(p.GIDs, func(g ibverbs.GIDEntry) bool { return g.Index == w.gidIndex })
 		if i < 0 {
-			return out, fmt.Errorf("%s=%d: %s port %d has no such GID (%s)", EnvIBGIDIndex, w.gidIndex, d.name, p.num, gidList(p.gids))
+			return out, fmt.Errorf("%s=%d: %s port %d has no such GID (%s)", EnvIBGIDIndex, w.gidIndex, d.Name, p.Num, gidList(p.GIDs))
 		}
-		out.gid = p.gids[i]
+		out.gid = p.GIDs[i]
 		out.how += fmt.Sprintf(", %s=%d", EnvIBGIDIndex, w.gidIndex)
 		out.ifname = ifaceName(out.gid.Ifindex, out.ifname)
 		return out, nil
 	}
-	if p.attr.LinkLayer == ibverbs.LinkInfiniBand {
-		if len(p.gids) > 0 && p.gids[0].Index == 0 {
-			out.gid = p.gids[0]
+	if p.Attr.LinkLayer == ibverbs.LinkInfiniBand {
+		if len(p.GIDs) > 0 && p.GIDs[0].Index == 0 {
+			out.gid = p.GIDs[0]
 		}
 		out.ifname = ""
 		return out, nil
 	}
-	// RoCE: the address's GID, else the first RoCE v2 GID with an IPv4
-	// address, else the first RoCE v2 one, else the first.
+	// RoCE: the address's RoCE v2 GID, else another GID with the address,
+	// else the first RoCE v2 GID with an IPv4 address, else the first
+	// RoCE v2 one, else the first.
 	best, rank := -1, 99
-	for i, g := range p.gids {
-		r := 4
+	for i, g := range p.GIDs {
+		mine := w.ip != nil && g.GID.IP().Equal(w.ip)
+		r := 5
 		switch {
-		case w.ip != nil && g.GID.IP().Equal(w.ip) && g.Type != ibverbs.GIDTypeIB:
+		case mine && g.Type == ibverbs.GIDTypeRoCEv2:
 			r = 0
-		case g.Type == ibverbs.GIDTypeRoCEv2 && g.GID.IP().To4() != nil:
+		case mine && g.Type != ibverbs.GIDTypeIB:
 			r = 1
-		case g.Type == ibverbs.GIDTypeRoCEv2:
+		case g.Type == ibverbs.GIDTypeRoCEv2 && g.GID.IP().To4() != nil:
 			r = 2
-		case g.Type == ibverbs.GIDTypeUnknown && g.GID.IP().To4() != nil:
+		case g.Type == ibverbs.GIDTypeRoCEv2:
 			r = 3
+		case g.Type == ibverbs.GIDTypeUnknown && g.GID.IP().To4() != nil:
+			r = 4
 		}
 		if r < rank {
 			best, rank = i, r
 		}
 	}
 	if best < 0 {
-		return out, fmt.Errorf("%s port %d (Ethernet) has no GID: is its interface up with an address?", d.name, p.num)
+		return out, fmt.Errorf("%s port %d (Ethernet) has no GID: is its interface up with an address?", d.Name, p.Num)
 	}
-	out.gid = p.gids[best]
+	out.gid = p.GIDs[best]
 	out.ifname = ifaceName(out.gid.Ifindex, out.ifname)
 	return out, nil
 }

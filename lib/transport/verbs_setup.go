@@ -161,7 +161,7 @@ func openVerbs(ctx context.Context, s *setup) (verbsPort, vDev, error) {
 	if err != nil {
 		return verbsPort{}, nil, err
 	}
-	d, err := openVerbsHW(p.dev, p.port.num)
+	d, err := openVerbsHW(p.dev, p.port.Num)
 	if err != nil {
 		return verbsPort{}, nil, fmt.Errorf("open %s: %w", p.dev, err)
 	}
@@ -195,9 +195,9 @@ func establishVerbs(ctx context.Context, s *setup) (_ Mesh, err error) {
 	}
 	m.startProgress()
 
-	ep := verbsEndpoint{endpoint: s.endpoint(), Device: sel.dev, Port: sel.port.num, LinkLayer: sel.port.attr.LinkLayer.String(),
-		MTU: int(sel.port.attr.ActiveMTU), GID: hex.EncodeToString(sel.gid.GID[:]), GIDIndex: sel.gid.Index,
-		LID: int(sel.port.attr.LID), RingAddr: m.mrs[0].addr(), DataCap: m.dataCap, CtlCap: m.ctlCap}
+	ep := verbsEndpoint{endpoint: s.endpoint(), Device: sel.dev, Port: sel.port.Num, LinkLayer: sel.port.Attr.LinkLayer.String(),
+		MTU: int(sel.port.Attr.ActiveMTU), GID: hex.EncodeToString(sel.gid.GID[:]), GIDIndex: sel.gid.Index,
+		LID: int(sel.port.Attr.LID), RingAddr: m.mrs[0].addr(), DataCap: m.dataCap, CtlCap: m.ctlCap}
 	_, ep.RingKey = m.mrs[0].keys()
 	var qpns strings.Builder
 	for p := range n {
@@ -233,7 +233,7 @@ func establishVerbs(ctx context.Context, s *setup) (_ Mesh, err error) {
 	if err := s.rv.Barrier(ctx); err != nil {
 		return nil, err
 	}
-	m.desc = fmt.Sprintf("verbs, %d streams per peer, %s, %s, MTU %d", S, crcWords(s.cfg.CRC), sel.Describe(), sel.port.attr.ActiveMTU.Bytes())
+	m.desc = fmt.Sprintf("verbs, %d streams per peer, %s, %s, MTU %d", S, crcWords(s.cfg.CRC), sel.Describe(), sel.port.Attr.ActiveMTU.Bytes())
 	return m, nil
 }
 
@@ -360,8 +360,8 @@ func (m *verbsMesh) connectPeer(ctx context.Context, s *setup, sel verbsPort, ep
 	self, S := m.self, m.streams
 	secret := s.rv.Secret()
 	e := eps[p]
-	remote := vRemote{lid: uint16(e.LID), gid: e.gid(), global: sel.port.attr.LinkLayer == ibverbs.LinkEthernet || !e.gid().IsZero() && e.LID == 0,
-		mtu: min(sel.port.attr.ActiveMTU, ibverbs.MTU(e.MTU)), gidIndex: sel.gid.Index, port: sel.port.num}
+	remote := vRemote{lid: uint16(e.LID), gid: e.gid(), global: sel.port.Attr.LinkLayer == ibverbs.LinkEthernet || !e.gid().IsZero() && e.LID == 0,
+		mtu: min(sel.port.Attr.ActiveMTU, ibverbs.MTU(e.MTU)), gidIndex: sel.gid.Index, port: sel.port.Num}
 	// The peer's rings for this member, in its registration.
 	base := e.RingAddr + uint64(peerIndex(p, self))*(uint64(S)*e.DataCap+e.CtlCap)
 	for st, str := range m.links[p] {

@@ -72,17 +72,14 @@ type verbsStream struct {
 	released   uint64 // bytes free again (rd, or the first pinned frame)
 	reported   uint64 // the last released position sent as credit
 	creditBusy bool
-	pins       []*verbsPin
+	holds      ringHolds
 	nextRecvWR uint64
 	rbroken    error
 
 	// the receiver's own state (one receiver at a time)
 	recvSeq uint32
-	asm     []byte
-	asmBuf  []byte
-	asmHdr  wire.Header
-	asmGot  int
-	asmOn   bool
+	asmDst  []byte // Recv's reassembly buffer
+	asm     frameAsm
 	held    chan []byte
 
 	sendWake, recvWake chan struct{}
@@ -105,12 +102,6 @@ type sqEntry struct {
 	wr    uint64
 	kind  sqKind
 	stEnd uint64 // staging released when it completes (copied records)
-}
-
-// verbsPin is a frame held in place in the inbound ring.
-type verbsPin struct {
-	start    uint64
-	released bool
 }
 
 func newVerbsStream(m *verbsMesh, peer, idx int, qp vQP, ring []byte) *verbsStream {
@@ -615,7 +606,7 @@ func (s *verbsStream) flushDue() {
 
 // Recv reads the next frame (see Stream).
 func (s *verbsStream) Recv(ctx context.Context, fn func(wire.Header, []byte) error) error {
-	h, p, end, err := s.next(ctx, &s.asm)
+	h, p, end, err := s.next(ctx, &s.asmDst)
 	if err != nil {
 		return err
 	}
@@ -671,8 +662,7 @@ func (s *verbsStream) consume(end uint64, pin bool) *verbsPin {
 	defer s.mu.Unlock()
 	var p *verbsPin
 	if pin {
-		p = &verbsPin{start: s.rd}
-		s.pins = append(s.pins, p)
+		p = s.holds.hold(s.rd)
 	}
 	s.rd = end
 	s.advanceLocked()
@@ -683,31 +673,23 @@ func (s *verbsStream) unpin(p *verbsPin) {
 	defer s.kick()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	p.released = true
-	for len(s.pins) > 0 && s.pins[0].released {
-		s.pins[0] = nil
-		s.pins = s.pins[1:]
-	}
+	s.holds.drop(p)
 	s.advanceLocked()
 }
 
 // advanceLocked releases the ring up to the first pinned frame, or up to
 // rd; the caller kicks the credit out. Callers hold mu.
 func (s *verbsStream) advanceLocked() {
-	to := s.rd
-	if len(s.pins) > 0 {
-		to = s.pins[0].start
-	}
-	s.released = max(s.released, to)
+	s.released = max(s.released, s.holds.freeUpTo(s.rd))
 }
 
 // next reads the next frame. A frame of one record is returned in place,
 // with end the ring position after it (not consumed yet); a split frame is
 // reassembled into *dst (grown as needed), with end 0.
 func (s *verbsStream) next(ctx context.Context, dst *[]byte) (wire.Header, []byte, uint64, error) {
-	if s.asmOn {
+	if s.asm.active {
 		// A split frame was interrupted (deadline) in another buffer.
-		s.asmInto(dst)
+		s.asm.use(dst)
 	}
 	for {
 		var a arrival
@@ -731,52 +713,32 @@ func (s *verbsStream) next(ctx context.Context, dst *[]byte) (wire.Header, []byt
 		s.recvSeq++
 		seg := rec[verbsRecHdr : verbsRecHdr+r.seg]
 		end := a.pos + a.n
-		if r.flags&verbsRecFirst != 0 {
-			if s.asmOn {
-				return wire.Header{}, nil, 0, s.broken(errors.New("a new frame began inside a split frame"))
+		first, last := r.flags&verbsRecFirst != 0, r.flags&verbsRecLast != 0
+		switch {
+		case first && s.asm.active:
+			return wire.Header{}, nil, 0, s.broken(errors.New("a new frame began inside a split frame"))
+		case first && last:
+			if r.hdr.Len != r.seg {
+				return wire.Header{}, nil, 0, s.broken(fmt.Errorf("frame of %d bytes in a record of %d", r.hdr.Len, r.seg))
 			}
-			if r.flags&verbsRecLast != 0 {
-				if r.hdr.Len != r.seg {
-					return wire.Header{}, nil, 0, s.broken(fmt.Errorf("frame of %d bytes in a record of %d", r.hdr.Len, r.seg))
-				}
-				return r.hdr, seg, end, nil
-			}
-			s.asmHdr, s.asmGot, s.asmOn = r.hdr, 0, true
-			s.asmBuf = nil
-			s.asmInto(dst)
-		} else if !s.asmOn {
+			return r.hdr, seg, end, nil // in place
+		case first:
+			s.asm.start(r.hdr, dst)
+		case !s.asm.active:
 			return wire.Header{}, nil, 0, s.broken(errors.New("a continuation record outside a split frame"))
 		}
-		if uint64(s.asmGot)+uint64(r.seg) > uint64(s.asmHdr.Len) {
-			return wire.Header{}, nil, 0, s.broken(errors.New("split frame longer than its header says"))
+		if err := s.asm.add(seg); err != nil {
+			return wire.Header{}, nil, 0, s.broken(err)
 		}
-		copy(s.asmBuf[s.asmGot:], seg)
-		s.asmGot += int(r.seg)
 		s.consume(end, false)
-		if r.flags&verbsRecLast != 0 {
-			s.asmOn = false
-			if s.asmGot != int(s.asmHdr.Len) {
-				return wire.Header{}, nil, 0, s.broken(fmt.Errorf("split frame of %d bytes, header says %d", s.asmGot, s.asmHdr.Len))
+		if last {
+			h, p, err := s.asm.done()
+			if err != nil {
+				return wire.Header{}, nil, 0, s.broken(err)
 			}
-			p := s.asmBuf[:s.asmGot]
-			s.asmBuf = nil
-			return s.asmHdr, p, 0, nil
+			return h, p, 0, nil
 		}
 	}
-}
-
-// asmInto makes *dst (grown as needed) the buffer of the split frame in
-// progress, carrying over what was assembled elsewhere.
-func (s *verbsStream) asmInto(dst *[]byte) {
-	n := int(s.asmHdr.Len)
-	if cap(*dst) < n {
-		*dst = make([]byte, n)
-	}
-	b := (*dst)[:n]
-	if s.asmGot > 0 && unsafe.SliceData(b) != unsafe.SliceData(s.asmBuf) {
-		copy(b, s.asmBuf[:s.asmGot])
-	}
-	s.asmBuf = b
 }
 
 // broken fails the receive side for a protocol error of the peer.

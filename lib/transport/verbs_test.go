@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"strings"
 	"sync"
 	"testing"
@@ -24,6 +25,24 @@ import (
 // registrations, and the failures a real device cannot be made to show on
 // demand. verbs_rxe_test.go runs the transport on a real device.
 
+// verbsMeshes establishes the members of b and returns their meshes.
+func verbsMeshes(t *testing.T, b *bridge, ringBytes int, mod []func(i int, c *Config)) []*verbsMesh {
+	t.Helper()
+	b.set(func(c *Config) { c.RingBytes = ringBytes })
+	for i := range b.cfgs {
+		for _, m := range mod {
+			m(i, &b.cfgs[i])
+		}
+	}
+	meshes, errs := b.establish(t)
+	out := make([]*verbsMesh, len(meshes))
+	for i, err := range errs {
+		require.NoError(t, err, "member %d", i)
+		out[i] = meshes[i].(*verbsMesh)
+	}
+	return out
+}
+
 // fakeBridge establishes n members over one fake fabric.
 func fakeBridge(t *testing.T, n, streams, ringBytes int, crc bool, mod ...func(i int, c *Config)) (*fakeFabric, []*fakeDev, []*verbsMesh) {
 	t.Helper()
@@ -32,22 +51,8 @@ func fakeBridge(t *testing.T, n, streams, ringBytes int, crc bool, mod ...func(i
 	for i := range devs {
 		devs[i] = f.dev(fmt.Sprintf("fake%d", i))
 	}
-	b := newBridge(t, Verbs, n, streams, crc).set(func(c *Config) {
-		c.verbsOpen = f.opener(devs)
-		c.RingBytes = ringBytes
-	})
-	for i := range b.cfgs {
-		for _, m := range mod {
-			m(i, &b.cfgs[i])
-		}
-	}
-	meshes, errs := b.establish(t)
-	out := make([]*verbsMesh, n)
-	for i, err := range errs {
-		require.NoError(t, err, "member %d", i)
-		out[i] = meshes[i].(*verbsMesh)
-	}
-	return f, devs, out
+	b := newBridge(t, Verbs, n, streams, crc).set(func(c *Config) { c.verbsOpen = f.opener(devs) })
+	return f, devs, verbsMeshes(t, b, ringBytes, mod)
 }
 
 // frame is a test frame: header fields and a payload made from them.
@@ -613,4 +618,74 @@ func TestVerbsCheckLoopback(t *testing.T) {
 		return f.opener([]*fakeDev{f.dev("fake1")})(ctx, c)
 	}})
 	require.ErrorContains(t, err, "loopback on fake1 port 1: queue pair 0: ")
+}
+
+// Which port and GID a member takes, from what libibverbs lists.
+func TestPickVerbsPort(t *testing.T) {
+	gid := func(idx int, ip string, typ ibverbs.GIDType) ibverbs.GIDEntry {
+		var g ibverbs.GID
+		copy(g[:], net.ParseIP(ip).To16())
+		return ibverbs.GIDEntry{Index: idx, GID: g, Type: typ}
+	}
+	port := func(n int, ll ibverbs.LinkLayer, st ibverbs.PortState, gids ...ibverbs.GIDEntry) verbsPortInfo {
+		return verbsPortInfo{Num: n, Attr: ibverbs.PortAttr{State: st, LinkLayer: ll, ActiveMTU: 5, LID: 7}, GIDs: gids}
+	}
+	roce := verbsDevInfo{Name: "mlx5_0", Ports: []verbsPortInfo{port(1, ibverbs.LinkEthernet, ibverbs.PortActive,
+		gid(0, "fe80::1", ibverbs.GIDTypeRoCEv1), gid(1, "fe80::1", ibverbs.GIDTypeRoCEv2), gid(2, "::ffff:10.0.0.1", ibverbs.GIDTypeRoCEv1), gid(3, "::ffff:10.0.0.1", ibverbs.GIDTypeRoCEv2))}}
+	roce2 := verbsDevInfo{Name: "mlx5_1", Ports: []verbsPortInfo{port(1, ibverbs.LinkEthernet, ibverbs.PortActive,
+		gid(0, "fe80::2", ibverbs.GIDTypeRoCEv1), gid(1, "::ffff:10.1.0.1", ibverbs.GIDTypeRoCEv2))}}
+	down := verbsDevInfo{Name: "mlx5_2", Ports: []verbsPortInfo{port(1, ibverbs.LinkEthernet, ibverbs.PortDown)}}
+	ib := verbsDevInfo{Name: "mlx5_3", Ports: []verbsPortInfo{port(1, ibverbs.LinkInfiniBand, ibverbs.PortActive, gid(0, "fe80::3", ibverbs.GIDTypeIB))}}
+	broken := verbsDevInfo{Name: "rxe9", Err: errors.New("no provider")}
+	tests := []struct {
+		name string
+		devs []verbsDevInfo
+		want verbsWant
+		dev  string
+		gid  int
+		how  string
+		err  string
+	}{
+		{"by the store's route", []verbsDevInfo{roce, roce2}, verbsWant{gidIndex: -1, ip: net.ParseIP("10.1.0.1"), ifname: "ens2"}, "mlx5_1", 1,
+			"its GID has 10.1.0.1 of ens2, the interface that routes to the store", ""},
+		{"RoCE v2 over v1", []verbsDevInfo{roce}, verbsWant{gidIndex: -1, ip: net.ParseIP("10.0.0.1")}, "mlx5_0", 3, "", ""},
+		{"store on this host", []verbsDevInfo{broken, down, roce}, verbsWant{gidIndex: -1, ip: net.ParseIP("127.0.0.1")}, "mlx5_0", 3,
+			"the first active port (the store is on this host)", ""},
+		{"no RoCE GID with the address: InfiniBand", []verbsDevInfo{roce2, ib}, verbsWant{gidIndex: -1, ip: net.ParseIP("192.168.1.5"), ifname: "eth0"}, "mlx5_3", 0,
+			"the first active InfiniBand port", ""},
+		{"no RoCE GID with the address, no IB", []verbsDevInfo{roce2}, verbsWant{gidIndex: -1, ip: net.ParseIP("192.168.1.5"), ifname: "eth0"}, "", 0, "",
+			"no active RDMA port has a GID with 192.168.1.5 (of eth0, the interface that routes to the store) and no InfiniBand port is active (have: mlx5_1 port 1 Ethernet ACTIVE): set GPUBRIDGE_IB_HCA (and GPUBRIDGE_IB_GID_INDEX), or GPUBRIDGE_IFNAME"},
+		{"GPUBRIDGE_IB_HCA", []verbsDevInfo{roce, roce2}, verbsWant{hca: "mlx5_1", gidIndex: -1}, "mlx5_1", 1, "GPUBRIDGE_IB_HCA=mlx5_1", ""},
+		{"GPUBRIDGE_IB_HCA with port and GID index", []verbsDevInfo{roce}, verbsWant{hca: "mlx5_0:1", gidIndex: 1}, "mlx5_0", 1,
+			"GPUBRIDGE_IB_HCA=mlx5_0:1, GPUBRIDGE_IB_GID_INDEX=1", ""},
+		{"unknown HCA", []verbsDevInfo{roce}, verbsWant{hca: "mlx9", gidIndex: -1}, "", 0, "", "GPUBRIDGE_IB_HCA=mlx9: no such RDMA device (have: mlx5_0 port 1 Ethernet ACTIVE)"},
+		{"no such port", []verbsDevInfo{roce}, verbsWant{hca: "mlx5_0:2", gidIndex: -1}, "", 0, "", "GPUBRIDGE_IB_HCA=mlx5_0:2: mlx5_0 has no port 2"},
+		{"port down", []verbsDevInfo{down}, verbsWant{hca: "mlx5_2:1", gidIndex: -1}, "", 0, "", "mlx5_2 port 1 is DOWN, not ACTIVE"},
+		{"no such GID", []verbsDevInfo{roce}, verbsWant{hca: "mlx5_0", gidIndex: 9}, "", 0, "", "GPUBRIDGE_IB_GID_INDEX=9: mlx5_0 port 1 has no such GID"},
+		{"broken device", []verbsDevInfo{broken}, verbsWant{hca: "rxe9", gidIndex: -1}, "", 0, "", "GPUBRIDGE_IB_HCA=rxe9: no provider"},
+		{"none", nil, verbsWant{gidIndex: -1}, "", 0, "", "no RDMA device: libibverbs finds none"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := pickVerbsPort(tc.devs, tc.want)
+			if tc.err != "" {
+				require.ErrorContains(t, err, tc.err)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tc.dev, p.dev)
+			assert.Equal(t, tc.gid, p.gid.Index)
+			if tc.how != "" {
+				assert.Equal(t, tc.how, p.how)
+			}
+		})
+	}
+	t.Setenv(EnvIBGIDIndex, "x")
+	_, err := verbsWantFromEnv()
+	assert.ErrorContains(t, err, "GPUBRIDGE_IB_GID_INDEX=\"x\"")
+	t.Setenv(EnvIBGIDIndex, "3")
+	t.Setenv(EnvIBHCA, " mlx5_0:1 ")
+	w, err := verbsWantFromEnv()
+	require.NoError(t, err)
+	assert.Equal(t, verbsWant{hca: "mlx5_0:1", gidIndex: 3}, w)
 }
