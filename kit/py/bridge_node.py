@@ -144,7 +144,7 @@ def run_member(me: dict[str, Any]) -> int:
         }
     )
     if transport not in ("tcp", "shm", "verbs"):
-        raise StepError(f"discovery picked transport {transport!r}; gbbridge selftest runs tcp, shm and verbs")
+        raise StepError(f"discovery picked transport {transport!r}; the selftest runs tcp, shm and verbs")
 
     # 2. The selftest across the leaders, over that transport.
     cmd = [tools["gbbridge"], "selftest", "--store", store, "--rank", str(k), "--world-size", str(count)]
