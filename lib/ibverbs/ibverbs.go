@@ -29,6 +29,10 @@ const DefaultLibrary = "libibverbs.so.1"
 // loaded (not installed, too old, or a build without cgo).
 var ErrUnavailable = errors.New("libibverbs is not available")
 
+// ErrNoKernelSupport is returned when the kernel offers no RDMA
+// (ib_uverbs is not loaded): libibverbs' device list fails with ENOSYS.
+var ErrNoKernelSupport = errors.New("the kernel has no RDMA support (no /sys/class/infiniband_verbs: is ib_uverbs loaded?)")
+
 // LibraryPath is the library Load opens for path "": GPUBRIDGE_IBVERBS_LIB
 // when set, else DefaultLibrary.
 func LibraryPath(path string) string {

@@ -39,10 +39,6 @@ func Load(path string) error {
 	return nil
 }
 
-// ErrNoKernelSupport is returned when the kernel offers no RDMA
-// (ib_uverbs is not loaded): libibverbs' device list fails with ENOSYS.
-var ErrNoKernelSupport = errors.New("the kernel has no RDMA support (no /sys/class/infiniband_verbs: is ib_uverbs loaded?)")
-
 // deviceList is ibv_get_device_list with its failures explained.
 func deviceList() (unsafe.Pointer, []unsafe.Pointer, error) {
 	var n C.int
