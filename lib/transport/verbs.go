@@ -198,8 +198,10 @@ func (m *verbsMesh) housekeep() {
 	for _, s := range m.byKey {
 		s.drain(false)
 		s.kick()
-		if w := s.waitingSince.Load(); w != 0 && now.Sub(time.Unix(0, w)) > verbsKeepAlive {
-			waiting[s.peer] = true
+		for i := range s.waitingSince {
+			if w := s.waitingSince[i].Load(); w != 0 && now.Sub(time.Unix(0, w)) > verbsKeepAlive {
+				waiting[s.peer] = true
+			}
 		}
 	}
 	for p, w := range waiting {

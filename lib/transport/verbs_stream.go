@@ -83,10 +83,11 @@ type verbsStream struct {
 	held    chan []byte
 
 	sendWake, recvWake chan struct{}
-	// waitingSince is when a sender or receiver began waiting on the
-	// peer (unix nanoseconds, 0: nobody waits): the progress goroutine
-	// sends keep-alives to peers that are waited on.
-	waitingSince atomic.Int64
+	// waitingSince[0] and [1] are when the sender and the receiver began
+	// waiting on the peer (unix nanoseconds, 0: not waiting), apart so
+	// that one's end does not hide the other's wait: the progress
+	// goroutine sends keep-alives to peers that are waited on.
+	waitingSince [2]atomic.Int64
 }
 
 type sqKind uint8
@@ -320,8 +321,12 @@ func (s *verbsStream) await(ctx context.Context, wake chan struct{}, ctl, keep b
 		}
 	}
 	if keep {
-		s.waitingSince.Store(time.Now().UnixNano())
-		defer s.waitingSince.Store(0)
+		w := &s.waitingSince[0]
+		if wake == s.recvWake {
+			w = &s.waitingSince[1]
+		}
+		w.Store(time.Now().UnixNano())
+		defer w.Store(0)
 	}
 	t := time.NewTimer(verbsTick)
 	defer t.Stop()
@@ -521,7 +526,13 @@ func (s *verbsStream) writeRecord(ctx context.Context, hdr wire.Header, seg []by
 	s.recEnds = append(s.recEnds, s.head)
 	s.sendSeq++
 	s.mu.Unlock()
-	if err := s.qp.write(wr, sges[:ns], raddr, s.rKey, immData|uint32(need/64), true); err != nil {
+	// A post can take long (rdma_rxe does the work in this thread, and on
+	// a link that went down it takes its time failing): the keep-alives
+	// count it as waiting on the peer.
+	s.waitingSince[0].Store(time.Now().UnixNano())
+	err = s.qp.write(wr, sges[:ns], raddr, s.rKey, immData|uint32(need/64), true)
+	s.waitingSince[0].Store(0)
+	if err != nil {
 		e := &PeerError{Peer: s.m.Peer(s.peer), Err: fmt.Errorf("stream %d: %w", s.idx, err)}
 		s.breakWith(e)
 		return 0, e

@@ -689,3 +689,45 @@ func TestPickVerbsPort(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, verbsWant{hca: "mlx5_0:1", gidIndex: 3}, w)
 }
+
+// A sender that keeps finishing its waits does not hide a receiver that
+// waits on the same stream: the silent peer is still found.
+func TestVerbsBusySenderDoesNotHideAWaitingReceiver(t *testing.T) {
+	defer func(k, d time.Duration) { verbsKeepAlive, verbsDeadAfter = k, d }(verbsKeepAlive, verbsDeadAfter)
+	verbsKeepAlive, verbsDeadAfter = testenv.Scale(time.Second), testenv.Scale(2*time.Second)
+	f, devs, ms := fakeBridge(t, 2, 1, 1<<20, false)
+	f.mu.Lock()
+	f.silent = true
+	for _, q := range f.qps {
+		if q.d == devs[1] {
+			q.errored = true
+		}
+	}
+	f.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(30*time.Second))
+	defer cancel()
+	st := ms[0].Stream(1, 0)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			// Small frames through staging: each Send waits briefly and
+			// returns (the fake holds nothing for the staging ring's sake).
+			if st.Send(ctx, wire.Header{Kind: wire.KindData}, []byte("x")) != nil {
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}()
+	err := st.Recv(ctx, func(wire.Header, []byte) error { return nil })
+	close(stop)
+	<-done
+	require.ErrorIs(t, err, ErrConnClosed)
+	assert.Contains(t, err.Error(), "keep-alives unanswered")
+}
