@@ -3,7 +3,10 @@
 // the rank's torch plugin through a Unix socket and shared memory.
 package main
 
-import "github.com/gpubridge/gpubridge/lib/cli"
+import (
+	"github.com/gpubridge/gpubridge/lib/cli"
+	"github.com/gpubridge/gpubridge/lib/transport"
+)
 
 type grammar struct {
 	Serve    serveCmd    `cmd:"" help:"Join the bridge as this rank's member and serve the plugin's feed (spawned by the torch plugin on each island leader)."`
@@ -13,6 +16,7 @@ type grammar struct {
 
 var tool = cli.Tool{
 	Name:    "gbbridge",
+	Vars:    map[string]string{"transports": transport.RequestableEnum()},
 	Summary: "the bridge data plane between island leaders: collectives over TCP, RDMA verbs or shared memory, fed by the torch plugin",
 	Description: `gbbridge carries the cross-vendor step of a gpubridge job: the island leaders (the lowest rank of each vendor's island, "bridge members") all-reduce, broadcast, all-gather, reduce-scatter and exchange tagged messages over TCP (several connections per pair of members), RDMA verbs (InfiniBand or RoCE: one Reliable Connected queue pair per stream, RDMA WRITE with immediate data into the peer's registered receive rings, credit-based flow control; libibverbs is loaded at run time, so a node without it says so; GPUBRIDGE_IB_HCA=dev[:port] and GPUBRIDGE_IB_GID_INDEX=N choose the port and GID, else the port whose RoCE v2 GID has the address that routes to the store; docs/VERBS.md) or same-host shared memory.
 
