@@ -19,14 +19,15 @@ REPORT := $(TESTOUT)/testreport
 # How long test-long fuzzes each fuzz target.
 FUZZTIME ?= 30s
 
-.PHONY: help deps venv build lint golint pylint gotest pytest pytest-torch man man-check slurm-test bench-docs test-fresh test test-long bench-latency demo clean
+.PHONY: help deps venv build lint golint pylint gotest pytest pytest-torch man man-check slurm-test vm-test bench-docs test-fresh test test-long bench-latency demo clean
 
 help:
 	@echo "make demo   run the main job (4 simulated ranks, 2 NVIDIA + 2 AMD, train a model with DDP over the gpubridge backend on CPU)"
-	@echo "make test   run every test (lint, go tests with -race, torch interop, CLI scripts, man pages, Slurm, benchmark docs);"
+	@echo "make test   run every test (lint, go tests with -race, torch interop, CLI scripts, man pages, Slurm, the soft-RoCE VM lane, benchmark docs);"
 	@echo "            it ends with the list of skipped tests and fails, run as root, if a test that needs root was skipped"
 	@echo "make test-long      fuzz every fuzz target for FUZZTIME each (default 30s; minutes in all, not run by make test)"
 	@echo "make bench-latency  BenchmarkServeLatency: the feed's 4-byte all_reduce latency against its 30 us budget (needs ~8 CPUs)"
+	@echo "make vm-test        the soft-RoCE lane alone (part of make test): two QEMU guests with rdma_rxe, the verbs transport for real"
 	@echo "make build  build the tools into bin/"
 	@echo "make man    regenerate man/*.1 from the CLI models"
 
@@ -109,6 +110,21 @@ slurm-test: build
 	  printf 'slurm-test\tneeds root: installs and starts Slurm for the gbprobe prolog and the kit hetjob tests (make test as root runs them)\n' > $(TESTOUT)/slurm.skip; \
 	else GBPROBE=$(BIN)/gbprobe ci/slurm/prolog-test.sh && $(MAKE) --no-print-directory venv && ci/slurm/hetjob-test.sh $(BIN) $(PY); fi
 
+# The soft-RoCE lane (ci/vm/run.sh, docs/VERBS.md): two QEMU guests (TCG)
+# booted from this system's Debian kernel, joined by a virtual link with an
+# rdma_rxe device on each end; inside them the verbs Go tests, gbprobe, the
+# selftest, a bit-exact all_reduce and the feed path across them, the fault
+# checks. Its Go tests come back as go test -json streams (vm-*.json) for
+# the skip list. As root it installs its packages (ci/vm/deps.sh); as
+# another user without them it is listed as skipped.
+vm-test: $(REPORT)
+	@mkdir -p $(TESTOUT); rm -f $(TESTOUT)/vm.skip
+	@rc=0; ci/vm/deps.sh || rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "vm-test: skipped: needs root to install its Debian packages"; \
+	  printf 'vm-test\tneeds root: installs qemu-system-x86, linux-image-amd64, busybox-static, rdma-core, ibverbs-providers, ibverbs-utils, libibverbs-dev for the soft-RoCE VM lane (or install them; make test as root does)\n' > $(TESTOUT)/vm.skip; \
+	elif [ $$rc -ne 0 ]; then exit $$rc; \
+	else GO=$(GO) ci/vm/run.sh $(TESTOUT); fi
+
 # Every table of docs/BENCHMARKS.md is regenerated from docs/bench/ and
 # must match.
 bench-docs: venv
@@ -118,7 +134,7 @@ bench-docs: venv
 test-fresh:
 	@rm -f $(TESTOUT)/*.json $(TESTOUT)/*.xml $(TESTOUT)/*.skip
 
-test: test-fresh lint gotest pytest pytest-torch man-check slurm-test bench-docs $(REPORT)
+test: test-fresh lint gotest pytest pytest-torch man-check slurm-test vm-test bench-docs $(REPORT)
 	@$(REPORT) skips $(TESTOUT)
 	@echo "make test: all passed"
 

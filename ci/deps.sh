@@ -19,6 +19,12 @@ fi
 if [ ! -e /usr/include/linux/if.h ] && [ ! -e /usr/include/x86_64-linux-gnu/sys/cdefs.h ]; then
   missing+=(libc6-dev)
 fi
+# Wanted for tests, installed only as root (make test as root runs them):
+# libibverbs-dev's <infiniband/verbs.h>, which lib/ibverbs's ABI test checks
+# gbverbs.h against (gpubridge builds without it).
+if [ "$(id -u)" -eq 0 ] && [ ! -e /usr/include/infiniband/verbs.h ]; then
+  missing+=(libibverbs-dev)
+fi
 # Deduplicate.
 if [ ${#missing[@]} -gt 0 ]; then
   mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)

@@ -143,12 +143,15 @@ def run_member(me: dict[str, Any]) -> int:
             "run_kind": topo.get("run_kind"),
         }
     )
-    if transport not in ("tcp", "shm"):
-        raise StepError(f"discovery picked transport {transport!r}; gbbridge selftest runs tcp and shm only")
+    if transport not in ("tcp", "shm", "verbs"):
+        raise StepError(f"discovery picked transport {transport!r}; the selftest runs tcp, shm and verbs")
 
     # 2. The selftest across the leaders, over that transport.
     cmd = [tools["gbbridge"], "selftest", "--store", store, "--rank", str(k), "--world-size", str(count)]
-    cmd += ["--namespace", base + "/selftest", "--transport", transport]
+    # --full: every collective x dtype x op (the default is a subset); --json:
+    # the report on stdout instead of tables; --no-perf: the all_reduce sweep
+    # is the step's bandwidth measurement.
+    cmd += ["--namespace", base + "/selftest", "--transport", transport, "--full", "--json", "--no-perf"]
     st = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
     if k != 0:
         row = {"schema": "gpubridge.kit-bridge-member/v1", **me, "rc": st.returncode}

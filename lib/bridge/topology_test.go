@@ -75,8 +75,8 @@ func TestFromTopology(t *testing.T) {
 			"rank 1 is not a bridge member (the island leaders are ranks [0 2]): only leaders run gbbridge serve"},
 		{"no bridge", topo(0, discover.BridgeNone, []int{0}, nil), Membership{},
 			`the job has no bridge (transport "none", 1 member(s)): a single island needs no gbbridge`},
-		{"unknown transport", topo(0, "verbs", []int{0, 2}, nil), Membership{},
-			`bridge transport "verbs" is not supported by this gbbridge (tcp, shm)`},
+		{"unknown transport", topo(0, "infiniband", []int{0, 2}, nil), Membership{},
+			`bridge transport "infiniband" is not supported by this gbbridge (tcp, shm, verbs)`},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -23,6 +23,10 @@ type Tool struct {
 	ExitCodes   []ExitCode
 	Examples    []Example
 	SeeAlso     []string
+	// Vars are the values of ${name} in the grammar's tags (as kong.Vars),
+	// for lists the tool takes from a library (gbbridge's transports):
+	// the flag, its help and its man page then follow the library.
+	Vars map[string]string
 }
 
 // ExitCode documents one exit status.
@@ -101,6 +105,7 @@ func Run(ctx context.Context, tool Tool, grammar any, args []string, stdin io.Re
 		kong.Writers(stdout, stderr),
 		kong.Exit(func(c int) { panic(exitPanic(c)) }),
 		kong.Embed(&extras{}),
+		kong.Vars(tool.Vars),
 		kong.Vars{"version": VersionString(tool.Name)},
 		kong.Bind(tool, env),
 		kong.UsageOnError(),

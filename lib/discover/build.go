@@ -15,6 +15,9 @@ import (
 const MaxProbeBytes = 16 << 20
 
 // ReadProbe decodes gbprobe's --json report.
+// maxVerbsPorts bounds the ports a record lists.
+const maxVerbsPorts = 64
+
 func ReadProbe(in io.Reader) (*probe.Report, error) {
 	b, err := io.ReadAll(io.LimitReader(in, MaxProbeBytes+1))
 	if err != nil {
@@ -97,10 +100,14 @@ func BuildRecord(o RecordOptions, probeIn io.Reader) *Record {
 	rec.Hostname = rep.Hostname
 	rec.Simulated = rep.Simulated
 	rec.Probe = ProbeSummary{Vendor: rep.RealVendor, GPUs: len(rep.GPUs), NICs: len(rep.NICs), Problems: len(rep.Problems)}
+	rec.Probe.Verbs, rec.Probe.VerbsError = rep.Verbs.State, truncateText(rep.Verbs.Error, 256)
 	for _, d := range rep.RDMA {
 		for _, p := range d.Ports {
 			if p.Active() {
 				rec.Probe.RDMA++
+			}
+			if rep.Verbs.State == probe.VerbsOK && rep.VerbsUsable(d, p) && len(rec.Probe.VerbsPorts) < maxVerbsPorts {
+				rec.Probe.VerbsPorts = append(rec.Probe.VerbsPorts, VerbsPort{Device: truncateText(d.Name, 64), Port: p.Port, LinkLayer: truncateText(p.LinkLayer, 16)})
 			}
 		}
 	}

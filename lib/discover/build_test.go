@@ -103,3 +103,27 @@ func TestReadProbeShapes(t *testing.T) {
 		})
 	}
 }
+
+// TestBuildRecordVerbsPorts: the record carries the RDMA ports the verbs
+// bridge could use (active in sysfs, opened by libibverbs, active there),
+// and libibverbs' state when it had none to give.
+func TestBuildRecordVerbsPorts(t *testing.T) {
+	const withVerbs = `{"schema":"gpubridge.probe/v1","hostname":"h1","vendor":"amd","simulated":true,"real_vendor":"none",
+	"verbs":{"state":"ok"},"rdma":[
+	 {"name":"rxe0","verbs":{"opened":true},"ports":[{"port":1,"state":"ACTIVE","link_layer":"Ethernet","verbs_state":"ACTIVE"}]},
+	 {"name":"mlx5_0","verbs":{"opened":false,"error":"no provider"},"ports":[{"port":1,"state":"ACTIVE","link_layer":"InfiniBand"}]},
+	 {"name":"mlx5_1","verbs":{"opened":true},"ports":[{"port":1,"state":"DOWN","link_layer":"InfiniBand","verbs_state":"DOWN"}]}]}`
+	const noVerbs = `{"schema":"gpubridge.probe/v1","hostname":"h1","vendor":"amd","simulated":true,"real_vendor":"none",
+	"verbs":{"state":"unavailable","error":"libibverbs.so.1: not found"},"rdma":[
+	 {"name":"mlx5_0","ports":[{"port":1,"state":"ACTIVE","link_layer":"InfiniBand"}]}]}`
+	o := RecordOptions{Rank: 1, WorldSize: 2, LocalRank: -1, Bridge: BridgeAuto, Getenv: func(string) string { return "" }}
+	rec := BuildRecord(o, strings.NewReader(withVerbs))
+	assert.Equal(t, "ok", rec.Probe.Verbs)
+	assert.Equal(t, 2, rec.Probe.RDMA, "active ports in sysfs")
+	assert.Equal(t, []VerbsPort{{Device: "rxe0", Port: 1, LinkLayer: "Ethernet"}}, rec.Probe.VerbsPorts)
+	rec = BuildRecord(o, strings.NewReader(noVerbs))
+	assert.Equal(t, "unavailable", rec.Probe.Verbs)
+	assert.Equal(t, "libibverbs.so.1: not found", rec.Probe.VerbsError)
+	assert.Empty(t, rec.Probe.VerbsPorts)
+	assert.Equal(t, 1, rec.Probe.RDMA)
+}

@@ -101,6 +101,20 @@ type ProbeSummary struct {
 	NICs     int    `json:"nics"`
 	RDMA     int    `json:"rdma_ports_active"`
 	Problems int    `json:"problems"`
+	// Verbs is libibverbs' state in the probe (ok, off, unavailable, …;
+	// "" from a gbprobe that did not consult it), VerbsError its reason,
+	// and VerbsPorts the active ports it opens: what the verbs bridge
+	// could use on the rank's node.
+	Verbs      string      `json:"verbs,omitempty"`
+	VerbsError string      `json:"verbs_error,omitempty"`
+	VerbsPorts []VerbsPort `json:"verbs_ports,omitempty"`
+}
+
+// VerbsPort is an active RDMA port that libibverbs opens.
+type VerbsPort struct {
+	Device    string `json:"device"`
+	Port      int    `json:"port"`
+	LinkLayer string `json:"link_layer"`
 }
 
 // Encode returns the record's JSON.

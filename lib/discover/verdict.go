@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/gpubridge/gpubridge/lib/probe"
 	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
@@ -328,7 +329,19 @@ func chooseBridge(recs []*Record, islands []Island, requested transport.Kind) (B
 		b.Transport, b.Reason = BridgeNone, "one island: every collective runs on the native library alone"
 		return b, nil
 	}
-	k, reason, err := transport.Choose(requested, members)
+	rdma := make([]transport.RDMAOffer, len(islands))
+	for i, is := range islands {
+		p := recs[is.Leader].Probe
+		o := transport.RDMAOffer{Probed: p.Verbs != "" && p.Verbs != probe.VerbsOff}
+		if o.Probed && p.Verbs != probe.VerbsOK {
+			o.Why = fmt.Sprintf("libibverbs %s: %s", p.Verbs, p.VerbsError)
+		}
+		for _, vp := range p.VerbsPorts {
+			o.Ports = append(o.Ports, transport.RDMAPortOffer{Device: vp.Device, Port: vp.Port, LinkLayer: vp.LinkLayer})
+		}
+		rdma[i] = o
+	}
+	k, reason, err := transport.ChooseFor(requested, members, rdma)
 	if err != nil {
 		return b, []string{err.Error()}
 	}

@@ -85,6 +85,21 @@ func TestDecideTopologies(t *testing.T) {
 			}
 			return r
 		}, KindCPU, map[string][]int{"nvidia": {0, 1}, "amd": {2, 3}}, []int{0, 2}, BridgeSHM},
+		{"two hosts with RoCE: verbs", func() []*Record {
+			r := mk([]string{"nvidia", "nvidia", "amd", "amd"}, []string{"a", "a", "b", "b"})
+			for _, x := range r {
+				x.Probe.Verbs, x.Probe.VerbsPorts = "ok", []VerbsPort{{Device: "rxe0", Port: 1, LinkLayer: "Ethernet"}}
+			}
+			return r
+		}, KindGPUMixed, map[string][]int{"nvidia": {0, 1}, "amd": {2, 3}}, []int{0, 2}, BridgeVerbs},
+		{"two hosts, a leader without libibverbs: tcp", func() []*Record {
+			r := mk([]string{"nvidia", "nvidia", "amd", "amd"}, []string{"a", "a", "b", "b"})
+			for _, x := range r {
+				x.Probe.Verbs, x.Probe.VerbsPorts = "ok", []VerbsPort{{Device: "rxe0", Port: 1, LinkLayer: "Ethernet"}}
+			}
+			r[2].Probe.Verbs, r[2].Probe.VerbsError, r[2].Probe.VerbsPorts = "unavailable", "libibverbs.so.1: not found", nil
+			return r
+		}, KindGPUMixed, map[string][]int{"nvidia": {0, 1}, "amd": {2, 3}}, []int{0, 2}, BridgeTCP},
 		{"cpu simulation, three islands", func() []*Record {
 			r := mk([]string{"nvidia", "nvidia", "amd", "amd", "amd", "amd"}, nil)
 			for _, x := range r {
@@ -209,12 +224,15 @@ func TestDecideProblems(t *testing.T) {
 			}
 			return r
 		}, []string{"bridge shm was requested, but the leaders (ranks 0,2) are on 2 hosts (h0, h1): shared memory needs one host"}},
-		{"verbs not yet", func(r []*Record) []*Record {
+		{"verbs where a leader's node cannot", func(r []*Record) []*Record {
+			r[2].Hostname, r[3].Hostname = "h1", "h1"
 			for _, x := range r {
 				x.Bridge = BridgeVerbs
+				x.Probe.Verbs, x.Probe.VerbsPorts = "ok", []VerbsPort{{Device: "mlx5_0", Port: 1, LinkLayer: "InfiniBand"}}
 			}
+			r[2].Probe.Verbs, r[2].Probe.VerbsError, r[2].Probe.VerbsPorts = "unavailable", "libibverbs.so.1: not found", nil
 			return r
-		}, []string{"bridge verbs was requested, but this gpubridge version has no verbs transport yet (use auto, tcp or shm)"}},
+		}, []string{"bridge verbs was requested, but rank 2 on h1 has no active RDMA port that libibverbs opens (libibverbs unavailable: libibverbs.so.1: not found)"}},
 		{"several problems listed together", func(r []*Record) []*Record {
 			r[0].Problems = []string{"probe failed"}
 			r[3].Problems = []string{"no GPU"}

@@ -244,3 +244,68 @@ func TestFillPatternBytes(t *testing.T) {
 		}
 	}
 }
+
+// The default selftest's subset covers every collective, dtype and op,
+// and is a subset of the full sweep (whose checks run in the bridge CLI
+// script with --full): nothing the default checks goes unchecked there.
+func TestQuickCasesAreASubset(t *testing.T) {
+	for _, n := range []int{2, 4} {
+		full := map[string]bool{}
+		for _, c := range Cases(n) {
+			full[c.String()] = true
+		}
+		seen := map[string]bool{}
+		for _, c := range QuickCases(n) {
+			assert.True(t, full[c.String()], "%s is not in the full sweep", c)
+			seen[c.Coll+"/"+c.DType.String()+"/"+c.Op.String()] = true
+			seen[c.Coll+"/"+c.DType.String()] = true
+		}
+		for _, dt := range reduce.AllDTypes() {
+			for _, op := range reduce.AllOps() {
+				if reduce.Supported(op, dt) == nil {
+					assert.True(t, seen["all_reduce/"+dt.String()+"/"+op.String()], "all_reduce %s %s", dt, op)
+				}
+			}
+			for _, coll := range []string{"reduce_scatter", "broadcast", "all_gather"} {
+				assert.True(t, seen[coll+"/"+dt.String()], "%s %s", coll, dt)
+			}
+		}
+		assert.Less(t, len(QuickCases(n)), len(Cases(n))/3)
+	}
+}
+
+// The perftest-style rows: bandwidth and latency between members 0 and 1
+// over the mesh's streams; a third member waits.
+func TestPerfRows(t *testing.T) {
+	ms := memMembers(t, 3)
+	o := PerfOptions{BWSizes: []int{1 << 10, 100 << 10}, LatSizes: []int{8, 4096}, BWBytes: 1 << 20, Reps: 2, LatIters: 20}
+	var bw []BWRow
+	var lat []LatRow
+	errs := each(ms, func(m *bridge.Member) error {
+		b, l, err := Perf(context.Background(), m, o)
+		if m.Self == 0 {
+			bw, lat = b, l
+		}
+		return err
+	})
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	require.Len(t, bw, 2)
+	require.Len(t, lat, 2)
+	for _, r := range bw {
+		assert.Positive(t, r.AvgMBps)
+		assert.GreaterOrEqual(t, r.PeakMBps, r.AvgMBps*0.999)
+		assert.Zero(t, r.Iterations%2, "whole rounds over the streams")
+	}
+	for _, r := range lat {
+		assert.Equal(t, 20, r.Iterations)
+		assert.LessOrEqual(t, r.Min, r.Typical)
+		assert.LessOrEqual(t, r.Typical, r.Max)
+		assert.LessOrEqual(t, r.P99, r.Max)
+	}
+	var out bytes.Buffer
+	require.NoError(t, WritePerf(&out, 3, "mem", bw, lat))
+	assert.Contains(t, out.String(), "BW peak[MB/sec]")
+	assert.Contains(t, out.String(), "99.9% percentile[usec]")
+}

@@ -12,6 +12,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/bridge"
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
 // Case is one selftest check.
@@ -42,6 +43,37 @@ var selftestSizes = []int{1, 7, 1021, 65537, 1<<20 + 3}
 // SelftestLargeBytes is the size of the largest buffers: every collective ×
 // dtype runs once at this size (with sum, or no op).
 const SelftestLargeBytes = 64 << 20
+
+// QuickCases is the default selftest's representative subset of
+// Cases(n), picked from it: every op on every dtype that has it at 7
+// elements; every collective on every dtype at odd sizes (broadcast also
+// at one element); several chunks over every stream (float32 and float64
+// all_reduce, int64 reduce_scatter, uint8 all_gather at 1048579
+// elements); barrier and p2p.
+func QuickCases(n int) []Case {
+	big := selftestSizes[len(selftestSizes)-1]
+	quick := func(c Case) bool {
+		switch c.Coll {
+		case "all_reduce":
+			return c.Elems == 7 || c.Elems == 65537 && c.Op == reduce.Sum ||
+				c.Elems == big && c.Op == reduce.Sum && (c.DType == reduce.Float32 || c.DType == reduce.Float64)
+		case "reduce_scatter":
+			return c.Elems == 1021 && c.Op == reduce.Max || c.Elems == big && c.Op == reduce.Sum && c.DType == reduce.Int64
+		case "broadcast":
+			return c.Elems == 1 || c.Elems == 65537
+		case "all_gather":
+			return c.Elems == 1021 || c.Elems == big && c.DType == reduce.Uint8
+		}
+		return true // barrier, p2p
+	}
+	var cs []Case
+	for _, c := range Cases(n) {
+		if quick(c) {
+			cs = append(cs, c)
+		}
+	}
+	return cs
+}
 
 // Cases lists every check of a selftest of n members.
 func Cases(n int) []Case {
@@ -82,8 +114,30 @@ type RunReport struct {
 	Failed    int        `json:"failed"`
 	Failures  []Failure  `json:"failures"`
 	Bandwidth []BenchRow `json:"bandwidth"`
-	Seconds   float64    `json:"seconds"`
+	// WriteBW and WriteLat are the link's perftest-style rows (members 0
+	// and 1), when measured.
+	WriteBW  []BWRow  `json:"write_bw,omitempty"`
+	WriteLat []LatRow `json:"write_lat,omitempty"`
+	Seconds  float64  `json:"seconds"`
 }
+
+// SelftestOptions say what a member's selftest run does.
+type SelftestOptions struct {
+	Cases []Case
+	// Sweep is the all_reduce bandwidth sweep's sizes (none: no sweep).
+	Sweep []int64
+	// Perf, when set, measures the link in perftest's style.
+	Perf *PerfOptions
+	// Progress receives a line per check while they run (member 0; nil:
+	// none), Steps a line as each step ends.
+	Progress, Steps io.Writer
+}
+
+// QuickSweep and FullSweep are the all_reduce sweep's sizes.
+var (
+	QuickSweep = []int64{1 << 20, 16 << 20}
+	FullSweep  = []int64{1 << 20, 16 << 20, 64 << 20}
+)
 
 // ErrChecksFailed marks a selftest whose checks failed (exit 1).
 var ErrChecksFailed = errors.New("selftest checks failed")
@@ -92,8 +146,32 @@ var ErrChecksFailed = errors.New("selftest checks failed")
 // short all_reduce bandwidth sweep, and on member 0 writes the run's report
 // as one JSON line to out. Progress lines go to progress when it is not nil.
 func SelftestMember(ctx context.Context, m *bridge.Member, cases []Case, sweep bool, out, progress io.Writer) error {
+	o := SelftestOptions{Cases: cases, Progress: progress}
+	if sweep {
+		o.Sweep = FullSweep
+	}
+	rep, err := SelftestRun(ctx, m, o)
+	if m.Self == 0 {
+		if werr := json.NewEncoder(out).Encode(rep); werr != nil {
+			return werr
+		}
+	}
+	return err
+}
+
+// SelftestRun runs a member's part of a selftest run and returns the
+// report (complete on member 0): the cases, then, if they passed, the
+// all_reduce sweep and the perftest-style rows. The error is
+// ErrChecksFailed when a check failed, or what stopped the run.
+func SelftestRun(ctx context.Context, m *bridge.Member, o SelftestOptions) (RunReport, error) {
 	start := time.Now()
+	cases, progress := o.Cases, o.Progress
 	rep := RunReport{Members: m.Size, Transport: m.Mesh.Describe(), Cases: len(cases), Failures: []Failure{}}
+	step := func(format string, args ...any) {
+		if o.Steps != nil && m.Self == 0 {
+			fmt.Fprintf(o.Steps, format+"\n", args...)
+		}
+	}
 	for i, c := range cases {
 		wrong, err := runCase(ctx, m, c, uint64(i))
 		if err != nil {
@@ -119,28 +197,40 @@ func SelftestMember(ctx context.Context, m *bridge.Member, cases []Case, sweep b
 	if progress != nil && m.Self == 0 {
 		fmt.Fprintln(progress)
 	}
-	if rep.Failed == 0 && sweep {
+	step("selftest: %d members: %d checks bit for bit, %d failed (%.1fs)", m.Size, len(cases), rep.Failed, time.Since(start).Seconds())
+	if rep.Failed == 0 && len(o.Sweep) > 0 {
+		t0 := time.Now()
+		iters := 5
+		if len(o.Sweep) < len(FullSweep) {
+			iters = 3
+		}
 		rows, err := Sweep(ctx, m, SweepOptions{Coll: "all_reduce", DType: reduce.Float32, Op: reduce.Sum,
-			Sizes: []int64{1 << 20, 16 << 20, 64 << 20}, Iters: 5, Warmup: 1})
+			Sizes: o.Sweep, Iters: iters, Warmup: 1})
 		if err != nil {
 			rep.Failures = append(rep.Failures, Failure{Case: "bandwidth sweep", Error: err.Error()})
 			rep.Failed++
 		}
 		rep.Bandwidth = rows
+		step("selftest: %d members: all_reduce sweep at %d sizes (%.1fs)", m.Size, len(rows), time.Since(t0).Seconds())
+	}
+	if rep.Failed == 0 && o.Perf != nil {
+		t0 := time.Now()
+		bw, lat, err := Perf(ctx, m, *o.Perf)
+		if err != nil {
+			rep.Failures = append(rep.Failures, Failure{Case: "perftest-style sweep", Error: err.Error()})
+			rep.Failed++
+		}
+		rep.WriteBW, rep.WriteLat = bw, lat
+		step("selftest: %d members: write_bw at %d sizes, write_lat at %d (%.1fs)", m.Size, len(bw), len(lat), time.Since(t0).Seconds())
 	}
 	if rep.Bandwidth == nil {
 		rep.Bandwidth = []BenchRow{}
 	}
 	rep.Seconds = time.Since(start).Seconds()
-	if m.Self == 0 {
-		if err := json.NewEncoder(out).Encode(rep); err != nil {
-			return err
-		}
-	}
 	if rep.Failed > 0 {
-		return ErrChecksFailed
+		return rep, ErrChecksFailed
 	}
-	return nil
+	return rep, nil
 }
 
 // sumAcross all-reduces one int64 over the bridge.
@@ -268,8 +358,14 @@ const SelftestSchema = "gpubridge.selftest/v1"
 
 // SelftestSummary is gbbridge selftest's output: one report per run.
 type SelftestSummary struct {
-	Schema  string      `json:"schema"`
-	Version string      `json:"version"`
-	OK      bool        `json:"ok"`
-	Runs    []RunReport `json:"runs"`
+	Schema  string `json:"schema"`
+	Version string `json:"version"`
+	OK      bool   `json:"ok"`
+	// Full says the exhaustive sweep ran (--full), not the default subset.
+	Full bool `json:"full"`
+	// Device is the verbs device step (--transport verbs).
+	Device *transport.VerbsCheckReport `json:"device,omitempty"`
+	Runs   []RunReport                 `json:"runs"`
+	// Verdict is the one line the run ends with: PASS or FAIL and why.
+	Verdict string `json:"verdict"`
 }

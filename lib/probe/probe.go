@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/ibverbs"
 	"github.com/gpubridge/gpubridge/lib/netif"
 )
 
@@ -42,6 +43,16 @@ type Options struct {
 	NVMLLibrary string
 	// NVMLTimeout bounds NVML; 0 means DefaultNVMLTimeout.
 	NVMLTimeout time.Duration
+	// Verbs is auto (""), on or off: whether libibverbs is consulted
+	// about the RDMA devices (auto: only on the real sysfs, as NVML).
+	Verbs string
+	// VerbsLib is the libibverbs to consult; nil means RealVerbs(VerbsLibrary).
+	VerbsLib Verbs
+	// VerbsLibrary is the library path for RealVerbs; "" is
+	// GPUBRIDGE_IBVERBS_LIB or libibverbs.so.1.
+	VerbsLibrary string
+	// VerbsTimeout bounds the query; 0 means DefaultVerbsTimeout.
+	VerbsTimeout time.Duration
 	// NoNICs skips netlink: no NICs, no route.
 	NoNICs bool
 	// RouteTo, when set, asks which interface and source address the kernel
@@ -69,6 +80,10 @@ var ErrSetup = errors.New("probe cannot run")
 func Run(ctx context.Context, opts Options) (*Report, error) {
 	start := time.Now()
 	root, nvmlOn, err := opts.check()
+	if err != nil {
+		return nil, err
+	}
+	verbsOn, err := opts.verbsOn(root)
 	if err != nil {
 		return nil, err
 	}
@@ -104,10 +119,19 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 	if !opts.NoNICs {
 		wg.Go(func() { nw = probeNetwork(ctx, opts.RouteTo) })
 	}
+	var vDevs []VerbsDevice
+	vStatus := VerbsStatus{State: VerbsOff, Error: "not consulted (--verbs=off)"}
+	switch {
+	case verbsOn:
+		wg.Go(func() { vDevs, vStatus = opts.queryVerbs(ctx) })
+	case opts.Verbs == "" || opts.Verbs == VerbsModeAuto:
+		vStatus.Error = "not consulted under a fake sysfs root (--verbs=auto; use --verbs=on to consult it)"
+	}
 	found := scanSysfs(sysfs{root: root})
 	wg.Wait()
 
 	rep.addGPUs(found, nvInfo, nvStatus)
+	rep.addVerbs(vDevs, vStatus)
 	rep.addNetwork(opts, nw)
 	rep.RealVendor = vendorOf(rep.GPUs)
 	rep.Vendor = rep.RealVendor
@@ -143,6 +167,39 @@ func (o *Options) check() (root string, nvmlOn bool, err error) {
 		return root, false, nil
 	}
 	return "", false, fmt.Errorf("%w: NVML mode %q: want auto, on or off", ErrSetup, o.NVML)
+}
+
+// Verbs modes of Options.Verbs: as the NVML modes.
+const (
+	VerbsModeAuto = "auto"
+	VerbsModeOn   = "on"
+	VerbsModeOff  = "off"
+)
+
+// verbsOn says whether libibverbs is consulted under root.
+func (o *Options) verbsOn(root string) (bool, error) {
+	switch o.Verbs {
+	case "", VerbsModeAuto:
+		return root == "/", nil
+	case VerbsModeOn:
+		return true, nil
+	case VerbsModeOff:
+		return false, nil
+	}
+	return false, fmt.Errorf("%w: verbs mode %q: want auto, on or off", ErrSetup, o.Verbs)
+}
+
+// queryVerbs asks the libibverbs of the options, within their timeout.
+func (o *Options) queryVerbs(ctx context.Context) ([]VerbsDevice, VerbsStatus) {
+	lib := o.VerbsLib
+	if lib == nil {
+		lib = RealVerbs(o.VerbsLibrary)
+	}
+	timeout := o.VerbsTimeout
+	if timeout <= 0 {
+		timeout = DefaultVerbsTimeout
+	}
+	return queryVerbs(ctx, lib, timeout, ibverbs.LibraryPath(o.VerbsLibrary))
 }
 
 // queryNVML asks the NVML of the options, within their timeout.

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/ibverbs"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -52,6 +53,15 @@ func nvmlHangs(t *testing.T) NVML {
 	t.Cleanup(func() { close(block) })
 	return NVMLFunc(func() (*NVMLInfo, error) { <-block; return nil, errors.New("unblocked") })
 }
+
+// verbsWith is a libibverbs that lists devs.
+func verbsWith(devs ...VerbsDevice) Verbs {
+	return VerbsFunc(func() ([]VerbsDevice, error) { return devs, nil })
+}
+
+var verbsMissing = VerbsFunc(func() ([]VerbsDevice, error) {
+	return nil, fmt.Errorf("%w: libibverbs.so.1: cannot open shared object file: No such file or directory", ibverbs.ErrUnavailable)
+})
 
 // stable masks what differs between machines and runs.
 func stable(t *testing.T, rep *Report) []byte {
@@ -92,6 +102,17 @@ func TestGolden(t *testing.T) {
 		}},
 		{"ib", func(*testing.T) Options { return Options{SysfsRoot: tree("ib")} }},
 		{"roce", func(*testing.T) Options { return Options{SysfsRoot: tree("roce")} }},
+		{"roce-verbs", func(*testing.T) Options {
+			return Options{SysfsRoot: tree("roce"), Verbs: VerbsModeOn, VerbsLib: verbsWith(VerbsDevice{Name: "mlx5_0", MaxQP: 262144, MaxQPWR: 32768,
+				Ports: []VerbsPort{{Port: 1, State: "ACTIVE", LinkLayer: "Ethernet", ActiveMTU: 4096, MaxMTU: 4096, Gbps: 100}}})}
+		}},
+		{"roce-verbs-cannot-open", func(*testing.T) Options {
+			return Options{SysfsRoot: tree("roce"), Verbs: VerbsModeOn, VerbsLib: verbsWith(
+				VerbsDevice{Name: "mlx5_0", Error: "ibv_open_device mlx5_0: no such device"}, VerbsDevice{Name: "rxe9"})}
+		}},
+		{"ib-verbs-missing", func(*testing.T) Options {
+			return Options{SysfsRoot: tree("ib"), Verbs: VerbsModeOn, VerbsLib: verbsMissing}
+		}},
 		{"bare", func(*testing.T) Options { return Options{SysfsRoot: tree("bare")} }},
 		{"bare-simulated-amd", func(*testing.T) Options { return Options{SysfsRoot: tree("bare"), SimulateVendor: VendorAMD} }},
 	}

@@ -56,6 +56,9 @@ type Report struct {
 	NICs []NIC `json:"nics"`
 	// RDMA are the RDMA devices under /sys/class/infiniband.
 	RDMA []RDMADevice `json:"rdma"`
+	// Verbs says whether libibverbs was consulted and what it answered;
+	// the devices and ports carry its view.
+	Verbs VerbsStatus `json:"verbs"`
 	// Route is present when a route was asked for (--route-to).
 	Route *Route `json:"route,omitempty"`
 	// Problems are findings that will likely break a job on this node, one
@@ -190,6 +193,8 @@ type RDMADevice struct {
 	// PCIBusID is the PCI function behind the device, when discoverable.
 	PCIBusID string     `json:"pci_bus_id,omitempty"`
 	Ports    []RDMAPort `json:"ports"`
+	// Verbs is libibverbs' view of the device, when it was consulted.
+	Verbs *RDMAVerbs `json:"verbs,omitempty"`
 }
 
 // RDMAPort is one port of an RDMA device.
@@ -213,6 +218,11 @@ type RDMAPort struct {
 	// attributes (gid_attrs/ndevs) or else the PCI device's net/ entries; for
 	// InfiniBand the IPoIB interfaces.
 	Netdevs []string `json:"netdevs"`
+	// VerbsState is the port's state as libibverbs queries it, ActiveMTU
+	// and MaxMTU its MTUs in bytes (when libibverbs was consulted).
+	VerbsState string `json:"verbs_state,omitempty"`
+	ActiveMTU  int    `json:"active_mtu,omitempty"`
+	MaxMTU     int    `json:"max_mtu,omitempty"`
 }
 
 // Active reports whether the port's logical state is ACTIVE.

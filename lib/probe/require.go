@@ -231,13 +231,34 @@ func (r *Report) checkRDMA(match func(RDMAPort) bool, what string) (bool, string
 	for _, d := range r.RDMA {
 		for _, p := range d.Ports {
 			desc := fmt.Sprintf("%s port %d %s %s", d.Name, p.Port, p.LinkLayer, p.State)
+			if match(p) && r.VerbsUsable(d, p) {
+				return true, fmt.Sprintf("%s, %s%s", desc, p.Rate, r.verbsWords(p))
+			}
 			if match(p) && p.Active() {
-				return true, fmt.Sprintf("%s, %s", desc, p.Rate)
+				desc += r.verbsWords(p)
 			}
 			seen = append(seen, desc)
 		}
 	}
-	return false, fmt.Sprintf("no active %s port (have: %s)", what, strings.Join(seen, ", "))
+	usable := ""
+	if r.Verbs.State != VerbsOff && r.Verbs.State != "" {
+		usable = " that libibverbs can use"
+	}
+	return false, fmt.Sprintf("no active %s port%s (have: %s)", what, usable, strings.Join(seen, ", "))
+}
+
+// verbsWords is what libibverbs says of a port, for reasons.
+func (r *Report) verbsWords(p RDMAPort) string {
+	switch r.Verbs.State {
+	case VerbsOff, "":
+		return " (libibverbs not consulted)"
+	case VerbsOK:
+		if p.VerbsState == "" {
+			return ", but libibverbs cannot open its device"
+		}
+		return fmt.Sprintf(", libibverbs: %s, MTU %d", p.VerbsState, p.ActiveMTU)
+	}
+	return fmt.Sprintf(", but libibverbs is %s (%s)", r.Verbs.State, r.Verbs.Error)
 }
 
 func (r *Report) checkNIC(name string) (bool, string) {

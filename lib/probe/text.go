@@ -61,6 +61,11 @@ func (r *Report) WriteText(w io.Writer) error {
 		}
 		p("%s\n", line)
 	}
+	vb := "verbs: " + r.Verbs.State
+	if r.Verbs.Error != "" {
+		vb += " (" + r.Verbs.Error + ")"
+	}
+	p("%s\n", vb)
 	if len(r.RDMA) == 0 {
 		p("rdma: none\n")
 	}
@@ -72,6 +77,17 @@ func (r *Report) WriteText(w io.Writer) error {
 			}
 			if len(port.Netdevs) > 0 {
 				line += ", netdev " + strings.Join(port.Netdevs, " ")
+			}
+			if port.VerbsState != "" {
+				line += fmt.Sprintf(", libibverbs %s MTU %d", port.VerbsState, port.ActiveMTU)
+			} else if d.Verbs != nil && !d.Verbs.Opened {
+				line += ", libibverbs cannot open it"
+			}
+			for _, g := range port.GIDs {
+				if g.Type == "RoCE v2" {
+					line += fmt.Sprintf(", GID %d %s (RoCE v2)", g.Index, g.GID)
+					break
+				}
 			}
 			p("%s\n", line)
 		}

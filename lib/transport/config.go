@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -29,7 +30,7 @@ type Config struct {
 	Self int
 	// Members are every bridge member (island leader), in member order.
 	Members []MemberInfo
-	// Transport is what Choose picked: tcp or shm.
+	// Transport is what Choose picked: tcp, shm or verbs.
 	Transport Kind
 	// Streams is the number of data streams per pair of members (default 8).
 	Streams int
@@ -58,6 +59,11 @@ type Config struct {
 
 	// proto overrides the protocol version this member speaks (tests).
 	proto uint16
+	// verbsOpen replaces the device the verbs transport opens (tests: an
+	// in-memory fake); verbsForge alters this member's verbs endpoint
+	// record before it is published (tests: a forged peer).
+	verbsOpen  func(ctx context.Context, c *Config) (verbsPort, vDev, error)
+	verbsForge func(*verbsEndpoint)
 }
 
 // MemberInfo is one bridge member as discovery describes it.

@@ -21,6 +21,10 @@ const (
 // them.
 var requestable = []Kind{Auto, TCP, SHM, Verbs}
 
+// RequestableEnum is the kinds a user may ask for as a kong enum
+// ("auto,tcp,shm,verbs"): the tools' --transport flags take it from here.
+func RequestableEnum() string { return strings.Join(names(requestable), ",") }
+
 func names(ks []Kind) []string {
 	s := make([]string, len(ks))
 	for i, k := range ks {

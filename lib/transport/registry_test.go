@@ -66,5 +66,5 @@ func TestRegisteredTransport(t *testing.T) {
 func TestUnknownTransport(t *testing.T) {
 	b := newBridge(t, "carrier-pigeon", 2, 1, false)
 	_, err := Establish(context.Background(), b.cfgs[0])
-	assert.EqualError(t, err, `bridge setup: unknown transport "carrier-pigeon" (tcp, shm or loop)`)
+	assert.EqualError(t, err, `bridge setup: unknown transport "carrier-pigeon" (tcp, shm, verbs or loop)`)
 }

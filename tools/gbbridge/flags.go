@@ -39,8 +39,8 @@ type memberFlags struct {
 	Rank      int           `help:"With --store: this member's index." default:"-1"`
 	WorldSize int           `help:"With --store: the number of members." default:"-1"`
 	Namespace string        `help:"With --store: key namespace of the run (every member the same)." default:"gbbridge"`
-	Transport string        `help:"Bridge transport: auto (shm when every member is on this host, else tcp), tcp or shm." enum:"auto,tcp,shm" default:"auto"`
-	Streams   int           `help:"TCP connections (shm rings) per pair of members (8: see docs/BENCHMARKS.md)." default:"8"`
+	Transport string        `help:"Bridge transport: auto (shm when every member is on this host, else tcp), tcp, shm or verbs (RDMA: InfiniBand or RoCE; GPUBRIDGE_IB_HCA and GPUBRIDGE_IB_GID_INDEX pick the port and GID, docs/VERBS.md)." enum:"${transports}" default:"auto"`
+	Streams   int           `help:"TCP connections (shm rings, verbs queue pairs) per pair of members (8: see docs/BENCHMARKS.md)." default:"8"`
 	Chunk     byteSize      `help:"Pipelining unit of the collectives (K, M, G: powers of 1024)." default:"4M" placeholder:"BYTES"`
 	CRC       bool          `help:"CRC32C on every frame between members (off by default: it costs 25-45% at 256 MiB on a 2-core host, see docs/BENCHMARKS.md)." negatable:""`
 	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`

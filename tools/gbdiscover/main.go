@@ -5,6 +5,7 @@ package main
 
 import (
 	"github.com/gpubridge/gpubridge/lib/cli"
+	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
 type grammar struct {
@@ -14,6 +15,7 @@ type grammar struct {
 
 var tool = cli.Tool{
 	Name:    "gbdiscover",
+	Vars:    map[string]string{"transports": transport.RequestableEnum()},
 	Summary: "agree on the job's islands, leaders and bridge through the c10d store",
 	Description: `Every rank runs gbprobe --json | gbdiscover. gbdiscover writes the rank's record (vendor or simulated vendor, probe summary, hostname, requested bridge, settings, version, the GPU the rank will use) under the job's namespace in the c10d TCPStore that torchrun or init_process_group created, reads every rank's record, and decides.
 

@@ -28,7 +28,7 @@ type runCmd struct {
 	LocalRank int               `help:"This rank's index on its node; picks its GPU. -1: unknown." env:"LOCAL_RANK,SLURM_LOCALID" default:"-1"`
 	Namespace string            `help:"Key namespace of this job and attempt. Default: job-<TORCHELASTIC_RUN_ID or SLURM_JOB_ID or default>/attempt-<TORCHELASTIC_RESTART_COUNT or 0>." env:"GPUBRIDGE_NAMESPACE"`
 	Timeout   time.Duration     `help:"Deadline of the whole discovery, store connection included." env:"GPUBRIDGE_DISCOVER_TIMEOUT" default:"60s"`
-	Transport string            `help:"Bridge transport to ask for (as gbbridge's --transport)." enum:"auto,tcp,shm,verbs" env:"GPUBRIDGE_BRIDGE" default:"auto" aliases:"bridge"`
+	Transport string            `help:"Bridge transport to ask for (as gbbridge's --transport)." enum:"${transports}" env:"GPUBRIDGE_BRIDGE" default:"auto" aliases:"bridge"`
 	Vendor    string            `help:"Vendor of this rank's GPU stack (the torch build); auto takes the vendor of the node's GPUs." enum:"auto,nvidia,amd" default:"auto"`
 	CPUOnly   bool              `help:"Run this rank on CPU (Gloo islands) while keeping real vendor detection." env:"GPUBRIDGE_CPU_ONLY"`
 	SplitTest string            `help:"Label a single-vendor job as two vendors: half, alternate or node." env:"GPUBRIDGE_SPLIT_TEST" placeholder:"MODE"`

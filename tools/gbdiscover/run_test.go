@@ -109,7 +109,7 @@ func TestTransportFlag(t *testing.T) {
 			require.NoError(t, os.Unsetenv("GPUBRIDGE_BRIDGE"))
 		}
 		var g grammar
-		k, err := kong.New(&g, kong.Exit(func(int) { t.Fatal("exit") }))
+		k, err := kong.New(&g, kong.Vars(tool.Vars), kong.Exit(func(int) { t.Fatal("exit") }))
 		require.NoError(t, err)
 		_, err = k.Parse(append([]string{"run"}, tt.args...))
 		require.NoError(t, err, tt.args)
@@ -117,9 +117,19 @@ func TestTransportFlag(t *testing.T) {
 	}
 	var help bytes.Buffer
 	var g grammar
-	k, err := kong.New(&g, kong.Writers(&help, &help), kong.Exit(func(int) {}))
+	k, err := kong.New(&g, kong.Vars(tool.Vars), kong.Writers(&help, &help), kong.Exit(func(int) {}))
 	require.NoError(t, err)
 	_, _ = k.Parse([]string{"run", "--help"})
 	assert.Contains(t, help.String(), "--transport=")
 	assert.NotContains(t, help.String(), "--bridge")
+	// The flag's choices are lib/transport's requestable kinds, no copy.
+	_, err = k.Parse([]string{"run", "--transport", "rdma"})
+	require.Error(t, err)
+	kinds := strings.Split(transport.RequestableEnum(), ",")
+	assert.Contains(t, err.Error(), `"`+strings.Join(kinds, `","`)+`"`)
+	assert.Contains(t, kinds, string(transport.Verbs))
+	for _, kind := range kinds {
+		_, err = k.Parse([]string{"run", "--transport", kind})
+		require.NoError(t, err, kind)
+	}
 }
