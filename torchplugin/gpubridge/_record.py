@@ -18,7 +18,7 @@ from typing import Any
 
 from gpubridge import _inflight as fl
 
-__all__ = ["SCHEMA", "CollectiveRecord", "GroupInfo", "Phase", "ns"]
+__all__ = ["SCHEMA", "CollectiveRecord", "GroupInfo", "Phase", "StepRecord", "ns"]
 
 SCHEMA = "gpubridge.trace/v1"
 
@@ -199,3 +199,22 @@ class CollectiveRecord:
         if self.step is not None:
             d["step"] = self.step
         return d
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """A training step this rank marked (gpubridge.observe.step): its index
+    (steps marked on this rank, from 0: the same step has the same index on
+    every rank), the samples it computed, its start and end (ns)."""
+
+    rank: int
+    step: int
+    samples: int
+    start_ns: int
+    end_ns: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA, "kind": "step", "rank": self.rank, "step": self.step, "samples": self.samples,
+            "start": self.start_ns, "end": self.end_ns,
+        }  # fmt: skip
