@@ -12,7 +12,12 @@ type HeteroOptions struct {
 	Window    int     // steps per window (default 100)
 	Calibrate int     // the calibration: this many steps from the first (default Window)
 	Threshold float64 // score at or above which compute is degraded, or a link slow (default 5)
-	Clip      float64 // values are clipped at this many robust SDs (default 3)
+	// Clip: values are clipped at this many robust SDs around each rank's
+	// window median (default 1.5, near Huber's 1.345: step times have
+	// heavy tails, and the clipped mean's error is corrected for the
+	// clipping, so a tight clip costs little under Gaussian jitter and gains
+	// much under heavy tails; docs/STRAGGLERS.md).
+	Clip float64
 	// MinSlowdown: degraded compute is at least this much slower per
 	// sample than expected (default 0.01: 1%), so that a real but
 	// negligible drift in a very quiet job is not a verdict.
@@ -33,7 +38,7 @@ func (o HeteroOptions) withDefaults() HeteroOptions {
 		o.Threshold = 5
 	}
 	if o.Clip <= 0 {
-		o.Clip = 3
+		o.Clip = 1.5
 	}
 	if o.MinSlowdown <= 0 {
 		o.MinSlowdown = 0.01
@@ -61,9 +66,9 @@ type HeteroScore struct {
 	Calibrating bool
 	Valid       int     // rows with a per-sample time
 	Score       float64 // compute: mean log excess over its class and its own history, over its standard error
-	Slowdown    float64 // observed / expected compute per sample, less 1
-	ObservedNs  float64 // compute per sample (geometric mean over the window)
-	ExpectedNs  float64 // what its class peers took in the same steps, times its own calibrated ratio to them
+	Slowdown    float64 // observed / expected compute per sample, less 1 (from the clipped mean excess)
+	ObservedNs  float64 // compute per sample: expected times the clipped excess
+	ExpectedNs  float64 // what its class peers took in the same steps (geometric mean), times its own history's ratio to them
 	// SEDev is the standard error of the window's mean log excess: a
 	// verdict of ok is as sure as MinSlowdown is above it.
 	SEDev        float64
@@ -188,20 +193,24 @@ func ScoreHetero(d HeteroData, o HeteroOptions) ([]HeteroScore, map[string]float
 		}
 		for r := range win {
 			s := &win[r]
+			if calibrating {
+				s.Score, s.SEDev = 0, 0 // its excess is what the history learns, not a verdict
+			}
 			if s.Valid > 0 {
-				obs, exp := 0.0, 0.0
+				// Expected: the class peers' per-sample time in these steps
+				// times the rank's own history; observed: that times the
+				// clipped excess (a long pause does not count).
+				exp := 0.0
 				for k := lo; k < hi; k++ {
 					if !math.IsNaN(y[k][r]) {
-						obs += x[k][r]
 						exp += ref[k][r] + hist[r].base()
 					}
 				}
-				s.ObservedNs, s.ExpectedNs = math.Exp(obs/float64(s.Valid)), math.Exp(exp/float64(s.Valid))
-				s.Slowdown = s.ObservedNs/s.ExpectedNs - 1
+				s.ExpectedNs = math.Exp(exp / float64(s.Valid))
+				s.ObservedNs = s.ExpectedNs * math.Exp(s.Mean)
+				s.Slowdown = math.Exp(s.Mean) - 1
 			}
-			if calibrating {
-				s.Score, s.Mean, s.SEDev = 0, 0, 0
-			} else if link != nil {
+			if !calibrating && link != nil {
 				s.LinkScore, s.LinkSlowdown = link.score(d.Transfer, lo, hi, r, o.Clip)
 			}
 			// The window joins the rank's history when it is plainly
@@ -271,7 +280,7 @@ func scoreClass(y [][]float64, lo, hi int, ranks []int, hist []history, clipAt f
 		return
 	}
 	lim := clipAt * robustSD(pool)
-	ss, dof := 0.0, 0
+	ss, dof, inside, total := 0.0, 0, 0, 0
 	for _, r := range ranks {
 		v, ok := vals[r]
 		if !ok {
@@ -279,6 +288,10 @@ func scoreClass(y [][]float64, lo, hi int, ranks []int, hist []history, clipAt f
 		}
 		sum := 0.0
 		for i, x := range v {
+			if math.Abs(x-meds[r]) < lim {
+				inside++
+			}
+			total++
 			v[i] = meds[r] + clip(x-meds[r], lim)
 			sum += v[i]
 		}
@@ -295,7 +308,10 @@ func scoreClass(y [][]float64, lo, hi int, ranks []int, hist []history, clipAt f
 	if dof == 0 {
 		return
 	}
-	sd := math.Sqrt(ss / float64(dof))
+	// The clipped mean's error is the clipped values' spread over the share
+	// of values inside the bounds (Huber's): clipping hard without it
+	// understates the error.
+	sd := math.Sqrt(ss/float64(dof)) * float64(total) / float64(max(inside, 1))
 	if sd <= 0 {
 		sd = 1e-12 // a job without jitter (a simulation): any change is certain
 	}
@@ -350,12 +366,17 @@ func (l *linkStats) score(t [][]float64, lo, hi, r int, clipAt float64) (float64
 		v = append(v, math.Log(math.Max(t[k][r], floorNs)))
 	}
 	med := median(append([]float64(nil), v...))
-	sum := 0.0
+	lim := clipAt * l.sd[r]
+	sum, inside := 0.0, 0
 	for _, x := range v {
-		sum += med + clip(x-med, clipAt*l.sd[r])
+		if math.Abs(x-med) < lim {
+			inside++
+		}
+		sum += med + clip(x-med, lim)
 	}
 	m := sum/float64(len(v)) - l.base[r]
-	return m / (l.sd[r] * math.Sqrt(1/float64(len(v))+1/float64(l.n))), math.Exp(m) - 1
+	sd := l.sd[r] * float64(len(v)) / float64(max(inside, 1)) // Huber's correction, as scoreClass's
+	return m / (sd * math.Sqrt(1/float64(len(v))+1/float64(l.n))), math.Exp(m) - 1
 }
 
 // classIndex numbers the classes in order of their first rank: each
