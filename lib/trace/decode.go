@@ -205,6 +205,8 @@ func (s *Step) check(rank int) error {
 		return fmt.Errorf("step record #%d: samples %d (0 to %d)", s.Step, s.Samples, int64(MaxStepSamples))
 	case s.End < s.Start:
 		return fmt.Errorf("step record #%d: ends (%d) before it starts (%d)", s.Step, s.End, s.Start)
+	case (s.GPUStart == nil) != (s.GPUEnd == nil) || (s.GPUStart != nil && *s.GPUEnd < *s.GPUStart):
+		return fmt.Errorf("step record #%d: gpu_start and gpu_end must come together, in order", s.Step)
 	}
 	return nil
 }

@@ -55,6 +55,31 @@ func TestSplitSteps(t *testing.T) {
 	}
 }
 
+// On a GPU the host queues a step in 2 ms and the device runs it: the
+// split is of the device's timeline. Rank 0's stream passes its work at 30
+// (the end of "running"), the peer's at 40; the collective ends on the
+// device at 55; the step's events: 10 and 60.
+func TestSplitStepsOnTheDevice(t *testing.T) {
+	dev := func(rank int, passed, end int64) RankView {
+		return RankView{Rank: rank, Arrived: 1, End: ns(2), Result: ResultOK, Async: true, Phases: []Phase{
+			{Name: "queued", Start: 1, End: ns(1)},
+			{Name: "running", Start: 1, End: ns(1), GPUStart: ns(passed - 1), GPUEnd: ns(passed)},
+			{Name: "bridge", Start: 1, End: ns(2), GPUStart: ns(passed), GPUEnd: ns(end)},
+		}}
+	}
+	m := []Merged{{Group: "g", Seq: 1, Size: 2, Complete: true, LastArrival: 1, Ranks: []RankView{dev(0, 30, 55), dev(1, 40, 55)}}}
+	got := SplitSteps(m, []Step{{Rank: 0, Step: 0, Samples: 4, Start: 0, End: 3, GPUStart: ns(10), GPUEnd: ns(60)}})
+	require.Len(t, got, 1)
+	g := got[0]
+	assert.True(t, g.Device)
+	assert.Equal(t, StepSplit{Rank: 0, Step: 0, Samples: 4, Start: 0, End: 3, StepNs: 50, ReadyNs: 20, PostNs: 5,
+		ComputeNs: 25, CommNs: 25, WaitNs: 10, TransferNs: 15, Device: true, Collectives: 1,
+		Phases: map[string]int64{"running": 1, "bridge": 25}}, g)
+	// Without the peer's device times, the host's timeline.
+	m[0].Ranks[1].Phases[1].GPUEnd = nil
+	assert.False(t, SplitSteps(m, []Step{{Rank: 0, Step: 0, Samples: 4, Start: 0, End: 3, GPUStart: ns(10), GPUEnd: ns(60)}})[0].Device)
+}
+
 func mixedSim() HeteroSimOptions {
 	return HeteroSimOptions{Classes: []SimClass{{"fast", 8, 1e6}, {"slow", 6, 2e6}, {"one", 1, 1.5e6}},
 		Steps: 600, GlobalBatch: 15 * 16, Uniform: true, OverheadNs: 2e6, PostNs: 5e6, CollectiveNs: 3e6,
@@ -211,6 +236,7 @@ func TestStepRecords(t *testing.T) {
 		{`{"schema":"gpubridge.trace/v1","kind":"step","rank":2,"step":4,"samples":1,"start":5,"end":1}`, "step record #4: ends (1) before it starts (5)"},
 		{`{"schema":"gpubridge.trace/v1","kind":"step","rank":2,"step":4,"samples":-1,"start":0,"end":1}`, "step record #4: samples -1"},
 		{`{"schema":"gpubridge.trace/v1","kind":"step","rank":2,"step":-1,"samples":1,"start":0,"end":1}`, "step record: step -1"},
+		{`{"schema":"gpubridge.trace/v1","kind":"step","rank":2,"step":3,"samples":1,"start":0,"end":1,"gpu_start":5}`, "step record #3: gpu_start and gpu_end"},
 	} {
 		_, err := NewReader(Limits{}).DecodeLines(strings.NewReader(head+bad.line+"\n"), "t")
 		require.Error(t, err)

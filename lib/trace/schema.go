@@ -144,13 +144,17 @@ type UserPhase struct {
 
 // Step is a training step the user marked on one rank
 // (gpubridge.observe.step): its index (the same step has the same index on
-// every rank), the samples it computed, and when it began and ended.
+// every rank), the samples it computed, and when it began and ended; on a
+// GPU also when the rank's current stream reached its start and its end
+// (CUDA events on the host clock, as phases' gpu_start and gpu_end).
 type Step struct {
-	Rank    int   `json:"rank"`
-	Step    int64 `json:"step"`
-	Samples int64 `json:"samples"`
-	Start   int64 `json:"start"`
-	End     int64 `json:"end"`
+	Rank     int    `json:"rank"`
+	Step     int64  `json:"step"`
+	Samples  int64  `json:"samples"`
+	Start    int64  `json:"start"`
+	End      int64  `json:"end"`
+	GPUStart *int64 `json:"gpu_start,omitempty"`
+	GPUEnd   *int64 `json:"gpu_end,omitempty"`
 }
 
 // MaxStepSamples bounds a step record's samples.

@@ -10,7 +10,9 @@ import (
 // the step's start and end, its samples, each collective's arrival, end and
 // phases, and every rank's arrival (so when the last peer arrived).
 // Inferred: which of that time the rank spent blocked (Comm), and so its
-// compute.
+// compute. On a GPU, when the step and its collectives carry device times
+// (tracing on), the split is of the device's timeline (Device): the host's
+// times only say when it queued the work.
 type StepSplit struct {
 	Rank    int   `json:"rank"`
 	Step    int64 `json:"step"`
@@ -38,15 +40,36 @@ type StepSplit struct {
 	// TransferNs: CommNs - WaitNs, the time every rank was there and the
 	// link (island, bridge) was working.
 	TransferNs  int64            `json:"transfer_ns"`
+	Device      bool             `json:"device,omitempty"` // the split is of the GPU's timeline
 	Collectives int              `json:"collectives"`
 	Phases      map[string]int64 `json:"phases_ns"` // time in each phase, summed over the step's collectives (async ones overlap compute)
 }
 
-// stepColl is one rank's ended collective, for the split.
+// stepColl is one rank's ended collective, for the split: on the host,
+// and on the device when it has device times (dev).
 type stepColl struct {
 	arrived, end, lastArrival int64
 	async                     bool
 	phases                    []Phase
+	dev                       bool
+	devArrived, devEnd        int64
+	devLast                   int64 // every rank's device arrival, the last; 0: not every rank has one
+}
+
+// deviceTimes: a rank's collective on its GPU: when its stream passed the
+// caller's work (the end of the "running" step, after which the stream
+// waits for it) and its last step's end.
+func deviceTimes(v *RankView) (int64, int64, bool) {
+	for _, p := range v.Phases {
+		if p.Name == "running" && p.GPUEnd != nil {
+			last := v.Phases[len(v.Phases)-1]
+			if last.GPUEnd == nil {
+				return 0, 0, false
+			}
+			return *p.GPUEnd, *last.GPUEnd, true
+		}
+	}
+	return 0, 0, false
 }
 
 type span struct{ lo, hi int64 }
@@ -60,12 +83,23 @@ func SplitSteps(merged []Merged, steps []Step) []StepSplit {
 	byRank := map[int][]stepColl{}
 	for i := range merged {
 		m := &merged[i]
-		for _, v := range m.Ranks {
+		devLast, all := int64(0), true
+		for j := range m.Ranks {
+			a, _, ok := deviceTimes(&m.Ranks[j])
+			all = all && ok
+			devLast = max(devLast, a)
+		}
+		if !all || len(m.Ranks) < m.Size {
+			devLast = 0
+		}
+		for j := range m.Ranks {
+			v := &m.Ranks[j]
 			if v.End == nil || v.Result != ResultOK {
 				continue
 			}
-			byRank[v.Rank] = append(byRank[v.Rank], stepColl{arrived: v.Arrived, end: *v.End, lastArrival: m.LastArrival,
-				async: v.Async, phases: v.Phases})
+			c := stepColl{arrived: v.Arrived, end: *v.End, lastArrival: m.LastArrival, async: v.Async, phases: v.Phases, devLast: devLast}
+			c.devArrived, c.devEnd, c.dev = deviceTimes(v)
+			byRank[v.Rank] = append(byRank[v.Rank], c)
 		}
 	}
 	for _, cs := range byRank {
@@ -83,27 +117,53 @@ func SplitSteps(merged []Merged, steps []Step) []StepSplit {
 		cs := byRank[st.Rank]
 		lo := sort.Search(len(cs), func(i int) bool { return cs[i].arrived >= st.Start })
 		hi := sort.Search(len(cs), func(i int) bool { return cs[i].arrived >= st.End })
-		out = append(out, splitOne(st, cs[lo:hi]))
+		out = append(out, splitStep(st, cs[lo:hi]))
 	}
 	return out
 }
 
-func splitOne(st Step, cs []stepColl) StepSplit {
+// splitStep splits on the device's timeline when the step and every one of
+// its collectives have one (and every rank's device arrival, for the
+// waits), else on the host's.
+func splitStep(st Step, cs []stepColl) StepSplit {
+	if st.GPUStart != nil {
+		dev := append([]stepColl(nil), cs...)
+		ok := true
+		for i := range dev {
+			c := &dev[i]
+			ok = ok && c.dev && c.devLast != 0
+			c.arrived, c.end, c.lastArrival = c.devArrived, c.devEnd, c.devLast
+		}
+		if ok {
+			s := splitOne(st, *st.GPUStart, *st.GPUEnd, dev, true)
+			s.Device = true
+			return s
+		}
+	}
+	return splitOne(st, st.Start, st.End, cs, false)
+}
+
+// splitOne splits a step that ran from start to end (on one timeline,
+// which cs's times are on).
+func splitOne(st Step, start, end int64, cs []stepColl, device bool) StepSplit {
 	s := StepSplit{Rank: st.Rank, Step: st.Step, Samples: st.Samples, Start: st.Start, End: st.End,
-		StepNs: st.End - st.Start, Collectives: len(cs), Phases: map[string]int64{}}
+		StepNs: end - start, Collectives: len(cs), Phases: map[string]int64{}}
 	if len(cs) == 0 {
 		s.ReadyNs, s.ComputeNs = s.StepNs, s.StepNs
 		return s
 	}
 	var blocked, waiting []span
-	lastArr := st.Start
+	lastArr := start
 	var tail span
 	tailLA := int64(0)
 	hasAsync := false
 	for _, c := range cs {
 		lastArr = max(lastArr, c.arrived)
 		for _, p := range c.phases {
-			if p.End != nil {
+			switch {
+			case device && p.GPUStart != nil && p.GPUEnd != nil:
+				s.Phases[p.Name] += *p.GPUEnd - *p.GPUStart
+			case !device && p.End != nil:
 				s.Phases[p.Name] += *p.End - p.Start
 			}
 		}
@@ -122,13 +182,13 @@ func splitOne(st Step, cs []stepColl) StepSplit {
 		blocked = append(blocked, tail)
 		waiting = append(waiting, span{tail.lo, min(tail.hi, tailLA)})
 	}
-	in := span{st.Start, st.End}
+	in := span{start, end}
 	blocked = union(blocked, in)
 	s.CommNs = measure(blocked, in)
 	s.WaitNs = measure(intersect(union(waiting, in), blocked), in)
 	s.TransferNs = s.CommNs - s.WaitNs
 	s.ComputeNs = s.StepNs - s.CommNs
-	s.ReadyNs = (lastArr - st.Start) - measure(blocked, span{st.Start, lastArr})
+	s.ReadyNs = (lastArr - start) - measure(blocked, span{start, lastArr})
 	s.PostNs = s.ComputeNs - s.ReadyNs
 	return s
 }

@@ -273,6 +273,10 @@ func (c *stragglersCmd) hetero(env *cli.Env, srcs []*trace.Source, merged []trac
 		}
 		for _, st := range s.Steps {
 			st.Start, st.End = st.Start-off, st.End-off
+			if st.GPUStart != nil {
+				a, b := *st.GPUStart-off, *st.GPUEnd-off
+				st.GPUStart, st.GPUEnd = &a, &b
+			}
 			steps = append(steps, st)
 		}
 	}

@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -110,13 +111,13 @@ class _Writer:
         d.mkdir(parents=True, exist_ok=True)
         self.path = d / f"rank-{rank()}.jsonl"
         self._f = self.path.open("w", encoding="utf-8")
-        self._pending: collections.deque[CollectiveRecord | dict[str, Any]] = collections.deque()
+        self._pending: collections.deque[CollectiveRecord | StepRecord | dict[str, Any]] = collections.deque()
         self._lines: list[str] = []
         self._last = time.monotonic()
         self._lock = threading.Lock()
         self.add(_header("rank", gpubridge_trace_buffer=_buffer_size()))
 
-    def add(self, rec: CollectiveRecord | dict[str, Any]) -> None:
+    def add(self, rec: CollectiveRecord | StepRecord | dict[str, Any]) -> None:
         with self._lock:
             self._pending.append(rec)
             self._drain()
@@ -127,7 +128,7 @@ class _Writer:
         p = self._pending
         while p:
             rec = p[0]
-            if isinstance(rec, CollectiveRecord):
+            if isinstance(rec, (CollectiveRecord, StepRecord)):
                 if not rec.ready():
                     return
                 rec = rec.to_dict()
@@ -151,8 +152,8 @@ class _Writer:
                 time.sleep(0.005)
                 self._drain()
             for rec in self._pending:
-                d = rec.to_dict() if isinstance(rec, CollectiveRecord) else rec
-                if isinstance(rec, CollectiveRecord):
+                d = rec.to_dict() if isinstance(rec, (CollectiveRecord, StepRecord)) else rec
+                if isinstance(rec, (CollectiveRecord, StepRecord)):
                     d["gpu"] = "not ready at exit"
                 self._lines.append(json.dumps(d, separators=(",", ":")))
             self._pending.clear()
@@ -443,16 +444,30 @@ def add_phase(name: str, start: float, end: float) -> None:
     })  # fmt: skip
 
 
-def add_step(samples: int, start: float, end: float) -> None:
+def step_marker() -> Any:
+    """For a step being marked on a GPU (CUDA in use, records wanted):
+    a marker that records CUDA events on the current stream (call it at the
+    step's start and end); else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not tracing() or not torch.cuda.is_initialized():
+        return None
+    from gpubridge._trace_gpu import Marker  # noqa: PLC0415  (torch is there)
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return Marker(dev, torch.cuda.current_stream(dev))
+
+
+def add_step(samples: int, start: float, end: float, marker: Any = None) -> None:
     """A training step marked with gpubridge.observe.step: a record of its
     own in the trace file (its index counts the steps marked on this rank,
     so the same step has the same index on every rank), and to the
-    observers that have on_step."""
+    observers that have on_step. marker: step_marker()'s, with its start
+    and end events recorded."""
     global _steps  # noqa: PLW0603
-    rec = StepRecord(rank(), _steps, samples, ns(start), ns(end))
+    rec = StepRecord(rank(), _steps, samples, ns(start), ns(end), marker)
     _steps += 1
     if _writer is not None:
-        _writer.add(rec.to_dict())
+        _writer.add(rec)
     for obj in list(_observers):
         on_step = getattr(obj, "on_step", None)
         if callable(on_step):

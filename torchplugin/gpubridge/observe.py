@@ -111,13 +111,21 @@ def step(samples: int) -> Iterator[None]:
     (its share of the global batch, over every micro-batch of a step with
     gradient accumulation): ``with gpubridge.observe.step(len(batch)):``
     around forward, backward and the optimizer. Every rank marks the same
-    steps, in the same order."""
+    steps, in the same order. On a GPU (with tracing or an observer) it also
+    records a CUDA event on the current stream at the step's start and end:
+    the device's times, read later (the record's ready())."""
     try:
         n = -1 if isinstance(samples, bool) else operator.index(samples)
     except TypeError:
         n = -1
     if n < 0:
         raise ValueError(f"gpubridge.observe.step: samples must be an integer >= 0, not {samples!r}")
+    marker = _trace.step_marker()
+    if marker is not None:
+        marker("start")
     start = time.monotonic()
     yield  # a step that raises is not recorded: it did not end
-    _trace.add_step(n, start, time.monotonic())
+    end = time.monotonic()
+    if marker is not None:
+        marker("end")
+    _trace.add_step(n, start, end, marker)

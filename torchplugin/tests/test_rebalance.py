@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -60,11 +60,23 @@ def test_plan_refuses() -> None:
 
 
 @dataclass
+class Phase:
+    name: str
+    gpu_start_ns: int | None = None
+    gpu_end_ns: int | None = None
+
+
+@dataclass
 class Coll:
     arrived_ns: int
     end_ns: int | None
     asynchronous: bool
     result: str = "ok"
+    phases: list[Phase] = field(default_factory=list)
+    done: bool = True
+
+    def ready(self) -> bool:
+        return self.done
 
 
 @dataclass
@@ -72,27 +84,54 @@ class Step:
     start_ns: int
     end_ns: int
     samples: int
+    gpu_start_ns: int | None = None
+    gpu_end_ns: int | None = None
+    done: bool = True
+
+    def ready(self) -> bool:
+        return self.done
+
+
+MS = 1_000_000
 
 
 def test_meter_measures_ready_time() -> None:
     m = ThroughputMeter()
-    ms = 1_000_000
     # Step 0: 10 samples; a synchronous call at 2-5 ms (blocked 3 ms), the
     # last bucket (async) called at 12 ms: ready = 12 - 3 = 9 ms.
-    m.on_step(Step(0, 20 * ms, 10))
-    for c in (Coll(2 * ms, 5 * ms, False), Coll(8 * ms, 15 * ms, True), Coll(12 * ms, 18 * ms, True)):
+    m.on_step(Step(0, 20 * MS, 10))
+    for c in (Coll(2 * MS, 5 * MS, False), Coll(8 * MS, 15 * MS, True), Coll(12 * MS, 18 * MS, True)):
         m.on_collective(c)
     # Step 1: no collective: all 10 ms is ready time; 20 samples.
-    m.on_step(Step(20 * ms, 30 * ms, 20))
-    m.on_collective(Coll(25 * ms, None, True, "error"))  # not counted
-    m.on_step(Step(30 * ms, 40 * ms, 5))  # the newest: kept for the next take
+    m.on_step(Step(20 * MS, 30 * MS, 20))
+    m.on_collective(Coll(25 * MS, None, True, "error"))  # not counted
+    m.on_step(Step(30 * MS, 40 * MS, 5))  # the newest: kept for the next take
     got = m.take()
     assert (got.steps, got.samples) == (2, 30)
     assert got.rate == pytest.approx((10 / 0.009 + 20 / 0.010) / 2)
-    m.on_step(Step(40 * ms, 45 * ms, 5))
+    m.on_step(Step(40 * MS, 45 * MS, 5))
     got = m.take()
     assert (got.steps, got.samples, got.rate) == (1, 5, pytest.approx(500.0))
     assert m.take().steps == 0
+
+
+def test_meter_on_a_gpu_reads_the_device() -> None:
+    """The host queued the step in 1 ms; the device ran it from 3 ms, and
+    passed the work before the last bucket at 24 ms: 21 ms of ready time,
+    not 1. A step whose device times are not in waits for the next take."""
+    m = ThroughputMeter()
+    dev = [Phase("queued"), Phase("running", 23 * MS, 24 * MS), Phase("bridge", 24 * MS, 30 * MS)]
+    m.on_step(Step(0, 2 * MS, 21, gpu_start_ns=3 * MS, gpu_end_ns=31 * MS))
+    m.on_collective(Coll(MS, 2 * MS, True, phases=dev))
+    late = Step(2 * MS, 4 * MS, 8, gpu_start_ns=31 * MS, gpu_end_ns=40 * MS, done=False)
+    m.on_step(late)
+    m.on_step(Step(4 * MS, 6 * MS, 8))
+    got = m.take()
+    assert (got.steps, got.rate) == (1, pytest.approx(1000.0))
+    late.done = True
+    m.on_step(Step(6 * MS, 8 * MS, 8))
+    got = m.take()
+    assert (got.steps, got.samples) == (2, 16)
 
 
 # ---- the sampler, with threads for ranks ----
