@@ -278,27 +278,20 @@ const HeteroROCSchema = "gpubridge.trace-hetero-roc/v1"
 
 // HeteroROCRow is one slowdown at one threshold.
 type HeteroROCRow struct {
-	Schema        string  `json:"schema"`
-	Classes       string  `json:"classes"`
-	Ranks         int     `json:"ranks"`
-	Steps         int     `json:"steps"`
-	Window        int     `json:"window"`
-	Calibrate     int     `json:"calibrate"`
-	GlobalBatch   int     `json:"global_batch"`
-	Uniform       bool    `json:"uniform"`
-	Dist          string  `json:"dist"`
-	Jitter        float64 `json:"jitter"`
-	Slowdown      float64 `json:"slowdown"`
-	Threshold     float64 `json:"threshold"`
-	Trials        int     `json:"trials"`
-	Detected1     float64 `json:"detected_first_window"`
-	Detected      float64 `json:"detected"`
-	DelayP50      float64 `json:"delay_steps_p50"`
-	DelayP99      float64 `json:"delay_steps_p99"`
-	CleanWindows  int     `json:"clean_rank_windows"`
-	FalseFlags    int     `json:"false_flags"`
-	FalseRate     float64 `json:"false_rate"`
-	SlowScoreMean float64 `json:"slow_score_mean"`
+	Schema      string  `json:"schema"`
+	Classes     string  `json:"classes"`
+	Ranks       int     `json:"ranks"`
+	Steps       int     `json:"steps"`
+	Window      int     `json:"window"`
+	Calibrate   int     `json:"calibrate"`
+	GlobalBatch int     `json:"global_batch"`
+	Uniform     bool    `json:"uniform"`
+	Dist        string  `json:"dist"`
+	Jitter      float64 `json:"jitter"`
+	Slowdown    float64 `json:"slowdown"`
+	Threshold   float64 `json:"threshold"`
+	Trials      int     `json:"trials"`
+	ROCRates
 	// ClassicFlags: clean rank-windows (after the calibration) that the
 	// plain straggler detector flags at the same threshold, from the
 	// same arrivals: the slower classes, when shares are uniform.
@@ -323,14 +316,8 @@ func HeteroROC(o HeteroROCOptions) ([]HeteroROCRow, error) {
 	n := o.Sim.Ranks()
 	var rows []HeteroROCRow
 	for si, s := range o.Slowdowns {
-		type trial struct {
-			first           map[float64]int
-			falses, classic map[float64]int
-			clean           int
-			slowSum         float64
-			slowN           int
-		}
-		trials := make([]trial, o.Trials)
+		trials := make([]*rocTrial, o.Trials)
+		classic := map[float64]int{}
 		for t := range trials {
 			sim := o.Sim
 			sim.Seed = o.Sim.Seed + uint64(si)*1_000_003 + uint64(t)*7919
@@ -344,74 +331,29 @@ func HeteroROC(o HeteroROCOptions) ([]HeteroROCRow, error) {
 			if err != nil {
 				return nil, err
 			}
-			classic := ScoreWindows(run.Arrival, StragglerOptions{Window: det.Window})
-			tr := trial{first: map[float64]int{}, falses: map[float64]int{}, classic: map[float64]int{}}
-			for _, th := range o.Thresholds {
-				tr.first[th] = -1
-			}
+			plain := ScoreWindows(run.Arrival, StragglerOptions{Window: det.Window})
+			tr := newROCTrial(o.Thresholds)
 			for i, ws := range scores {
 				if ws.Calibrating {
 					continue
 				}
-				after := ws.Lo >= o.Onset
-				clean := ws.Rank != victim || ws.Hi <= o.Onset
-				if clean {
-					tr.clean++
-				}
-				if ws.Rank == victim && after {
-					tr.slowSum += ws.Score
-					tr.slowN++
-				}
-				for _, th := range o.Thresholds {
-					if clean && i < len(classic) && classic[i].Score >= th {
-						tr.classic[th]++
-					}
-					if ws.Score < th || ws.Slowdown < det.MinSlowdown {
-						continue
-					}
-					if clean {
-						tr.falses[th]++
-					} else if ws.Rank == victim && after && (tr.first[th] < 0 || ws.Window < tr.first[th]) {
-						tr.first[th] = ws.Window
+				tr.add(o.Thresholds, ws.Rank == victim, ws.Window, ws.Lo, ws.Hi, o.Onset, ws.Score,
+					func(th float64) bool { return ws.Score >= th && ws.Slowdown >= det.MinSlowdown })
+				if clean := ws.Rank != victim || ws.Hi <= o.Onset; clean && i < len(plain) {
+					for _, th := range o.Thresholds {
+						if plain[i].Score >= th {
+							classic[th]++
+						}
 					}
 				}
 			}
 			trials[t] = tr
 		}
 		for _, th := range o.Thresholds {
-			row := HeteroROCRow{Schema: HeteroROCSchema, Classes: o.Sim.Describe(), Ranks: n, Steps: o.Sim.Steps,
+			rows = append(rows, HeteroROCRow{Schema: HeteroROCSchema, Classes: o.Sim.Describe(), Ranks: n, Steps: o.Sim.Steps,
 				Window: det.Window, Calibrate: det.Calibrate, GlobalBatch: o.Sim.GlobalBatch, Uniform: o.Sim.Uniform,
-				Dist: distName(o.Sim.Dist), Jitter: o.Sim.Jitter, Slowdown: s, Threshold: th, Trials: o.Trials}
-			first := (o.Onset + det.Window - 1) / det.Window
-			var delays []float64
-			slowSum, slowN := 0.0, 0
-			for _, tr := range trials {
-				row.CleanWindows += tr.clean
-				row.FalseFlags += tr.falses[th]
-				row.ClassicFlags += tr.classic[th]
-				slowSum += tr.slowSum
-				slowN += tr.slowN
-				if w := tr.first[th]; w >= 0 {
-					row.Detected++
-					if w == first {
-						row.Detected1++
-					}
-					delays = append(delays, float64((w+1)*det.Window-o.Onset))
-				}
-			}
-			row.Detected = round6(row.Detected / float64(o.Trials))
-			row.Detected1 = round6(row.Detected1 / float64(o.Trials))
-			if row.CleanWindows > 0 {
-				row.FalseRate = float64(row.FalseFlags) / float64(row.CleanWindows)
-			}
-			if len(delays) > 0 {
-				sortFloats(delays)
-				row.DelayP50, row.DelayP99 = Quantile(delays, 0.5), Quantile(delays, 0.99)
-			}
-			if slowN > 0 {
-				row.SlowScoreMean = round3(slowSum / float64(slowN))
-			}
-			rows = append(rows, row)
+				Dist: distName(o.Sim.Dist), Jitter: o.Sim.Jitter, Slowdown: s, Threshold: th, Trials: o.Trials,
+				ROCRates: rocRates(trials, th, o.Onset, det.Window), ClassicFlags: classic[th]})
 		}
 	}
 	return rows, nil
