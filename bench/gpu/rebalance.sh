@@ -52,26 +52,23 @@ if bad:
     print("  FAILED:", bad)
     sys.exit(1)
 lines = [json.loads(l) for l in open(f"{out}/hetero.jsonl")]
-win = {(x["rank"], x["window"]): x for x in lines if x["kind"] == "window"}
-# The ideal (docs/REBALANCING.md): rank r's rate n_r / (n_r c_r + X), c_r its
-# compute per sample in the even phase's windows (1-2), X the rebalanced
-# windows' (4-5) step time beyond the slowest rank's ready time.
-even = {r: [win[(r, w)] for w in (1, 2) if (r, w) in win] for r in (0, 1)}
-reb = [[win[(r, w)] for r in (0, 1)] for w in (4, 5) if all((r, w) in win for r in (0, 1))]
-row = {"schema": "gpubridge.bench-rebalance/v1", "commit": commit, "host": "h200x1", "split_test": "half",
-       "wall_s": wall, "config": res[0]["config"], "global_batch": 32, "extra_matmuls_per_sample": res[1]["extra"],
-       "n": res[1]["n"], "even_tokens_per_s": res[0]["phases"][0]["tokens_per_s"],
+sys.path.insert(0, "bench")
+from rebalance_figures import figures  # the ideal (docs/REBALANCING.md)
+seq = res[0]["config"]["seq"]
+row = {"schema": "gpubridge.bench-rebalance/v1", "kind": "gpu", "commit": commit, "host": "h200x1",
+       "split_test": "half", "wall_s": wall, "config": res[0]["config"], "global_batch": 32,
+       "extra_matmuls_per_sample": res[1]["extra"], "n": res[1]["n"],
+       "even_tokens_per_s": res[0]["phases"][0]["tokens_per_s"],
        "rebalanced_tokens_per_s": res[0]["phases"][1]["tokens_per_s"], "speedup": res[0]["speedup"],
-       "plans": res[0]["phases"][1]["plans"], "same_plans": res[0]["phases"][1]["plans"] == res[1]["phases"][1]["plans"]}
-if all(even.values()) and reb:
-    c = {r: sum(x["ready_us"] for x in even[r]) / sum(x["samples"] for x in even[r]) / 1e6 for r in (0, 1)}
-    extra = sum(x["step_us"] - max(y["ready_us"] for y in w) for w in reb for x in w) / (2 * len(reb)) / 1e6
-    n = 16
-    rates = [n / (n * c[r] + extra) for r in (0, 1)]
-    seq = res[0]["config"]["seq"]
-    row.update({"us_per_sample": {r: round(c[r] * 1e6, 1) for r in (0, 1)}, "ideal_tokens_per_s": sum(rates) * seq,
-                "even_model_tokens_per_s": 2 * min(rates) * seq,
-                "verdicts": {x["rank"]: x["verdict"] for x in lines if x["kind"] == "rank"}})
+       "plans": res[0]["phases"][1]["plans"], "same_plans": res[0]["phases"][1]["plans"] == res[1]["phases"][1]["plans"],
+       "verdicts": {x["rank"]: x["verdict"] for x in lines if x["kind"] == "rank"}}
+# Windows of 30 steps: 1-2 the even phase's last 60, 4-5 the rebalanced one's.
+try:
+    f = figures(lines, even=[1, 2], judged=[4, 5], global_batch=32)
+    row["figures_samples_per_s"] = f
+    row["ideal_tokens_per_s"] = f["ideal_per_s"] * seq
+except ValueError as e:
+    row["figures_error"] = str(e)
 print(json.dumps(row))
 open(f"{out}/rebalance.jsonl", "w").write(json.dumps(row) + "\n")
 PY

@@ -31,10 +31,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama  # noqa: E402
+import llama
 
-import gpubridge  # noqa: E402
-from gpubridge import observe  # noqa: E402
+import gpubridge
+from gpubridge import observe
 
 out = Path(sys.argv[1])
 CPU = os.environ.get("REBALANCE_JOB_CPU") == "1"
@@ -42,7 +42,9 @@ SLOW = os.environ.get("REBALANCE_SLOW") == "1"
 EXTRA = int(os.environ.get("REBALANCE_EXTRA", "2"))
 N = int(os.environ.get("REBALANCE_N", "4096"))
 GLOBAL_BATCH = int(os.environ.get("REBALANCE_BATCH", "32"))
-WARM, STEPS, REPLAN = (int(os.environ.get(k, d)) for k, d in (("WARM", "30"), ("STEPS", "60"), ("REPLAN", "15")))
+WARM = int(os.environ.get("WARM", "30"))  # steps per phase before the timed ones
+STEPS = int(os.environ.get("STEPS", "60"))  # timed steps per phase
+REPLAN = int(os.environ.get("REPLAN", "15"))
 
 
 class Tokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -65,7 +67,9 @@ def sync() -> None:
 
 
 def phase(net: Any, data: Tokens, dev: torch.device, rebalance: bool, cfg: llama.Config) -> dict[str, Any]:
-    sampler = gpubridge.RebalancingSampler(data, GLOBAL_BATCH, rebalance=rebalance, replan_every=REPLAN, seed=1)
+    sampler = gpubridge.RebalancingSampler(
+        data, GLOBAL_BATCH, rebalance=rebalance, replan_every=REPLAN, seed=1
+    )
     loader = DataLoader(data, batch_sampler=sampler)
     weights = gpubridge.SampleWeights()
     net.register_comm_hook(weights, gpubridge.weighted_comm_hook)
@@ -75,13 +79,13 @@ def phase(net: Any, data: Tokens, dev: torch.device, rebalance: bool, cfg: llama
     losses = []
     while done < WARM + STEPS:
         sampler.set_epoch(epoch)
-        for x, y in loader:
+        for xc, yc in loader:
             if done == WARM:
                 sync()
                 t0 = time.perf_counter()
             if done == WARM + STEPS:
                 break
-            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            x, y = xc.to(dev, non_blocking=True), yc.to(dev, non_blocking=True)
             with observe.step(len(x)):
                 loss = llama.loss_of(net, x, y)
                 if a is not None:

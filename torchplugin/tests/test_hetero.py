@@ -13,13 +13,14 @@ batch 48, traced with every step marked.
   job's. Rank 1 (NVIDIA) computes 5% more per sample from step 300: flagged
   as degraded compute in window 3 (steps 300-399), and no other rank.
 
-The ideal, from the same job: rank r's rate is n_r / (n_r c_r + X), with
-c_r its compute per sample (ready time over samples) in the uniform
-calibration window, n_r = 12 its even share, and X the step's time beyond
-the slowest rank's ready time in the window judged (communication and the
-optimizer, which no split of the batch removes): the samples per second the
-job would make if every step waited for rank r alone. The uniform job runs
-at n x the slowest rate; the ideal is their sum.
+The ideal, from the same job (bench/rebalance_figures.py): rank r's rate is
+n_r / (n_r c_r + X), with c_r its compute per sample (ready time over
+samples) in the uniform calibration window, n_r = 12 its even share, and X
+the step's time beyond the slowest rank's ready time in the windows judged
+(communication and the optimizer, which no split of the batch removes): the
+samples per second the job would make if every step waited for rank r
+alone. The uniform job runs at n x the slowest rate; the ideal is their
+sum.
 
 Timing is judged in ratios within one job; the effects are large (2x, and
 a 5% slowdown that scores about 15 where the threshold is 5) and the
@@ -32,12 +33,16 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_backend import BIN, needs_tools, run_job  # (tests/ is on sys.path under pytest)
+from test_backend import BIN, REPO, needs_tools, run_job  # (tests/ is on sys.path under pytest)
 from testenv import scale
+
+sys.path.insert(0, str(REPO / "bench"))
+from rebalance_figures import figures  # the formula, shared with the benches
 
 HERE = Path(__file__).resolve().parent
 GBTRACE = BIN / "gbtrace"
@@ -124,13 +129,9 @@ def test_rebalanced_job(tmp_path: Path, uniform: tuple[Path, list[dict[str, Any]
         for k in (1, 2):
             assert w[(r, k)]["verdict"] == "ok", w[(r, k)]
     # Samples/s over steps 100-299 against the ideal (see the module's doc).
-    cal = [w[(r, 0)] for r in range(4)]
-    judged = [[w[(r, k)] for r in range(4)] for k in (1, 2)]
-    step_s = sum(x["step_us"] for win in judged for x in win) / 8 / 1e6
-    extra_s = sum(x["step_us"] - max(y["ready_us"] for y in win) for win in judged for x in win) / 8 / 1e6
-    rates = [c["samples"] / (c["ready_us"] / 1e6 + extra_s) for c in cal]
-    ideal, uniform_rate, got = sum(rates), 4 * min(rates), B / step_s
-    assert got >= 0.9 * ideal and got > uniform_rate, (got, ideal, uniform_rate)
+    f = figures(lines, even=[0], judged=[1, 2], global_batch=B)
+    assert f["rebalanced_per_s"] >= 0.9 * f["ideal_per_s"], f
+    assert f["rebalanced_per_s"] > f["n_slowest_per_s"], f
     # Rank 1 degraded 5% from step 300: flagged in the first window after.
     summary = lines[-1]
     assert rc == 1 and summary["degraded"] == [1] and summary["slow_link"] == [], summary
