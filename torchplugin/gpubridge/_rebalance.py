@@ -140,7 +140,7 @@ class RebalancingSampler:
         self.steps_done = 0  # batches yielded, over every epoch
         self._agreed = False
         self.meter = ThroughputMeter()
-        if rebalance:
+        if rebalance and num_replicas > 1:
             _trace.add_observer(self.meter)
 
     # ---- DistributedSampler's ----
@@ -204,6 +204,9 @@ class RebalancingSampler:
         """One plan exchange: every rank's settings and measurement,
         all-gathered; the same checks and the same plan on every rank."""
         m = self.meter.take() if self.rebalance else None
+        if self.num_replicas == 1:  # no one to agree with; one rank takes the whole batch
+            self._agreed = True
+            return
         mine = [
             _VERSION, float(self.global_batch_size), float(self.dataset_size), float(self.seed % (1 << 52)),
             float(self.shuffle), float(self.drop_last), float(self.epoch), float(self.steps_done),

@@ -278,6 +278,11 @@ def test_rebalance_off_keeps_even_shares(threads: Threads) -> None:
     assert all(p == [(0, (4, 4, 4, 4))] for p, _ in res)
 
 
+def test_one_rank_takes_every_sample_without_a_group() -> None:
+    s = RebalancingSampler(10, 4, num_replicas=1, rank=0, shuffle=False)
+    assert list(s) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]] and s.plans == [(0, (4,))]
+
+
 def test_sampler_refuses_bad_settings() -> None:
     with pytest.raises(ValueError, match="cannot give 4 ranks 1 sample"):
         RebalancingSampler(100, 3, num_replicas=4, rank=0)
