@@ -135,6 +135,75 @@ def goals() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- issue 12: the data plane at the memory limit (2-core box) ----
+
+AFTER = "devbox-91bea07.jsonl"
+PAIR_BEFORE, PAIR_AFTER = "devbox-pair-88db6d9.jsonl", "devbox-pair-91bea07.jsonl"
+
+
+def goals12() -> str:
+    """Issue 12's goals that the 2-core box can judge, from the run at 91bea07."""
+    tcp = ratios(AFTER, "tcp-allreduce-s8", "tcp-exchange-s8")
+    shm = ratios(AFTER, "shm-allreduce-s8", "gloo-2")
+    tcp4 = ratios(AFTER, "tcp-allreduce-4m-s8", "gloo-4")
+    shm4 = ratios(AFTER, "shm-allreduce-4m-s8", "gloo-4")
+    lines = [
+        "| goal (issue 12), sizes ≥ 16 MiB | 2-core box, 91bea07 |",
+        "|---|---|",
+        f"| TCP all_reduce ≥ 0.85 of its exchange ceiling (8 streams) | {verdict(tcp, 0.85)} |",
+        f"| shm all_reduce ≥ 4{X} Gloo | {verdict(shm, 4)} |",
+        f"| (the 16{DASH}32-core goal, for reference) 4 members: TCP ≥ 4{X} Gloo | {verdict(tcp4, 4)} |",
+        f"| (the same) 4 members: shm ≥ 8{X} Gloo | {verdict(shm4, 8)} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def before_after() -> str:
+    """The base commit's rows against this run's, same session, by config and size."""
+    a, b = bw(PAIR_AFTER), bw(PAIR_BEFORE)
+    cfgs = [c for c in b if c in a]
+    sizes = sorted({s for c in cfgs for s in b[c] if s in a[c]})
+    out = ["| configuration | " + " | ".join(human(s) for s in sizes) + " |", "|---" * (1 + len(sizes)) + "|"]
+    worse = []
+    for c in sorted(cfgs):
+        cells = []
+        for s in sizes:
+            if s not in a[c] or s not in b[c]:
+                cells.append(DASH)
+                continue
+            q = a[c][s] / b[c][s]
+            cells.append(f"{b[c][s]:.2f} → {a[c][s]:.2f} ({q:.2f}{X})")
+            if q < 1 and not c.startswith(("gloo", "memcpy", "tcp-exchange", "shm-exchange")):
+                worse.append(f"`{c}` {human(s)} ({q:.2f}{X})")
+        out.append(f"| `{c}` | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "Lower after than before (gbbridge all_reduce rows; the anchors are the same code in both): "
+        + (and_list(worse) if worse else "none")
+        + ".",
+        "",
+        "Against each run's own anchors (which take the load of the moment out), before → after:",
+        "",
+    ]
+    pairs = [
+        ("TCP all_reduce / TCP exchange", "tcp-allreduce-s8", "tcp-exchange-s8"),
+        ("shm all_reduce / shm exchange", "shm-allreduce-s8", "shm-exchange-s8"),
+        ("shm all_reduce / Gloo", "shm-allreduce-s8", "gloo-2"),
+        ("TCP, 4 members / Gloo, 4 ranks", "tcp-allreduce-4m-s8", "gloo-4"),
+        ("shm, 4 members / Gloo, 4 ranks", "shm-allreduce-4m-s8", "gloo-4"),
+    ]
+    out += ["| ratio | " + " | ".join(human(s) for s in sizes) + " |", "|---" * (1 + len(sizes)) + "|"]
+    for name, x, y in pairs:
+        cells = [
+            f"{b[x][s] / b[y][s]:.2f} → {a[x][s] / a[y][s]:.2f}"
+            if all(s in t[c] for t in (a, b) for c in (x, y))
+            else DASH
+            for s in sizes
+        ]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
 # ---- the plugin on the GPU host (bench/gpu/plugin-bench.sh and friends) ----
 
 PLUGIN_BENCH = "plugin-h200x2-a5a9c0b-bench.jsonl"
@@ -324,6 +393,9 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "bridge h200x2-host-f6645a5": lambda: bridge_block(SECOND),
     "bridge devbox-f7cfeea": lambda: bridge_block(BOX),
     "goals": goals,
+    "bridge devbox-91bea07": lambda: bridge_block(AFTER),
+    "issue12-goals": goals12,
+    "issue12-before-after": before_after,
     "plugin-bench a5a9c0b": plugin_bench,
     "plugin-profile b5844c9": profile,
     "plugin-train": train,

@@ -78,9 +78,19 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
     kinds_unchecked = sorted({kind(r) for r in rows if not checked(r)})
     wrong = sum(int(r.get("wrong", 0)) for r in rows if checked(r))
 
-    def table(cols: list[tuple[str, str]], ratios: list[tuple[str, str, str]] | None = None) -> None:
+    algos: dict[str, dict[int, str]] = defaultdict(dict)
+    for r in rows:
+        if r.get("algorithm") and r["collective"] not in ("exchange", "memcpy"):
+            algos[r["config"]][r.get("size", 0)] = r["algorithm"]
+
+    def table(
+        title: str, cols: list[tuple[str, str]], ratios: list[tuple[str, str, str]] | None = None
+    ) -> None:
         cols = [(h, c) for h, c in cols if c in bw]
         ratios = [(h, a, b) for h, a, b in ratios or [] if a in bw and b in bw]
+        if not cols:
+            return  # nothing of this table was measured in this run
+        p(f"#### {title}\n")
         p("| size | " + " | ".join(h for h, _ in cols) + "".join(f" | {h}" for h, _, _ in ratios) + " |")
         p("|---" * (1 + len(cols) + len(ratios)) + "|")
         for s in sizes:
@@ -111,8 +121,8 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
         + unchecked
         + "\n"
     )
-    p("#### 2 members, the default 8 streams: gbbridge vs Gloo and the ceilings\n")
     table(
+        "2 members, the default 8 streams: gbbridge vs Gloo and the ceilings",
         [
             ("Gloo", "gloo-2"),
             ("TCP exchange (ceiling)", "tcp-exchange-s8"),
@@ -127,18 +137,18 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
             ("shm / Gloo", "shm-allreduce-s8", "gloo-2"),
         ],
     )
-    p("#### TCP streams (2 members)\n")
     table(
+        "TCP streams (2 members)",
         [(f"exchange {s}", f"tcp-exchange-s{s}") for s in (1, 2, 4, 8, 16)]
-        + [(f"all_reduce {s}", f"tcp-allreduce-s{s}") for s in (1, 2, 4, 8, 16)]
+        + [(f"all_reduce {s}", f"tcp-allreduce-s{s}") for s in (1, 2, 4, 8, 16)],
     )
-    p("#### shm streams (2 members)\n")
     table(
+        "shm streams (2 members)",
         [(f"exchange {s}", f"shm-exchange-s{s}") for s in (4, 8, 16)]
-        + [(f"all_reduce {s}", f"shm-allreduce-s{s}") for s in (4, 8, 16)]
+        + [(f"all_reduce {s}", f"shm-allreduce-s{s}") for s in (4, 8, 16)],
     )
-    p("#### CRC32C per frame on and off (2 members, 4 streams)\n")
     table(
+        "CRC32C per frame on and off (2 members, 4 streams)",
         [
             ("TCP, no CRC", "tcp-allreduce-s4"),
             ("TCP, CRC", "tcp-allreduce-s4-crc"),
@@ -152,8 +162,8 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
             ("shm with CRC / without", "shm-allreduce-s4-crc", "shm-allreduce-s4"),
         ],
     )
-    p("#### 4 members (ring)\n")
     table(
+        "4 members" + ("" if algos else " (ring)"),
         [
             ("Gloo, 4 ranks", "gloo-4"),
             ("gbbridge TCP 4 streams", "tcp-allreduce-4m-s4"),
@@ -175,7 +185,30 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
     p("")
     shown = [c for c in sorted(desc) if c.startswith(("tcp-allreduce-s8", "shm-allreduce-s8"))]
     p("Transports as the members described them: " + "; ".join(f"`{c}`: {desc[c]}" for c in shown) + ".")
+    if algos:
+        p("")
+        p(
+            "Algorithms the rows ran (`algorithm` in the rows; exchange: the two members send each other "
+            "their buffers through the transport; ring: the pipelined ring; direct: the members read each "
+            "other's shared memory): "
+            + "; ".join(f"`{c}`: {algo_sizes(algos[c])}" for c in sorted(algos))
+            + "."
+        )
     return "\n".join(out) + "\n"
+
+
+def algo_sizes(by_size: dict[int, str]) -> str:
+    """'direct' or 'exchange at 1 MiB, direct from 4 MiB' (sizes in order)."""
+    sizes = sorted(by_size)
+    runs: list[tuple[str, int]] = []
+    for sz in sizes:
+        if not runs or runs[-1][0] != by_size[sz]:
+            runs.append((by_size[sz], sz))
+    if len(runs) == 1:
+        return runs[0][0]
+    return ", ".join(
+        f"{a} from {human(sz)}" if i else f"{a} at {human(sz)}" for i, (a, sz) in enumerate(runs)
+    )
 
 
 def main() -> int:

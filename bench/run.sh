@@ -8,6 +8,9 @@
 # Usage: bench/run.sh OUTDIR [BIN] [PYTHON]
 # Writes OUTDIR/rows.jsonl (every row, schema gpubridge.bench/v1 plus a
 # "config" field) and OUTDIR/env.txt; bench/report.py makes the tables.
+# GB_SIZES, GB_ITERS: the sizes and timed calls; GB_ONLY: an extended
+# regular expression, only the configurations it matches run (gloo-2,
+# gloo-4 and iperf3 included), e.g. GB_ONLY='-s8$|^memcpy$|^gloo'.
 set -uo pipefail
 out=${1:?usage: run.sh OUTDIR [BIN] [PYTHON]}
 bin=${2:-bin}
@@ -37,8 +40,10 @@ for l in sys.stdin:
         d = json.loads(l); d["config"] = sys.argv[1]; print(json.dumps(d), flush=True)' "$1"
 }
 
+only=${GB_ONLY:-.}
 bench() { # bench CONFIG ARGS...
   local cfg=$1; shift
+  [[ $cfg =~ $only ]] || return 0
   echo "== $cfg: gbbridge bench $*" >&2
   "$bin/gbbridge" bench --json --iters "$iters" --warmup 1 "$@" | tag "$cfg" >> "$rows" \
     || echo "!! $cfg failed" >&2
@@ -65,12 +70,15 @@ bytes=$("$py" -c 'import sys
 m={"K":1<<10,"M":1<<20,"G":1<<30}
 print(",".join(str(int(s[:-1])*m[s[-1]]) if s[-1] in m else s for s in sys.argv[1].split(",")))' "$sizes")
 for n in 2 4; do
+  [[ gloo-$n =~ $only ]] || continue
   echo "== gloo, $n ranks" >&2
   "$py" "$here/gloo_allreduce.py" --members "$n" --sizes "$bytes" --iters "$iters" | tag "gloo-$n" >> "$rows" \
     || echo "!! gloo $n failed" >&2
 done
 
-if command -v iperf3 >/dev/null 2>&1; then
+if ! [[ iperf3 =~ $only ]]; then
+  :
+elif command -v iperf3 >/dev/null 2>&1; then
   echo "== iperf3 loopback, 1 and 4 streams, bidirectional" >&2
   iperf3 -s -1 -p 5299 >/dev/null 2>&1 &
   sleep 0.5

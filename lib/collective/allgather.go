@@ -20,8 +20,17 @@ func (c *Comm) AllGather(ctx context.Context, out, in []byte, p *Progress) error
 		return a.refuse("the input overlaps the output other than as this member's own slot")
 	}
 	return c.collect(ctx, a, p, func() error { copy(slot, in); return nil }, func(cl *call) error {
+		descs, err := c.describe(cl, in)
+		if err != nil {
+			return err
+		}
+		if descs != nil {
+			c.ran(AlgoDirect)
+			return c.directAllGather(cl, out, in, descs)
+		}
 		// A ring: at step t member r sends slot r-t to r+1 and receives
 		// slot r-t-1 from r-1.
+		c.ran(AlgoRing)
 		n, r := c.size, c.self
 		pp := &pipe{
 			cl: cl, next: mod(r+1, n), prev: mod(r-1, n), steps: n - 1,
@@ -48,12 +57,14 @@ func (c *Comm) AllGather(ctx context.Context, out, in []byte, p *Progress) error
 				cl.done(j*L+off, m)
 				return nil
 			},
-			recv: func(t, j, _, off, m int, p []byte) error {
+			recv: func(_, j, _, off, m int, p []byte) error {
 				copy(out[j*L+off:j*L+off+m], p)
+				return nil
+			},
+			received: func(t, j, _, off, m int) {
 				if t == n-2 {
 					cl.done(j*L+off, m)
 				}
-				return nil
 			},
 		}
 		return pp.run()

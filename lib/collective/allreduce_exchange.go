@@ -37,12 +37,9 @@ func (c *Comm) exchange(cl *call, buf []byte, dt reduce.DType, op reduce.Op, C i
 			if err == nil {
 				err = reduce.Finish(op, dt, own, 2)
 			}
-			if err != nil {
-				return err
-			}
-			cl.done(off, n)
-			return nil
+			return err
 		},
+		received: func(_, _, _, off, n int) { cl.done(off, n) },
 	}
 	return pp.run()
 }

@@ -61,9 +61,6 @@ func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op
 			own := buf[at : at+m]
 			if t >= n-1 {
 				copy(own, p)
-				if t == 2*n-3 {
-					cl.done(at, m)
-				}
 				return nil
 			}
 			if err := reduce.CombineParallel(op, dt, own, p, own, w); err != nil {
@@ -73,6 +70,11 @@ func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op
 				return reduce.Finish(op, dt, own, n)
 			}
 			return nil
+		},
+		received: func(t, j, _, off, m int) {
+			if t == 2*n-3 {
+				cl.done(segOff(j)+off, m)
+			}
 		},
 	}
 	return pp.run()

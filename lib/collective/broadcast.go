@@ -15,6 +15,7 @@ func (c *Comm) Broadcast(ctx context.Context, buf []byte, root int, p *Progress)
 	return c.collect(ctx, a, p, func() error { return nil }, func(cl *call) error {
 		// A chain root, root+1, ..., root-1: each member forwards every
 		// chunk as soon as it has it.
+		c.ran(AlgoChain)
 		n, r := c.size, c.self
 		pos := mod(r-root, n)
 		pp := &pipe{
@@ -39,10 +40,12 @@ func (c *Comm) Broadcast(ctx context.Context, buf []byte, root int, p *Progress)
 			},
 			recv: func(_, _, _, off, m int, p []byte) error {
 				copy(buf[off:off+m], p)
+				return nil
+			},
+			received: func(_, _, _, off, m int) {
 				if pos == n-1 {
 					cl.done(off, m)
 				}
-				return nil
 			},
 		}
 		if pos > 0 {

@@ -202,8 +202,20 @@ func (cl *call) wait() error {
 
 // send sends one data frame to peer on st.
 func (cl *call) send(st transport.Stream, peer, step, chunk int, payload []byte) error {
+	return cl.sendProgress(st, peer, step, chunk, payload, nil)
+}
+
+// sendProgress is send, telling progress how much of the payload is out
+// as it goes when the stream can say (transport.ProgressSender).
+func (cl *call) sendProgress(st transport.Stream, peer, step, chunk int, payload []byte, progress func(int)) error {
 	h := wire.Header{Kind: wire.KindData, Seq: cl.seq, Step: encodeStep(cl.kind, step, cl.fp), Chunk: uint32(chunk)}
-	if err := st.Send(cl.ctx, h, payload); err != nil {
+	var err error
+	if ps, ok := st.(transport.ProgressSender); ok && progress != nil {
+		err = ps.SendProgress(cl.ctx, h, payload, progress)
+	} else {
+		err = st.Send(cl.ctx, h, payload)
+	}
+	if err != nil {
 		return cl.c.classify(cl.ctx, err, peer, cl.limit, false, "it is not reading")
 	}
 	return nil
@@ -243,6 +255,29 @@ func (cl *call) recvHold(st transport.Holder, peer, step, chunk, n int, primary 
 	}
 	cl.heard[peer].Store(true)
 	return p, release, nil
+}
+
+// recvPieces is recv for a stream that hands out pieces: fn gets the
+// payload of the data frame (step, chunk) of n bytes from peer piece by
+// piece (off within the payload), each valid only during the call. Errors
+// are recv's.
+func (cl *call) recvPieces(st transport.PieceReceiver, peer, step, chunk, n int, primary bool, fn func(off int, p []byte) error) error {
+	err := st.RecvPieces(cl.ctx, func(h wire.Header) error {
+		if err := cl.check(peer, h, step, chunk, n); err != nil {
+			return &localError{err}
+		}
+		cl.heard[peer].Store(true)
+		return nil
+	}, func(off int, p []byte) error {
+		if err := fn(off, p); err != nil {
+			return &localError{err}
+		}
+		return nil
+	})
+	if err == nil {
+		return nil
+	}
+	return cl.recvErr(err, peer, primary)
 }
 
 // recvErr classifies an error of a receive from peer; primary is recv's.

@@ -18,7 +18,8 @@ type Progress struct {
 	Ready func(ctx context.Context, end int) error
 	// Done is called once per final result range: the bytes [off,off+n)
 	// of the result hold their final value and the collective no longer
-	// reads or writes them. The ranges are disjoint and cover the result
+	// writes them (on the direct path other members may read them until
+	// the call returns). The ranges are disjoint and cover the result
 	// exactly once before the collective returns successfully (empty
 	// ranges are not reported). It may be called from several goroutines
 	// at once. nil: not reported.
@@ -66,8 +67,10 @@ func (c *Comm) collect(ctx context.Context, a args, p *Progress, alone func() er
 	return c.run(cl, func() error {
 		switch {
 		case a.n == 0:
+			c.ran(AlgoLocal)
 			return nil
 		case c.size == 1:
+			c.ran(AlgoLocal)
 			return cl.whole(a.n, alone)
 		}
 		return algorithm(cl)

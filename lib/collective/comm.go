@@ -103,7 +103,8 @@ type Comm struct {
 
 	collMu  sync.Mutex // serialises collectives
 	seq     atomic.Uint64
-	scratch []byte // reduce_scatter partials, reused (under collMu)
+	algo    atomic.Int32 // the algorithm of the last collective, an index of algoNames
+	scratch []byte       // reduce_scatter partials, reused (under collMu)
 
 	mu       sync.Mutex
 	cur      *call  // the collective in progress
@@ -176,6 +177,33 @@ func newComm(mesh transport.Mesh, o Options, maxUnexpected int64) *Comm {
 
 // Mesh returns the mesh the communicator runs over.
 func (c *Comm) Mesh() transport.Mesh { return c.mesh }
+
+// Algorithms a collective runs (Comm.Algorithm).
+const (
+	AlgoExchange = "exchange" // two members send each other their buffers in chunks through the transport
+	AlgoRing     = "ring"     // the pipelined ring through the transport
+	AlgoChain    = "chain"    // broadcast: a chain from the root
+	AlgoDirect   = "direct"   // the members read each other's shared buffers (direct.go)
+	AlgoLocal    = "local"    // one member or an empty buffer: nothing travels
+)
+
+var algoNames = []string{"", AlgoExchange, AlgoRing, AlgoChain, AlgoDirect, AlgoLocal}
+
+// Algorithm returns the algorithm the last collective ran (AlgoRing,
+// AlgoDirect, ...), "" before any.
+func (c *Comm) Algorithm() string { return algoNames[c.algo.Load()] }
+
+// ran records the algorithm of the collective in progress (one of the
+// Algo constants).
+func (c *Comm) ran(algo string) {
+	for i, a := range algoNames {
+		if a == algo {
+			c.algo.Store(int32(i))
+			return
+		}
+	}
+	panic("collective: unknown algorithm " + algo)
+}
 
 // Seq returns the number of collectives started so far (completed or not);
 // the next collective is number Seq()+1.

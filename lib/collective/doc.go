@@ -89,6 +89,49 @@
 // The reductions run on several cores: every stream has its own receiving
 // goroutine, and each reduces with reduce.CombineParallel over
 // Workers/Streams goroutines (Options.Workers, default runtime.NumCPU()).
+// Over a stream that hands a frame out in pieces as it arrives
+// (transport.PieceReceiver: TCP) each piece is reduced at once, from a
+// buffer that stays in cache, straight into the member's buffer; a piece
+// that arrives before the member's own chunk was sent waits in a spill
+// buffer until it is.
+//
+// # Direct: reading each other's memory
+//
+// Over a mesh whose members share memory (transport.Sharer: shm), an
+// all_reduce or all_gather of at least 64 KiB per member opens with one
+// descriptor frame from every member to every other on data stream 0: where
+// its buffer (all_gather: its input) lies in the memory it shares, or that
+// it does not. When every member's does, every member runs the direct
+// algorithm; otherwise every member runs the one above (exchange or ring),
+// so all decide alike from the same descriptors. Buffers that are not
+// shared — plain Go memory — therefore work as before, at the price of the
+// descriptor round trip; gbbridge serve's feed regions and gbbridge bench's
+// buffers are shared (memfds). With CRCs on (transport.Config.CRC) the shm
+// mesh locates no buffer, so every byte travels in checked frames.
+//
+// The direct all_reduce cuts the buffer into the ring's segments (above)
+// and each segment into pieces (about one per member and stream, 64 KiB to
+// ChunkBytes); piece i is member (i mod n)'s to produce: it reads the piece
+// from every member's buffer, reduces it into its own in the order of the
+// piece's segment — x0 op x1 for two members, x[j+1] op x[j+2] ... op x[j]
+// for segment j of three or more, the partial the earlier operand, folded
+// in a cache-resident block — applies reduce.Finish, and tells the others,
+// who copy it into their buffers. So the bits are ReferenceAllReduce's, as
+// on the other paths, after one reduction pass over a member's share and one
+// copy of the rest. The frames carry no data: a streamed member tells a
+// piece's owner when its input of the piece is ready (Progress.Ready was
+// granted), an owner tells the others when a piece is final, and each
+// member tells every other at the end that it copied what it needed (until
+// then the others' buffers are read: no member returns earlier). The
+// all_gather is the same without a reduction: each member owns the pieces
+// of its input, the others copy them into its slot. Piece i travels on
+// stream (i/n) mod Streams, where one goroutine produces or announces the
+// stream's pieces in order and one per peer copies that peer's, so
+// reductions and copies run on up to Streams goroutines each. A member only
+// reads the others' memory, which it maps read-only.
+//
+// Comm.Algorithm names what the last collective ran: AlgoExchange,
+// AlgoRing, AlgoChain (broadcast), AlgoDirect, AlgoLocal.
 //
 // # reduce_scatter, all_gather, broadcast
 //
@@ -123,16 +166,19 @@
 // collective. Ready(ctx, end) must block until input bytes [0, end) hold
 // their values; the collective calls it before it reads or sends any input
 // byte below end (calls come from several goroutines at once, with ends not
-// always increasing, so it must be safe for concurrent use). Done(off, n) reports that
-// result bytes [off, off+n) are final and no longer read or written by the
-// collective; the ranges are disjoint and cover the result exactly once
-// before a successful return, and may be reported from several goroutines
-// at once. When they come: two-member all_reduce, as each chunk is reduced
-// (roughly in input order, so the result streams back while later input
-// streams in); ring all_reduce and all_gather, in the all-gather, once a chunk has
-// been passed on (or has arrived, at the last step); reduce_scatter, as
-// each chunk of out is final; broadcast, once a chunk was sent on (the
-// last member of the chain: once it arrived). The input is the buffer
+// always increasing, so it must be safe for concurrent use). Done(off, n)
+// reports that result bytes [off, off+n) are final and no longer written by
+// the collective (on the direct path the other members may still read them
+// until the call returns: the caller may read them, not change them); the
+// ranges are disjoint and cover the result exactly once before a successful
+// return, and may be reported from several goroutines at once. When they
+// come: two-member all_reduce, as each chunk (over TCP: each piece) is
+// reduced (roughly in input order, so the result streams back while later
+// input streams in); ring all_reduce and all_gather, in the all-gather, once
+// a chunk has been passed on (or has arrived, at the last step);
+// reduce_scatter, as each chunk of out is final; broadcast, once a chunk
+// was sent on (the last member of the chain: once it arrived); direct, as
+// each piece is produced or copied. The input is the buffer
 // (all_reduce, broadcast: only the root calls Ready) or in (all_gather,
 // reduce_scatter); the result is buf or out.
 //

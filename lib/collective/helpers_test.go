@@ -12,11 +12,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/transport"
+	"github.com/gpubridge/gpubridge/lib/wire"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -35,9 +37,12 @@ func newCluster(t testing.TB, n, streams int, o Options) *cluster {
 func newClusterLimit(t testing.TB, n, streams int, o Options, maxUnexpected int64) *cluster {
 	t.Helper()
 	meshes := transport.NewMem(n, streams, true)
-	if noHold {
-		for i, m := range meshes {
+	for i, m := range meshes {
+		switch {
+		case noHold:
 			meshes[i] = noHoldMesh{m}
+		case pieces:
+			meshes[i] = pieceMesh{m}
 		}
 	}
 	return newClusterMesh(t, meshes, o, maxUnexpected)
@@ -56,10 +61,101 @@ func (m noHoldMesh) Stream(peer, i int) transport.Stream {
 	return noHoldStream{m.Mesh.Stream(peer, i)}
 }
 
+// pieces makes newCluster's streams hand out frames in small pieces
+// (transport.PieceReceiver), as TCP streams do.
+var pieces bool
+
+type pieceMesh struct{ transport.Mesh }
+
+// pieceStream cuts every frame Recv returns into pieces of testPiece bytes.
+type pieceStream struct{ transport.Stream }
+
+const testPiece = 128
+
+func (m pieceMesh) Stream(peer, i int) transport.Stream { return pieceStream{m.Mesh.Stream(peer, i)} }
+
+func (s pieceStream) PieceSize() int { return testPiece }
+
+func (s pieceStream) RecvPieces(ctx context.Context, check func(wire.Header) error, fn func(off int, p []byte) error) error {
+	return s.Recv(ctx, func(h wire.Header, p []byte) error {
+		if err := check(h); err != nil {
+			return err
+		}
+		for off := 0; off < len(p); off += testPiece {
+			if err := fn(off, p[off:min(off+testPiece, len(p))]); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// The collectives work over streams that hand out pieces (TCP's path).
+func TestPieces(t *testing.T) {
+	pieces = true
+	defer func() { pieces = false }()
+	runCore(t)
+}
+
+// slowStream returns from Send a while after the frame went out, so that
+// the peer's chunk arrives before this member's send of the same chunk is
+// done: the receiver keeps it in its spill buffer.
+type slowStream struct{ pieceStream }
+
+func (s slowStream) Send(ctx context.Context, h wire.Header, p []byte) error {
+	err := s.pieceStream.Send(ctx, h, p)
+	time.Sleep(200 * time.Microsecond)
+	return err
+}
+
+type slowMesh struct{ transport.Mesh }
+
+func (m slowMesh) Stream(peer, i int) transport.Stream {
+	return slowStream{pieceStream{m.Mesh.Stream(peer, i)}}
+}
+
+// Chunks that arrive before the send they depend on wait in the spill
+// buffer; the results stay exact.
+func TestPiecesSpill(t *testing.T) {
+	for _, members := range []int{2, 3} {
+		t.Run(fmt.Sprint("members=", members), func(t *testing.T) {
+			meshes := transport.NewMem(members, 2, false)
+			for i, m := range meshes {
+				meshes[i] = slowMesh{m}
+			}
+			cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk}, DefaultMaxUnexpected)
+			rng := rand.New(rand.NewPCG(21, uint64(members)))
+			inputs := make([][]byte, members)
+			for m := range inputs {
+				inputs[m] = randData(rng, reduce.Float32, 20*testChunk/4+3)
+			}
+			want := ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, members)
+			before := spills.Load()
+			bufs := make([][]byte, members)
+			requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+				bufs[m] = slices.Clone(inputs[m])
+				return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
+			}))
+			for m := range bufs {
+				requireBits(t, want, bufs[m], 4, "member %d", m)
+			}
+			if members == 2 {
+				// (The ring's receives depend on sends of earlier steps.)
+				assert.Positive(t, spills.Load()-before, "no chunk went through the spill buffer")
+			}
+		})
+	}
+}
+
 // The collectives work over streams that cannot hold frames (Recv path).
 func TestRecvFallback(t *testing.T) {
 	noHold = true
 	defer func() { noHold = false }()
+	runCore(t)
+}
+
+// runCore runs the tests of every collective and of their failures.
+func runCore(t *testing.T) {
 	t.Run("AllReduce", TestAllReduce)
 	t.Run("Broadcast", TestBroadcast)
 	t.Run("AllGather", TestAllGather)
@@ -268,5 +364,88 @@ func (g *readyGate) release(dst, src []byte, piece int, pause time.Duration) {
 func garbage(b []byte) {
 	for i := range b {
 		b[i] = 0xA5 ^ byte(i*7)
+	}
+}
+
+// Over piece streams a chunk's result is reported once, when the whole
+// chunk is in (the feed sends a PROGRESS per range: not one per piece).
+func TestPiecesReportChunks(t *testing.T) {
+	pieces = true
+	defer func() { pieces = false }()
+	cl := newCluster(t, 2, 2, Options{ChunkBytes: testChunk})
+	const n = 10*testChunk + 64
+	bufs := [][]byte{make([]byte, n), make([]byte, n)}
+	recs := []*doneRecorder{{buf: bufs[0]}, {buf: bufs[1]}}
+	requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+		return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, &Progress{Done: recs[m].done})
+	}))
+	for m, r := range recs {
+		assert.Len(t, r.ranges, 11, "member %d: one range per chunk", m)
+	}
+}
+
+// progressStream reports how far its Send got (transport.ProgressSender)
+// in steps, as the TCP stream does: it takes the payload first (so what it
+// reports out is out), then reports thirds with pauses, then sends.
+type progressStream struct{ pieceStream }
+
+func (s progressStream) SendProgress(ctx context.Context, h wire.Header, p []byte, progress func(int)) error {
+	own := slices.Clone(p)
+	if progress != nil {
+		for k := 1; k <= 2; k++ {
+			progress(len(p) * k / 3)
+			time.Sleep(100 * time.Microsecond)
+		}
+	}
+	err := s.pieceStream.Send(ctx, h, own)
+	if err == nil && progress != nil {
+		progress(len(p))
+	}
+	return err
+}
+
+type progressMesh struct{ transport.Mesh }
+
+func (m progressMesh) Stream(peer, i int) transport.Stream {
+	return progressStream{pieceStream{m.Mesh.Stream(peer, i)}}
+}
+
+// Pieces whose send is reported out go straight to the destination, the
+// others wait or spill; every way gives the reference's bits, streamed
+// input too.
+func TestPiecesProgress(t *testing.T) {
+	for _, members := range []int{2, 3} {
+		t.Run(fmt.Sprint("members=", members), func(t *testing.T) {
+			meshes := transport.NewMem(members, 2, false)
+			for i, m := range meshes {
+				meshes[i] = progressMesh{m}
+			}
+			cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk}, DefaultMaxUnexpected)
+			rng := rand.New(rand.NewPCG(23, uint64(members)))
+			for _, streamed := range []bool{false, true} {
+				inputs := make([][]byte, members)
+				for m := range inputs {
+					inputs[m] = randData(rng, reduce.BFloat16, 30*testChunk/2+5)
+				}
+				want := ReferenceAllReduce(reduce.Sum, reduce.BFloat16, inputs, members)
+				bufs := make([][]byte, members)
+				requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+					bufs[m] = make([]byte, len(inputs[m]))
+					var p *Progress
+					if streamed {
+						garbage(bufs[m])
+						g := newReadyGate(t, len(bufs[m]))
+						go g.release(bufs[m], inputs[m], 700, 50*time.Microsecond)
+						p = &Progress{Ready: g.ready}
+					} else {
+						copy(bufs[m], inputs[m])
+					}
+					return c.AllReduce(context.Background(), bufs[m], reduce.BFloat16, reduce.Sum, p)
+				}))
+				for m := range bufs {
+					requireBits(t, want, bufs[m], 2, "member %d, streamed %v", m, streamed)
+				}
+			}
+		})
 	}
 }

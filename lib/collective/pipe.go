@@ -1,7 +1,11 @@
 package collective
 
 import (
+	"context"
 	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/gpubridge/gpubridge/lib/transport"
 )
@@ -21,10 +25,15 @@ import (
 //     send of (t-recvLag, c) (the received bytes overwrite memory that send
 //     reads); the frame itself is read off the stream before that wait.
 //
-// Over a stream that can hold frames (transport.Holder) the receive side
-// is two goroutines: one reads chunks off the stream and holds them, one
-// consumes them (waits for the send, reduces, releases), so that the stream
-// is read while the previous chunk is reduced, without copying it.
+// Over a stream that hands out frames in pieces (transport.PieceReceiver:
+// TCP) the receiver consumes each piece as it arrives, from a buffer that
+// stays in cache, straight into the destination; pieces that arrive
+// before the send they depend on is done wait in a spill buffer (the
+// socket is never left undrained), and are consumed once it is. Over a
+// stream that can hold frames (transport.Holder) the receive side is two
+// goroutines: one reads chunks off the stream and holds them, one consumes
+// them (waits for the send, reduces, releases), so that the stream is read
+// while the previous chunk is reduced, without copying it.
 //
 // Both require the chunk lists of the paired segments to agree; run checks.
 type pipe struct {
@@ -46,9 +55,14 @@ type pipe struct {
 	sent func(t, j, c, off, n int) error
 	// prep runs before chunk (t, c) is received; may be nil.
 	prep func(t, j, c, off, n int) error
-	// recv consumes the payload of chunk (t, c); it is a view valid only
-	// during the call.
+	// recv consumes the payload of chunk (t, c), or of part of it (over a
+	// stream that hands out pieces, bytes [off, off+n) of the segment); p
+	// is a view valid only during the call.
 	recv func(t, j, c, off, n int, p []byte) error
+	// received runs once chunk (t, c) was wholly consumed (it reports
+	// final results: one Progress range per chunk, not per piece); may be
+	// nil.
+	received func(t, j, c, off, n int)
 	// primary: whether a receive timeout points at prev itself.
 	primary bool
 }
@@ -88,11 +102,29 @@ func (pp *pipe) run() error {
 		}
 		recvTok := make(chan struct{}, nrecv) // receive (t, c) done, for the send of (t+sendLag, c)
 		sendTok := make(chan struct{}, nsend) // send (t, c) done, for the receive of (t+recvLag, c)
+		var (
+			st     transport.Stream
+			pr     transport.PieceReceiver
+			pieces bool
+			prog   *sendProgress
+		)
+		if nrecv > 0 {
+			st = pp.cl.c.mesh.Stream(pp.prev, s)
+			pr, pieces = st.(transport.PieceReceiver)
+			pieces = pieces && pr.PieceSize() > 0
+		}
+		if nsend > 0 && pieces && pp.recvFrom <= pp.recvTo {
+			if _, ok := pp.cl.c.mesh.Stream(pp.next, s).(transport.ProgressSender); ok {
+				prog = newSendProgress()
+			}
+		}
 		if nsend > 0 {
-			pp.cl.spawn(func() error { return pp.sender(s, recvTok, sendTok) })
+			pp.cl.spawn(func() error { return pp.sender(s, recvTok, sendTok, prog) })
 		}
 		if nrecv > 0 {
-			if h, ok := pp.cl.c.mesh.Stream(pp.prev, s).(transport.Holder); ok {
+			if pieces {
+				pp.cl.spawn(func() error { return pp.pieceReceiver(s, pr, recvTok, sendTok, prog) })
+			} else if h, ok := st.(transport.Holder); ok {
 				held := make(chan heldChunk, 1)
 				pp.cl.spawn(func() error { return pp.holdReceiver(s, h, held) })
 				pp.cl.spawn(func() error { return pp.consumer(held, recvTok, sendTok) })
@@ -104,7 +136,7 @@ func (pp *pipe) run() error {
 	return pp.cl.wait()
 }
 
-func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}) error {
+func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}, prog *sendProgress) error {
 	cl := pp.cl
 	S := cl.c.streams
 	st := cl.c.mesh.Stream(pp.next, s)
@@ -121,7 +153,12 @@ func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}) 
 			if err != nil {
 				return err
 			}
-			if err := cl.send(st, pp.next, t, c, p); err != nil {
+			var progress func(int)
+			if prog != nil {
+				prog.at(t, c, 0)
+				progress = func(n int) { prog.at(t, c, n) }
+			}
+			if err := cl.sendProgress(st, pp.next, t, c, p, progress); err != nil {
 				return err
 			}
 			if pp.sent != nil {
@@ -155,12 +192,155 @@ func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}
 			}
 			return pp.recv(k.t, k.j, k.c, k.off, k.n, p)
 		})
-		if err == nil && pp.unblocksSend(k.t) {
+		if err != nil {
+			return err
+		}
+		pp.consumed(k)
+		if pp.unblocksSend(k.t) {
 			recvTok <- struct{}{}
 		}
-		return err
+		return nil
 	})
 }
+
+// consumed runs the received hook of chunk k.
+func (pp *pipe) consumed(k chunkAt) {
+	if pp.received != nil {
+		pp.received(k.t, k.j, k.c, k.off, k.n)
+	}
+}
+
+// pieceReceiver receives the chunks of data stream s piece by piece
+// (transport.PieceReceiver) and consumes every piece at once when the send
+// the chunk depends on is out (wholly, or, when the stream reports its
+// progress, as far as the piece), else keeps it in a spill buffer (one
+// chunk per stream, made on first need) until the frame is in and that
+// send is done. A piece waits at most spillAfter for its send: the socket
+// is never left undrained for longer, whatever the socket buffers.
+func (pp *pipe) pieceReceiver(s int, st transport.PieceReceiver, recvTok chan<- struct{}, sendTok <-chan struct{}, prog *sendProgress) error {
+	cl := pp.cl
+	var spill []byte
+	var wait *time.Timer
+	return pp.recvChunks(s, func(k chunkAt) error {
+		needs := pp.recvWaits(k.t)
+		sent := !needs
+		var spilled [][2]int // pieces in the spill buffer: offset, length
+		err := cl.recvPieces(st, pp.prev, k.t, k.c, k.n, pp.primary, func(off int, p []byte) error {
+			if !sent {
+				select {
+				case <-sendTok:
+					sent = true
+				default:
+				}
+			}
+			direct := sent
+			if !direct && prog != nil {
+				var err error
+				if direct, err = prog.await(cl.ctx, k.t-pp.recvLag, k.c, off+len(p), &wait); err != nil {
+					return err
+				}
+			}
+			if direct {
+				return pp.recv(k.t, k.j, k.c, k.off+off, len(p), p)
+			}
+			if spill == nil {
+				spill = make([]byte, pp.chunk)
+			}
+			if len(spilled) == 0 {
+				spills.Add(1)
+			}
+			copy(spill[off:], p)
+			if n := len(spilled); n > 0 && spilled[n-1][0]+spilled[n-1][1] == off {
+				spilled[n-1][1] += len(p)
+			} else {
+				spilled = append(spilled, [2]int{off, len(p)})
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		if needs && !sent {
+			if err := cl.await(sendTok); err != nil {
+				return err
+			}
+		}
+		for _, sp := range spilled {
+			if err := pp.recv(k.t, k.j, k.c, k.off+sp[0], sp[1], spill[sp[0]:sp[0]+sp[1]]); err != nil {
+				return cl.recvErr(&localError{err}, pp.prev, pp.primary)
+			}
+		}
+		pp.consumed(k)
+		if pp.unblocksSend(k.t) {
+			recvTok <- struct{}{}
+		}
+		return nil
+	})
+}
+
+// spillAfter is how long a piece waits for the send it depends on before
+// it goes to the spill buffer.
+const spillAfter = 2 * time.Millisecond
+
+// sendProgress is how far a stream's sender has got: chunk (t, c), in the
+// sender's order, has its first n bytes out, and every chunk before it is
+// wholly out.
+type sendProgress struct {
+	mu   sync.Mutex
+	t, c int
+	n    int
+	bump chan struct{} // a receiver waiting is woken by the next step
+}
+
+func newSendProgress() *sendProgress {
+	return &sendProgress{t: -1, bump: make(chan struct{}, 1)}
+}
+
+func (sp *sendProgress) at(t, c, n int) {
+	sp.mu.Lock()
+	sp.t, sp.c, sp.n = t, c, n
+	sp.mu.Unlock()
+	select {
+	case sp.bump <- struct{}{}:
+	default:
+	}
+}
+
+// passed reports whether the first n bytes of chunk (t, c) are out.
+func (sp *sendProgress) passed(t, c, n int) bool {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	return sp.t > t || sp.t == t && (sp.c > c || sp.c == c && sp.n >= n)
+}
+
+// await waits up to spillAfter until the first n bytes of chunk (t, c)
+// are out; false when they are not by then. *timer is reused.
+func (sp *sendProgress) await(ctx context.Context, t, c, n int, timer **time.Timer) (bool, error) {
+	if sp.passed(t, c, n) {
+		return true, nil
+	}
+	if *timer == nil {
+		*timer = time.NewTimer(spillAfter)
+	} else {
+		(*timer).Reset(spillAfter)
+	}
+	defer (*timer).Stop()
+	for {
+		select {
+		case <-sp.bump:
+			if sp.passed(t, c, n) {
+				return true, nil
+			}
+		case <-(*timer).C:
+			return sp.passed(t, c, n), nil
+		case <-ctx.Done():
+			return false, errSibling
+		}
+	}
+}
+
+// spills counts the chunks that began in a spill buffer (tests).
+var spills atomic.Int64
 
 // chunkAt is a chunk of the schedule: step t, segment j, chunk c, bytes
 // [off, off+n) of the segment.
@@ -257,6 +437,7 @@ func (pp *pipe) consumer(held <-chan heldChunk, recvTok chan<- struct{}, sendTok
 		if err != nil {
 			return cl.recvErr(&localError{err}, pp.prev, pp.primary)
 		}
+		pp.consumed(h.chunkAt)
 		if pp.unblocksSend(h.t) {
 			recvTok <- struct{}{}
 		}

@@ -26,6 +26,7 @@ func (c *Comm) ReduceScatter(ctx context.Context, out, in []byte, dt reduce.DTyp
 	}
 	a.chunk = c.chunkFor(dt.Size())
 	return c.collect(ctx, a, p, func() error { copy(out, in); return reduce.Finish(op, dt, out, 1) }, func(cl *call) error {
+		c.ran(AlgoRing)
 		return c.ringReduceScatter(cl, out, in, dt, op, a.chunk)
 	})
 }
@@ -86,11 +87,12 @@ func (c *Comm) ringReduceScatter(cl *call, out, in []byte, dt reduce.DType, op r
 			if err == nil {
 				err = reduce.Finish(op, dt, dst, n)
 			}
-			if err != nil {
-				return err
+			return err
+		},
+		received: func(t, _, _, off, m int) {
+			if t == n-2 {
+				cl.done(off, m)
 			}
-			cl.done(off, m)
-			return nil
 		},
 	}
 	return pp.run()

@@ -8,9 +8,10 @@ import (
 )
 
 // Version is the newest feed protocol version this package speaks; MinVersion
-// the oldest. HELLO offers a range, WELCOME picks one.
+// the oldest. HELLO offers a range, WELCOME picks one. Version 2 adds
+// FlagCallerReduces.
 const (
-	Version    = 1
+	Version    = 2
 	MinVersion = 1
 )
 
@@ -83,13 +84,28 @@ const (
 	// FlagStreamed: the client sends READY as its input becomes ready, and
 	// the server sends PROGRESS as result ranges become final.
 	FlagStreamed uint32 = 1 << 0
-	// KnownFlags are the flags of this version; a request with another is
-	// refused.
-	KnownFlags = FlagStreamed
+	// FlagCallerReduces (version 2, ALL_REDUCE only): the bridge exchanges
+	// the members' inputs (buf) without reducing them: out, members ×
+	// len(buf) bytes, receives member m's input in slot m (this member's
+	// slot may be buf itself), and the caller reduces them in the
+	// documented order (docs/FEED.md §3).
+	FlagCallerReduces uint32 = 1 << 1
+	// KnownFlags are the flags of the newest version; a request with
+	// another, or with one its session's version lacks, is refused.
+	KnownFlags = FlagStreamed | FlagCallerReduces
 )
 
-// Codecs of a request's bridge step. Only CodecRaw exists in version 1; the
-// field is there so compression can be asked for per request later.
+// FlagVersion is the feed protocol version that introduced a flag.
+func FlagVersion(f uint32) uint16 {
+	if f == FlagCallerReduces {
+		return 2
+	}
+	return 1
+}
+
+// Codecs of a request's bridge step. Only CodecRaw exists in versions 1
+// and 2; the field is there so compression can be asked for per request
+// later (with FlagCallerReduces: how the inputs travel).
 const CodecRaw uint8 = 0
 
 // Status of a DONE.

@@ -36,6 +36,10 @@ type BenchRow struct {
 	// version is checked; rows of older versions lack the field, and their
 	// exchange and memcpy rows were not checked.
 	Checked bool `json:"checked"`
+	// Algorithm is what the collective ran (collective.Comm.Algorithm:
+	// exchange, ring, chain, direct); the exchange and memcpy rows name
+	// themselves. Rows of older versions lack it.
+	Algorithm string `json:"algorithm,omitempty"`
 }
 
 // SweepOptions choose what a bench times.
@@ -92,9 +96,21 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 		unit = sz * int64(n)
 	}
 	size = max(size/unit*unit, unit)
-	b := newBenchBufs(o.Coll, size, n)
+	b, err := newBenchBufs(m, o.Coll, size, n)
+	if err != nil {
+		return BenchRow{}, err
+	}
+	defer b.free()
 	fillBench(o, m.Self, b.buf, b.in)
-	slowest, err := timeCalls(ctx, m, o, func() error { return b.run(ctx, m, o, nil) })
+	// What the timed calls ran (the time's all_reduce runs after them).
+	algo := o.Coll
+	slowest, err := timeCalls(ctx, m, o, func() error {
+		err := b.run(ctx, m, o, nil)
+		if o.Coll != "exchange" && o.Coll != "memcpy" {
+			algo = m.Comm.Algorithm()
+		}
+		return err
+	})
 	if err != nil {
 		return BenchRow{}, err
 	}
@@ -121,6 +137,7 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 		Schema: BenchSchema, Collective: o.Coll, Members: n, Transport: m.Mesh.Describe(),
 		Size: size, Count: size / sz, Type: o.DType.String(), Redop: o.Op.String(),
 		TimeUS: slowest * 1e6, AlgBW: algbw, BusBW: algbw * BusFactor(o.Coll, n), Wrong: totalWrong, Checked: true,
+		Algorithm: algo,
 	}
 	switch o.Coll {
 	case "memcpy":
@@ -152,24 +169,61 @@ func timeCalls(ctx context.Context, m *bridge.Member, o SweepOptions, call func(
 }
 
 // benchBufs are one size's buffers: buf holds the result (and the input of
-// the in-place collectives), in a separate input.
-type benchBufs struct{ buf, in []byte }
+// the in-place collectives), in a separate input. The collectives' buffers
+// are shared with the peers where the mesh shares memory (SharedBuffer);
+// the exchange's and memcpy's are not (they do not use it).
+type benchBufs struct {
+	buf, in []byte
+	frees   []func()
+}
 
-func newBenchBufs(coll string, size int64, n int) benchBufs {
+func newBenchBufs(m *bridge.Member, coll string, size int64, n int) (*benchBufs, error) {
+	b := &benchBufs{}
+	alloc := func(dst *[]byte, size int64) error {
+		if coll == "exchange" || coll == "memcpy" {
+			*dst = make([]byte, size)
+			return nil
+		}
+		buf, free, err := SharedBuffer(m, size)
+		if err != nil {
+			b.free()
+			return err
+		}
+		*dst = buf
+		b.frees = append(b.frees, free)
+		return nil
+	}
+	bufLen, inLen := size, int64(0)
 	switch coll {
 	case "memcpy":
-		return benchBufs{buf: make([]byte, size), in: make([]byte, size)}
+		inLen = size
 	case "all_gather":
-		return benchBufs{buf: make([]byte, size), in: make([]byte, size/int64(n))}
+		inLen = size / int64(n)
 	case "reduce_scatter":
-		return benchBufs{buf: make([]byte, size/int64(n)), in: make([]byte, size)}
+		bufLen, inLen = size/int64(n), size
 	}
-	return benchBufs{buf: make([]byte, size)}
+	if err := alloc(&b.buf, bufLen); err != nil {
+		return nil, err
+	}
+	if inLen > 0 {
+		if err := alloc(&b.in, inLen); err != nil {
+			return nil, err
+		}
+	}
+	return b, nil
+}
+
+// free releases the buffers.
+func (b *benchBufs) free() {
+	for _, f := range b.frees {
+		f()
+	}
+	b.frees = nil
 }
 
 // run calls the collective once; the exchange copies what arrives into
 // got when it is not nil.
-func (b benchBufs) run(ctx context.Context, m *bridge.Member, o SweepOptions, got []byte) error {
+func (b *benchBufs) run(ctx context.Context, m *bridge.Member, o SweepOptions, got []byte) error {
 	switch o.Coll {
 	case "all_reduce":
 		return m.Comm.AllReduce(ctx, b.buf, o.DType, o.Op, nil)
@@ -237,14 +291,14 @@ func maxAcross(ctx context.Context, m *bridge.Member, v float64) (float64, error
 	return math.Float64frombits(binary.LittleEndian.Uint64(b)), nil
 }
 
-// WriteRowText writes a row in nccl-tests' layout.
+// WriteRowText writes a row in nccl-tests' layout, with the algorithm.
 func WriteRowText(w io.Writer, r BenchRow) {
-	fmt.Fprintf(w, "%12d %12d %9s %7s %12.1f %8.3f %8.3f %6d\n", r.Size, r.Count, r.Type, r.Redop, r.TimeUS, r.AlgBW, r.BusBW, r.Wrong)
+	fmt.Fprintf(w, "%12d %12d %9s %7s %12.1f %8.3f %8.3f %6d  %s\n", r.Size, r.Count, r.Type, r.Redop, r.TimeUS, r.AlgBW, r.BusBW, r.Wrong, r.Algorithm)
 }
 
 // WriteHeaderText writes the column titles of WriteRowText.
 func WriteHeaderText(w io.Writer, coll string, n int, transport string) {
 	fmt.Fprintf(w, "# gbbridge bench: %s, %d members, %s\n", coll, n, transport)
-	fmt.Fprintf(w, "# %10s %12s %9s %7s %12s %8s %8s %6s\n", "size", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong")
+	fmt.Fprintf(w, "# %10s %12s %9s %7s %12s %8s %8s %6s  %s\n", "size", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong", "algorithm")
 	fmt.Fprintf(w, "# %10s %12s %9s %7s %12s %8s %8s %6s\n", "(B)", "(elements)", "", "", "", "(GB/s)", "(GB/s)", "")
 }

@@ -252,7 +252,16 @@ type childSpec struct {
 	Members   []MemberInfo `json:"members"`
 	Self      int          `json:"self"`
 	Streams   int          `json:"streams"`
+	// Mode childShare: share a region of childShareBytes (sharedPattern
+	// of the member) and send its id instead of "hello".
+	Mode string `json:"mode,omitempty"`
 }
+
+const (
+	childShare      = "share"
+	childShareBytes = 64 << 10
+	childShareName  = "gpubridge-test-child-share"
+)
 
 // childMain establishes the bridge, sends "hello" on data stream 0 to
 // member 0, then waits to be killed.
@@ -276,7 +285,22 @@ func childMain(spec string) int {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 2
 	}
-	if err := m.Stream(0, 0).Send(ctx, wire.Header{Kind: wire.KindData}, []byte("hello")); err != nil {
+	msg := []byte("hello")
+	if cs.Mode == childShare {
+		fd, mem, err := NewMemfd(childShareName, childShareBytes)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "child:", err)
+			return 2
+		}
+		sharedPattern(mem, cs.Self)
+		id, err := m.(Sharer).Share(fd, mem)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "child:", err)
+			return 2
+		}
+		msg = binary.LittleEndian.AppendUint64(nil, id)
+	}
+	if err := m.Stream(0, 0).Send(ctx, wire.Header{Kind: wire.KindData}, msg); err != nil {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 2
 	}
@@ -287,8 +311,15 @@ func childMain(spec string) int {
 // startChild starts a child process as member self of b.
 func startChild(t *testing.T, b *bridge, self int) *exec.Cmd {
 	t.Helper()
+	return startChildWith(t, b, self, "")
+}
+
+// startChildWith starts a child process as member self of b that does what
+// mode says (childSpec.Mode).
+func startChildWith(t *testing.T, b *bridge, self int, mode string) *exec.Cmd {
+	t.Helper()
 	spec, err := json.Marshal(childSpec{Store: b.addr, NS: b.ns, Transport: b.cfgs[self].Transport,
-		Members: b.cfgs[self].Members, Self: self, Streams: b.cfgs[self].Streams})
+		Members: b.cfgs[self].Members, Self: self, Streams: b.cfgs[self].Streams, Mode: mode})
 	require.NoError(t, err)
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), childEnv+"="+string(spec))

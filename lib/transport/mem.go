@@ -27,6 +27,7 @@ type memMesh struct {
 	links               [][][]*memLink // links[from][to][stream], stream == streams is control
 	done                []chan struct{}
 	closeOnce           []*sync.Once
+	shares              []*shareTable // by member: what it shares and what it was offered
 }
 
 // NewMem returns the meshes of size members joined in memory, with streams
@@ -52,9 +53,13 @@ func NewMem(size, streams int, crc bool) []Mesh {
 		done[i] = make(chan struct{})
 		once[i] = &sync.Once{}
 	}
+	shares := make([]*shareTable, size)
+	for i := range shares {
+		shares[i] = newShareTable(size, func(p int) string { return fmt.Sprintf("member %d", p) })
+	}
 	out := make([]Mesh, size)
 	for i := range out {
-		out[i] = &memMesh{self: i, size: size, streams: streams, crc: crc, links: links, done: done, closeOnce: once}
+		out[i] = &memMesh{self: i, size: size, streams: streams, crc: crc, links: links, done: done, closeOnce: once, shares: shares}
 	}
 	return out
 }
@@ -107,9 +112,54 @@ func (m *memMesh) Abort(err error) {
 }
 
 func (m *memMesh) Close() error {
-	m.closeOnce[m.self].Do(func() { close(m.done[m.self]) })
+	m.closeOnce[m.self].Do(func() {
+		close(m.done[m.self])
+		m.shares[m.self].close()
+		for p, t := range m.shares {
+			if p != m.self {
+				t.peerGone(m.self, ErrPeerClosed)
+			}
+		}
+	})
 	return nil
 }
+
+// Share implements Sharer in memory: the peers see mem itself (fd is not
+// used).
+func (m *memMesh) Share(_ int, mem []byte) (uint64, error) {
+	t := m.shares[m.self]
+	id := t.newID()
+	for p, pt := range m.shares {
+		if p != m.self {
+			if err := pt.addPeer(m.self, id, mem, nil, nil); err != nil {
+				m.Unshare(id)
+				return 0, err
+			}
+		}
+	}
+	t.addOwn(id, mem)
+	return id, nil
+}
+
+func (m *memMesh) Unshare(id uint64) {
+	m.shares[m.self].removeOwn(id)
+	for p, pt := range m.shares {
+		if p != m.self {
+			pt.dropPeer(m.self, id)
+		}
+	}
+}
+
+func (m *memMesh) Locate(buf []byte) (uint64, uint64, bool) { return m.shares[m.self].locate(buf) }
+
+func (m *memMesh) PeerMem(ctx context.Context, peer int, id, off, n uint64) ([]byte, func(), error) {
+	if peer == m.self || peer < 0 || peer >= m.size {
+		return nil, nil, fmt.Errorf("member %d has no region of member %d", m.self, peer)
+	}
+	return m.shares[m.self].peerMem(ctx, m.done[m.self], peer, id, off, n)
+}
+
+var _ Sharer = (*memMesh)(nil)
 
 type memStream struct {
 	m       *memMesh

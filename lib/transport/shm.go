@@ -244,6 +244,7 @@ type shmMesh struct {
 	dead    []atomic.Bool
 	ownPath string
 	maps    [][]byte
+	share   *shmShare // memory shared with the peers (shm_share.go)
 
 	closing  atomic.Bool
 	aborting atomic.Bool
@@ -353,6 +354,9 @@ func (m *shmMesh) Close() error {
 			m.unmapLocked()
 		}
 		m.mu.Unlock()
+		if m.share != nil {
+			m.share.close()
+		}
 		if m.ownPath != "" {
 			_ = os.Remove(m.ownPath)
 		}

@@ -21,6 +21,9 @@ type shmEndpoint struct {
 	endpoint
 	SHM   string `json:"shm,omitempty"`
 	PIDNS string `json:"pidns,omitempty"`
+	// Share is the socket over which the member passes shared memory
+	// (shm_share.go).
+	Share string `json:"share,omitempty"`
 }
 
 // establishSHM creates this member's ring file, publishes it, maps every
@@ -37,6 +40,9 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 	}
 	defer func() {
 		if err != nil {
+			if m.share != nil {
+				m.share.close()
+			}
 			m.mu.Lock()
 			m.closed = true
 			m.unmapLocked()
@@ -59,8 +65,14 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 		dataCap: lay.dataCap, ctlCap: lay.ctlCap, job: s.job}
 	hdr.put(own[:shmHdrSize], s.rv.Secret())
 
+	ss, sockPath, err := s.startShares(ctx, m)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { ss.stop(sockPath, err != nil) }()
+
 	pidns, _ := os.Readlink("/proc/self/ns/pid")
-	if err := s.rv.Publish(ctx, shmEndpoint{endpoint: s.endpoint(), SHM: path, PIDNS: pidns}); err != nil {
+	if err := s.rv.Publish(ctx, shmEndpoint{endpoint: s.endpoint(), SHM: path, PIDNS: pidns, Share: sockPath}); err != nil {
 		return nil, err
 	}
 	eps, err := gather[shmEndpoint](ctx, s)
@@ -101,6 +113,9 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 			in.consPid.Store(uint32(os.Getpid()))
 			m.links[p][st] = newSHMStream(m, p, st, lay.ring(own, peerIndex(self, p), st), in)
 		}
+	}
+	if m.share, err = ss.connect(ctx, eps); err != nil {
+		return nil, err
 	}
 	if err := s.rv.Barrier(ctx); err != nil {
 		return nil, err

@@ -61,6 +61,39 @@ type Holder interface {
 	RecvHold(ctx context.Context) (hdr wire.Header, payload []byte, release func(), err error)
 }
 
+// PieceReceiver is implemented by streams that can hand a frame's payload
+// to the receiver in pieces as they arrive, through a small buffer that
+// stays in cache, instead of reading the whole frame into memory first
+// (the TCP stream). A receiver that consumes each piece at once (reduces
+// it into its destination) then passes over the payload once, in cache.
+type PieceReceiver interface {
+	// PieceSize is the size of every piece but a frame's last; 0 when the
+	// stream does not hand out pieces now (frames carry a CRC, which can
+	// only be checked once the whole frame is in): use Recv or RecvHold.
+	// It is a multiple of 64 bytes.
+	PieceSize() int
+	// RecvPieces reads the next frame: check sees its header first (its
+	// error ends the call before any payload byte is read); then fn gets
+	// the payload in order, as pieces of PieceSize bytes (the last may be
+	// shorter; none for an empty payload), off being a piece's offset in
+	// the payload and p valid only during the call. A KindAbort frame is a
+	// *PeerError carrying the peer's message, and neither check nor fn is
+	// called. An error of fn ends the call with it, and the stream is out
+	// of step afterwards (every later call fails).
+	RecvPieces(ctx context.Context, check func(wire.Header) error, fn func(off int, p []byte) error) error
+}
+
+// ProgressSender is implemented by streams that can say how much of a
+// frame's payload is out while they send it (the TCP stream, which then
+// writes a large payload in pieces), so that a receiver whose data depends
+// on the payload having been read may proceed piece by piece.
+type ProgressSender interface {
+	// SendProgress is Send, calling progress(n) (from the sending
+	// goroutine) each time the first n payload bytes are out, n growing to
+	// len(payload) when the frame is sent; progress may be nil.
+	SendProgress(ctx context.Context, hdr wire.Header, payload []byte, progress func(n int)) error
+}
+
 // Mesh is one member's links to every other member of a bridge.
 type Mesh interface {
 	// Self is this member's index, Size the number of members.

@@ -8,7 +8,7 @@ import "github.com/gpubridge/gpubridge/lib/cli"
 type grammar struct {
 	Serve    serveCmd    `cmd:"" help:"Join the bridge as this rank's member and serve the plugin's feed (spawned by the torch plugin on each island leader)."`
 	Selftest selftestCmd `cmd:"" help:"Check every collective, dtype and op, and point-to-point, bit for bit, on 2 and 4 members on this host (or as one member across hosts with --store); then a short bandwidth sweep."`
-	Bench    benchCmd    `cmd:"" help:"Time a collective over sizes, nccl-tests style (size count type redop time algbw busbw #wrong)."`
+	Bench    benchCmd    `cmd:"" help:"Time a collective over sizes, nccl-tests style (size count type redop time algbw busbw #wrong algorithm)."`
 }
 
 var tool = cli.Tool{
@@ -27,7 +27,7 @@ gbbridge selftest is for new nodes and new HCAs. With no arguments it starts an 
 gbbridge bench times one collective over sizes (default 8 B … 1 GiB) and prints nccl-tests' columns, or JSON lines with --json. busbw uses nccl-tests' factors: all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1. Every size is checked after timing (#wrong). Two anchors run through the same harness: --collective exchange (both members send each other the buffer over the bridge's streams, nothing reduced: the ceiling of a 2-member all_reduce) and --collective memcpy (one core copying the buffer). GPUBRIDGE_CPUPROFILE=FILE writes each member's CPU profile to FILE.<rank>.`,
 	Output: `selftest: one JSON object {"schema": "gpubridge.selftest/v1", "version", "ok", "runs": [{"members", "transport", "cases", "failed", "failures": [{"case", "wrong_elements", "error"}], "bandwidth": [bench rows], "seconds"}]}; a member of a run across hosts (--store) prints its run's object on member 0 only.
 
-bench: with --json one line per size {"schema": "gpubridge.bench/v1", "collective", "members", "transport", "size" (bytes), "count", "type", "redop", "root", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "checked" (every row is checked element by element)}; without, nccl-tests' columns after "#" header lines. Member 0 prints; time is the slowest member's mean over --iters calls.
+bench: with --json one line per size {"schema": "gpubridge.bench/v1", "collective", "members", "transport", "size" (bytes), "count", "type", "redop", "root", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "checked" (every row is checked element by element), "algorithm" (what ran: exchange, ring, chain or direct, where the members read each other's shared memory; exchange and memcpy for the anchors)}; without, nccl-tests' columns and the algorithm after "#" header lines. Over shm the buffers live in memory shared with the other members, as gbbridge serve's feed regions do. Member 0 prints; time is the slowest member's mean over --iters calls.
 
 serve: one JSON line once the bridge is set up and the feed socket listens: {"schema": "gpubridge.bridge-serve/v1", "feed": PATH, "member": INDEX, "members": N, "rank": GLOBAL_RANK, "pid": PID, "transport": "tcp, 8 streams per peer, no crc", "feed_version": 1}. Nothing else goes to stdout; logs go to stderr (GPUBRIDGE_LOG_LEVEL). Fields may be added within v1.`,
 	ExitCodes: []cli.ExitCode{

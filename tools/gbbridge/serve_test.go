@@ -562,3 +562,38 @@ func TestServeNoFeedConnection(t *testing.T) {
 		assert.Contains(t, p.stderr.String(), "no client connected")
 	}
 }
+
+// Over shm the feed regions are shared and the members reduce from each
+// other's memory (collective.AlgoDirect). A member killed in the middle of
+// such an all_reduce (both are in it, part of their input ready): the
+// other's call fails naming the dead process, and the survivor exits.
+func TestServeKilledDirect(t *testing.T) {
+	c := newCluster(t)
+	c.kind = discover.BridgeSHM
+	ps := startPair(t, c)
+	cls := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(30*time.Second))
+	defer cancel()
+	const n = 4 << 20
+	calls := make([]*feedtest.Call, 2)
+	for i, cl := range cls {
+		reg, err := cl.Map(ctx, n)
+		require.NoError(t, err)
+		calls[i], err = cl.Start(feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagStreamed, Buf: reg.All(),
+			DType: reduce.Float32, Op: reduce.Sum, Peer: -1}, nil)
+		require.NoError(t, err)
+		require.NoError(t, calls[i].Ready(n/2))
+	}
+	time.Sleep(100 * time.Millisecond) // both are in the direct all_reduce, waiting for the second half
+	pid := ps[0].cmd.Process.Pid
+	require.NoError(t, ps[0].cmd.Process.Kill())
+	_, err := calls[1].Wait(ctx)
+	var re *feedtest.RequestError
+	require.ErrorAs(t, err, &re)
+	assert.Equal(t, feed.StatusBridgeError, re.Status)
+	t.Logf("member 1 got: %s", re.Msg)
+	assert.Contains(t, re.Msg, fmt.Sprintf("member 0 (rank 0 on host-a): gbbridge serve of rank 0 (pid %d) died", pid))
+	require.NoError(t, cls[1].Close(ctx))
+	assert.Equal(t, 1, ps[1].wait(t), "a bridge failure during the session is exit 1")
+	assert.Contains(t, ps[1].stderr.String(), "shared", "member 1 logs its regions as shared")
+}

@@ -1,4 +1,5 @@
-"""Client of the feed protocol of ``gbbridge serve`` (docs/FEED.md, version 1).
+"""Client of the feed protocol of ``gbbridge serve`` (docs/FEED.md, versions 1
+and 2).
 
 The plugin puts a tensor's bytes in a shared-memory :class:`Region` (a sealed
 memfd that ``gbbridge serve`` maps too) and asks for a collective over the
@@ -32,6 +33,8 @@ import numpy as np
 import numpy.typing as npt
 
 from gpubridge._feed_protocol import (
+    CALLER_REDUCES_VERSION,
+    FLAG_CALLER_REDUCES,
     FLAG_STREAMED,
     HEADER_SIZE,
     MAX_MESSAGE,
@@ -466,16 +469,18 @@ class FeedClient:
         peer: int = -1,
         tag: int = 0,
         streamed: bool = False,
+        caller_reduces: bool = False,
         on_progress: ProgressFn | None = None,
     ) -> Call:
         """Sends a request and returns its :class:`Call`. With ``streamed``,
         send :meth:`Call.ready` as input becomes ready; ``on_progress(off, n)``
         gets each PROGRESS range on the thread that reads the socket (it must
-        not block)."""
+        not block). ``caller_reduces`` (all_reduce, version 2) asks for the
+        inputs unreduced (see :meth:`start_exchange`)."""
         if kind < Kind.ALL_REDUCE:
             raise ValueError(f"gpubridge feed: {kind} is not a request")
         dt, o = DType.of(dtype), Op.of(op)
-        flags = FLAG_STREAMED if streamed else 0
+        flags = (FLAG_STREAMED if streamed else 0) | (FLAG_CALLER_REDUCES if caller_reduces else 0)
 
         k = Call(self, kind, on_progress)
         self._send(k, lambda rid: encode_request(kind, rid, dt, o, flags, buf, out, peer, tag))
@@ -536,6 +541,27 @@ class FeedClient:
         return self.start(
             Kind.ALL_REDUCE, region.span(offset, nbytes), dtype=dtype, op=op,
             streamed=True, on_progress=on_progress,
+        )  # fmt: skip
+
+    @property
+    def caller_reduces(self) -> bool:
+        """Whether the server speaks the "exchange, reduce on the caller"
+        all_reduce (feed protocol 2)."""
+        return self.welcome is not None and self.welcome.version >= CALLER_REDUCES_VERSION
+
+    def start_exchange(
+        self, inp: Span, out: Span, dtype: DTypeArg, op: OpArg, *,
+        streamed: bool = True, on_progress: ProgressFn | None = None,
+    ) -> Call:  # fmt: skip
+        """Starts an all_reduce whose reduction is the caller's (feed
+        protocol 2): the bridge exchanges every member's inp unreduced into
+        out (members x inp.nbytes, member m's in slot m; inp may be this
+        member's own slot) and the caller combines the slots in the
+        documented order. Streamed: ``ready(end)`` as bytes [0, end) of inp
+        come in; ``on_progress(off, n)`` names bytes of out that arrived."""
+        return self.start(
+            Kind.ALL_REDUCE, inp, out, dtype=dtype, op=op, streamed=streamed,
+            caller_reduces=True, on_progress=on_progress,
         )  # fmt: skip
 
     def broadcast(

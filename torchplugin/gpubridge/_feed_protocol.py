@@ -1,4 +1,4 @@
-"""The feed protocol of ``gbbridge serve`` (docs/FEED.md, version 1): its
+"""The feed protocol of ``gbbridge serve`` (docs/FEED.md, versions 1 and 2): its
 constants, numbering, errors and message codec.
 
 This mirrors ``lib/feed`` (Go), which is the reference; only the wire format
@@ -17,7 +17,9 @@ from typing import Any, Final
 import numpy as np
 
 __all__ = [
+    "CALLER_REDUCES_VERSION",
     "EXT_CRITICAL",
+    "FLAG_CALLER_REDUCES",
     "FLAG_STREAMED",
     "HEADER_SIZE",
     "MAGIC",
@@ -54,14 +56,19 @@ __all__ = [
     "parse_header",
 ]
 
-VERSION: Final = 1
+VERSION: Final = 2
 MIN_VERSION: Final = 1
+# The version that brought FLAG_CALLER_REDUCES.
+CALLER_REDUCES_VERSION: Final = 2
 MAGIC: Final = 0x44464247  # "GBFD" little-endian
 HEADER_SIZE: Final = 8
 MAX_MESSAGE: Final = 64 << 10
 MAX_TEXT: Final = 4 << 10
 REQUEST_SIZE: Final = 64
 FLAG_STREAMED: Final = 1
+# ALL_REDUCE, version 2: the bridge exchanges the inputs unreduced into out
+# (members x the input, in member order); the caller reduces them.
+FLAG_CALLER_REDUCES: Final = 2
 EXT_CRITICAL: Final = 0x8000
 
 _HEADER = struct.Struct("<IHH")

@@ -3,13 +3,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["host_register", "host_unregister", "new_event", "new_stream", "sync_stream", "wait_event"]
+__all__ = [
+    "host_register",
+    "host_unregister",
+    "new_event",
+    "new_stream",
+    "on_stream",
+    "sync_stream",
+    "wait_event",
+]
 
 
 def _cudart() -> Any:
@@ -20,8 +29,15 @@ def new_stream(device: torch.device) -> Any:
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
 
-def new_event() -> Any:
-    return torch.cuda.Event()  # type: ignore[no-untyped-call]
+@contextlib.contextmanager
+def on_stream(device: torch.device, stream: Any) -> Iterator[None]:
+    """Queues the work of the block on stream of device."""
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
+
+
+def new_event(timing: bool = False) -> Any:
+    return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
 
 
 def wait_event(ev: Any, what: str, secs: float, pump: Callable[[], None] | None = None) -> None:

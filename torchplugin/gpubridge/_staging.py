@@ -33,6 +33,8 @@ class Staging:
         self.region: Region | None = None
         self._t: torch.Tensor | None = None
         self._pinned = 0
+        self._device = device
+        self._scratch: torch.Tensor | None = None
 
     def tensor(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over the first nbytes of the region (grown, and
@@ -50,6 +52,16 @@ class Staging:
             self._t = t
         assert self._t is not None
         return self._t[:nbytes]
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of nbytes on the device, kept for later calls
+        (grown as needed): where the peer's partial lands on the GPU. Every
+        use of it is ordered after the last (the streams wait for each other
+        at each call's start and end)."""
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = None
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        return self._scratch[:nbytes]
 
     def drop(self) -> None:
         """Unpins and releases the region (once the copies are done)."""

@@ -265,6 +265,7 @@ def main() -> int:
         "role": pg.topology["self"]["role"],
         "bridge_pid": pg._endpoint.process.proc.pid if pg._endpoint is not None else None,
     }
+    ep = pg._endpoint
     try:  # one or the other in a process: the native API is refused now
         gpubridge.init()
     except RuntimeError as e:
@@ -283,6 +284,8 @@ def main() -> int:
     mine = next(i for i in info["islands"] if rank in i)
     if info["transport"] != "none" and len(mine) > 1:  # a bridged rank in an island of 2+
         assert "island reduce" in st["ops"]["allreduce"]["steps"], st
+    # All-reduces this leader reduced itself (GPUBRIDGE_BRIDGE_REDUCE=caller).
+    info["exchanged"] = ep.exchanged if ep is not None else 0
     dist.destroy_process_group()  # says BYE to gbbridge serve and waits for its exit
     info["bridge_exit"] = pg.bridge_exit
     (outdir / f"rank{rank}.json").write_text(

@@ -135,9 +135,28 @@ def test_two_islands_2_2(tmp_path: Path) -> None:
     assert len(leaders) == 2
     assert all(results[r]["bridge_pid"] for r in leaders)
     assert all(results[r]["bridge_exit"] == 0 for r in leaders), results  # a clean BYE
+    assert all(results[r]["exchanged"] == 0 for r in leaders), "a CPU job reduces in gbbridge"
     refused = results[0]["refused"]
     for what in ("PRODUCT", "all_to_all", "reduce", "any-source recv", "non-contiguous", "dtype"):
         assert any(x.startswith(what + ":") and "gpubridge" in x for x in refused), (what, refused)
+
+
+@needs_tools
+def test_caller_reduces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path's "exchange, reduce on the caller" all_reduce, on CPU
+    tensors (GPUBRIDGE_BRIDGE_REDUCE=caller): every check of the job passes
+    with the leaders reducing the exchanged partials themselves (small copy
+    chunks and reduction spans: many of each per call, the peer's ranges in
+    any order); without the setting a CPU job leaves the reduction to
+    gbbridge."""
+    monkeypatch.setenv("GPUBRIDGE_BRIDGE_REDUCE", "caller")
+    monkeypatch.setenv("GPUBRIDGE_COPY_CHUNK", "4096")
+    monkeypatch.setenv("GPUBRIDGE_REDUCE_SPAN", "12288")
+    rc, results, out = launch(tmp_path, ["nvidia", "nvidia", "amd", "amd"])
+    check_ok(rc, results, out)
+    leaders = [res for res in results if res["role"] == "leader"]
+    assert len(leaders) == 2 and all(res["exchanged"] > 0 for res in leaders), leaders
+    assert len({res["exchanged"] for res in leaders}) == 1, "the leaders disagree on where to reduce"
 
 
 @needs_tools

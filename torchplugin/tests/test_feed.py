@@ -28,6 +28,7 @@ import torch
 from testenv import scale
 
 from gpubridge._bridge_process import BridgeProcess, start_bridge
+from gpubridge._combine import combine
 from gpubridge._feed import (
     BridgeError,
     DType,
@@ -149,7 +150,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             )  # fmt: skip
         for rank, b in enumerate(bridges):
             r = b.wait_ready(TIMEOUT)
-            assert r["member"] == rank and r["members"] == 2 and r["feed_version"] == 1, r
+            assert r["member"] == rank and r["members"] == 2 and r["feed_version"] == 2, r
 
         def connect(rank: int) -> FeedClient:
             return FeedClient.connect(bridges[rank].feed, timeout=TIMEOUT, request_timeout=TIMEOUT)
@@ -158,7 +159,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             clients = list(ex.map(connect, [0, 1]))
         for rank, c in enumerate(clients):
             assert c.member == rank and c.members == 2
-            assert c.welcome is not None and c.welcome.version == 1
+            assert c.welcome is not None and c.welcome.version == 2
 
         yield Pair(store, bridges, clients, procs)
 
@@ -383,4 +384,112 @@ def test_peer_killed(pair: Pair) -> None:
         c0.barrier(timeout=5)
     assert ei2.value.status == Status.BROKEN and "member 1" in ei2.value.message
     c0.abort()
+    assert pair.bridges[0].wait(TIMEOUT) == 1
+
+
+# Raw bit patterns of the floating dtypes the caller's reduction must treat
+# as lib/reduce does: zeros, denormals, the largest finite, infinities, quiet
+# and signalling NaNs with payloads and either sign.
+SPECIALS = {
+    torch.float16: [0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7D00, 0x7C01],
+    torch.bfloat16: [0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x7FA5],
+    torch.float32: [0, 0x80000000, 1, 0x807FFFFF, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001,
+                    0x7F800001, 0x7FA5A5A5],
+    torch.float64: [0, 1 << 63, 1, 0x7FEFFFFFFFFFFFFF, 0x7FF0000000000000, 0xFFF0000000000000,
+                    0x7FF8000000000000, 0xFFF8000000000001, 0x7FF0000000000001, 0x7FF4A5A5A5A5A5A5],
+}  # fmt: skip
+BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+BITS[torch.float64] = torch.int64
+
+
+def special_inputs(dtype: torch.dtype, n: int, member: int) -> torch.Tensor:
+    """n values of dtype, mostly ordinary, one in eight a special pattern,
+    and every pair of specials somewhere."""
+    g = torch.Generator().manual_seed(17 + member)
+    x = (torch.randn(n, generator=g, dtype=torch.float64) * 4).to(dtype)
+    sp = torch.tensor([v - (1 << 8 * dtype.itemsize) if v >= 1 << (8 * dtype.itemsize - 1) else v
+                       for v in SPECIALS[dtype]], dtype=BITS[dtype])  # fmt: skip
+    bits = x.view(BITS[dtype])
+    k = len(sp)
+    pick = torch.randint(0, 8 * k, (n,), generator=g)
+    mask = pick < k
+    bits[mask] = sp[pick[mask]]
+    # Every (member 0, member 1) pair of specials at the start.
+    grid = torch.arange(k * k)
+    bits[: k * k] = sp[grid // k] if member == 0 else sp[grid % k]
+    return x
+
+
+@pytest.mark.parametrize("op", [Op.SUM, Op.PROD, Op.MAX, Op.MIN], ids=lambda v: v.name.lower())
+@pytest.mark.parametrize("dtype", list(SPECIALS), ids=str)
+def test_caller_reduces_like_the_bridge(pair: Pair, dtype: torch.dtype, op: Op) -> None:
+    """The exchange (feed protocol 2) hands every member both inputs in
+    member order, and the caller's reduction of them (gpubridge._combine, on
+    CPU tensors here) gives the bits of the bridge's own all_reduce (lib/reduce
+    in Go), NaN payloads, signed zeros and denormals included; over shm the
+    large size runs the direct exchange, the small one the rings."""
+    assert all(c.caller_reduces for c in pair.clients)
+    for n in (1000, 600_001):
+        xs = [special_inputs(dtype, n, m) for m in range(2)]
+        nb = xs[0].numel() * dtype.itemsize
+
+        def run(c: FeedClient, m: int, xs: list[torch.Tensor] = xs, nb: int = nb) -> tuple[bytes, bytes]:
+            r = c.map_region(3 * nb)
+            region = torch.frombuffer(r.mem, dtype=torch.uint8, count=3 * nb)
+            mine = xs[m].view(torch.uint8)
+            # The bridge's all_reduce, in place at [2nb, 3nb).
+            region[2 * nb :] = mine
+            c.all_reduce(r, 2 * nb, nb, DType.of(dtype), op)
+            want = bytes(region[2 * nb :].numpy())
+            # The exchange: this member's input in its own slot of [0, 2nb).
+            region[m * nb : (m + 1) * nb] = mine
+            d = c.start_exchange(r.span(m * nb, nb), r.span(0, 2 * nb), DType.of(dtype), op, streamed=False)
+            d = d.wait()
+            assert d.nbytes == 2 * nb
+            slots = [region[k * nb : (k + 1) * nb].view(dtype) for k in range(2)]
+            for k in range(2):
+                assert torch.equal(slots[k].view(torch.uint8), xs[k].view(torch.uint8)), f"slot {k}"
+            out = torch.empty_like(slots[0])
+            combine(op, slots[0], slots[1], out)
+            got = bytes(out.view(torch.uint8).numpy())
+            del region, slots, out, mine
+            c.release(r)
+            return want, got
+
+        for m, (want, got) in enumerate(pair.both(run)):
+            w = np.frombuffer(want, dtype=np.uint8).view(f"<i{dtype.itemsize}")
+            g = np.frombuffer(got, dtype=np.uint8).view(w.dtype)
+            bad = np.flatnonzero(w != g)
+            assert bad.size == 0, (
+                f"member {m}, {n} elements: {bad.size} differ; first at {bad[0]}: "
+                f"x0={xs[0].view(BITS[dtype])[bad[0]]:#x} x1={xs[1].view(BITS[dtype])[bad[0]]:#x} "
+                f"want {w[bad[0]]:#x} got {g[bad[0]]:#x}"
+            )
+
+
+def test_peer_killed_mid_exchange(pair: Pair) -> None:
+    """A member killed in the middle of a streamed exchange (feed protocol 2,
+    the GPU path's all_reduce; both members in it, half their input ready):
+    the other's call fails naming the dead gbbridge, and every later one at
+    once."""
+    c0, c1 = pair.clients
+    n = 4 << 20
+    r0, r1 = c0.map_region(2 * n), c1.map_region(2 * n)
+    k0 = c0.start_exchange(r0.span(0, n), r0.span(0, 2 * n), DType.FLOAT32, Op.SUM)
+    k1 = c1.start_exchange(r1.span(n, n), r1.span(0, 2 * n), DType.FLOAT32, Op.SUM)
+    k0.ready(n // 2)
+    k1.ready(n // 2)
+    time.sleep(0.2)  # both are in the exchange, waiting for the second half
+    pid = pair.bridges[1].proc.pid
+    pair.bridges[1].proc.send_signal(signal.SIGKILL)
+    pair.bridges[1].proc.wait(TIMEOUT)
+    with pytest.raises(BridgeError) as ei:
+        k0.wait(TIMEOUT)
+    msg = ei.value.message
+    assert "member 1" in msg and f"pid {pid}) died" in msg, msg
+    with pytest.raises(BridgeError) as ei2:
+        c0.barrier(timeout=5)
+    assert ei2.value.status == Status.BROKEN
+    c0.abort()
+    c1.abort()
     assert pair.bridges[0].wait(TIMEOUT) == 1

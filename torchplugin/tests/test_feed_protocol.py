@@ -9,6 +9,10 @@ import struct
 import pytest
 
 from gpubridge._feed_protocol import (
+    CALLER_REDUCES_VERSION,
+    FLAG_CALLER_REDUCES,
+    FLAG_STREAMED,
+    VERSION,
     DType,
     Kind,
     Op,
@@ -49,9 +53,20 @@ def test_request_layout() -> None:
     assert struct.unpack_from("<IIIQQQQiI", body, 12) == (1, 2, 3, 16, 4096, 32, 8192, -1, 9)
 
 
+def test_caller_reduces_flag() -> None:
+    """Version 2's "exchange, reduce on the caller" all_reduce is flag bit 1
+    of the request (docs/FEED.md §3), beside STREAMED."""
+    assert (VERSION, CALLER_REDUCES_VERSION, FLAG_STREAMED, FLAG_CALLER_REDUCES) == (2, 2, 1, 2)
+    msg = encode_request(
+        Kind.ALL_REDUCE, 8, DType.FLOAT32, Op.SUM, FLAG_STREAMED | FLAG_CALLER_REDUCES,
+        Span(1, 4096, 4096), Span(1, 0, 8192), -1, 0,
+    )  # fmt: skip
+    assert struct.unpack_from("<I", msg, 8 + 12) == (3,)
+
+
 def test_session_messages() -> None:
     hello = encode_hello(1234, "rank 0")
-    assert hello == header(Kind.HELLO, struct.pack("<IHHI", 0x44464247, 1, 1, 1234) + text("rank 0"))
+    assert hello == header(Kind.HELLO, struct.pack("<IHHI", 0x44464247, 1, 2, 1234) + text("rank 0"))
     assert encode_region(5, 2, 1 << 20) == header(Kind.REGION, struct.pack("<QIIQ", 5, 2, 0, 1 << 20))
     assert encode_release(6, 2) == header(Kind.RELEASE, struct.pack("<QI", 6, 2))
     assert encode_ready(7, 4096) == header(Kind.READY, struct.pack("<QQ", 7, 4096))

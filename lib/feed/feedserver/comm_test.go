@@ -237,3 +237,116 @@ func allReduceBitExact(t *testing.T, cs []*feedtest.Client, regs []*feedtest.Reg
 		}
 	}
 }
+
+// Over a mesh that shares memory the regions are offered to the other
+// members, and a large all_reduce reduces straight from them; with NoShare
+// the collectives copy through the transport. Both are exact, and released
+// regions are withdrawn (a new region of the same id works).
+func TestSharedRegions(t *testing.T) {
+	for _, noShare := range []bool{false, true} {
+		t.Run(fmt.Sprint("noShare=", noShare), func(t *testing.T) {
+			bs := commBridges(t, 2, 64<<10)
+			e := startFeeds(t, bs, func(o *ServerOptions) { o.NoShare = noShare })
+			ctx := context.Background()
+			r := rand.New(rand.NewPCG(5, 6))
+			want := collective.AlgoDirect
+			if noShare {
+				want = collective.AlgoExchange
+			}
+			for round := range 2 {
+				regs := mapRegions(t, e.clients, 2<<20)
+				for _, streamed := range []bool{false, true} {
+					allReduceBitExact(t, e.clients, regs, r, 4*300001, streamed)
+					for i, b := range bs {
+						assert.Equal(t, want, b.(*collective.Comm).Algorithm(), "round %d, member %d", round, i)
+					}
+				}
+				for i, c := range e.clients {
+					require.NoError(t, c.Release(ctx, regs[i]))
+				}
+			}
+			e.closeAll()
+		})
+	}
+}
+
+// A caller-reduces all_reduce (version 2) exchanges the inputs unreduced:
+// out holds every member's input in member order, streamed or not, with
+// the input in its own slot or apart; the caller reduces. A version 1
+// session refuses the flag.
+func TestCallerReduces(t *testing.T) {
+	const n = 4 * 65537
+	for _, members := range []int{2, 3} {
+		t.Run(fmt.Sprint("members=", members), func(t *testing.T) {
+			e := startFeeds(t, commBridges(t, members, 64<<10), nil)
+			ctx := context.Background()
+			regs := mapRegions(t, e.clients, (members+1)*n)
+			r := rand.New(rand.NewPCG(7, uint64(members)))
+			for _, inPlace := range []bool{true, false} {
+				for _, streamed := range []bool{false, true} {
+					var want []byte
+					inputs := make([][]byte, members)
+					for i := range members {
+						inputs[i] = make([]byte, n)
+						randomF32(r, inputs[i])
+						want = append(want, inputs[i]...)
+					}
+					var mu sync.Mutex
+					cover := make([]uint64, members)
+					parallel(t, members, func(i int) error {
+						in := regs[i].Span(members*n, n)
+						if inPlace {
+							in = regs[i].Span(i*n, n)
+						}
+						copy(regs[i].Mem[in.Off:], inputs[i])
+						req := feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagCallerReduces, Buf: in, Out: regs[i].Span(0, members*n),
+							DType: reduce.Float32, Op: reduce.Sum, Peer: -1}
+						if !streamed {
+							d, err := e.clients[i].Do(ctx, req)
+							if err == nil && d.Bytes != uint64(members*n) {
+								err = fmt.Errorf("DONE says %d bytes", d.Bytes)
+							}
+							return err
+						}
+						req.Flags |= feed.FlagStreamed
+						k, err := e.clients[i].Start(req, func(_, m uint64) {
+							mu.Lock()
+							cover[i] += m
+							mu.Unlock()
+						})
+						if err != nil {
+							return err
+						}
+						for end := 0; end < n; {
+							end = min(end+10000, n)
+							if err := k.Ready(end); err != nil {
+								return err
+							}
+						}
+						_, err = k.Wait(ctx)
+						return err
+					})
+					for i := range members {
+						require.True(t, bytes.Equal(want, regs[i].Mem[:members*n]), "member %d, in place %v, streamed %v", i, inPlace, streamed)
+						if streamed {
+							assert.Equal(t, uint64(members*n), cover[i], "PROGRESS covers the output")
+						}
+					}
+				}
+			}
+			e.closeAll()
+		})
+	}
+	t.Run("version 1", func(t *testing.T) {
+		conn, _ := rawFeed(t, newFakeGroup(1, 8)[0], ServerOptions{Members: 1})
+		assert.Equal(t, uint16(1), hello(t, conn).Version)
+		req := feed.Request{Kind: feed.MsgAllReduce, ID: 1, Flags: feed.FlagCallerReduces, Buf: feed.Span{Region: 1, Len: 4},
+			Out: feed.Span{Region: 1, Len: 4}, DType: reduce.Float32, Op: reduce.Sum, Peer: -1}
+		_, err := conn.Write(req.Append(nil))
+		require.NoError(t, err)
+		d, ok := readMsg(t, conn).(*feed.DoneMsg)
+		require.True(t, ok)
+		assert.Equal(t, feed.StatusBadRequest, d.Status)
+		assert.Contains(t, d.Error, "flag caller-reduces (0x2) is feed protocol 2; this feed speaks version 1")
+	})
+}

@@ -193,6 +193,23 @@ func (s *Server) call(c *call) (err error) {
 		p = &c.prog
 	}
 	br, d := s.bridge, &c.done
+	switch {
+	case c.req.Kind == feed.MsgAllReduce && c.req.Flags&feed.FlagCallerReduces != 0:
+		// The inputs are exchanged; the caller reduces them.
+		err = br.AllGather(s.ctx, c.out, c.buf, p)
+		d.Bytes = uint64(len(c.out))
+	default:
+		err = s.collective(c, p)
+	}
+	if !c.p2p() {
+		d.Seq = br.Seq()
+	}
+	return err
+}
+
+// collective runs every request but the caller-reduces all_reduce.
+func (s *Server) collective(c *call, p *Progress) (err error) {
+	br, d := s.bridge, &c.done
 	switch c.req.Kind {
 	case feed.MsgAllReduce:
 		err = br.AllReduce(s.ctx, c.buf, c.req.DType, c.req.Op, p)
@@ -215,9 +232,6 @@ func (s *Server) call(c *call) (err error) {
 		var n int
 		n, err = br.Recv(s.ctx, int(c.req.Peer), c.req.Tag, c.buf)
 		d.Bytes = uint64(n)
-	}
-	if !c.p2p() {
-		d.Seq = br.Seq()
 	}
 	return err
 }

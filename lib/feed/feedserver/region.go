@@ -5,45 +5,16 @@ import (
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/transport"
 	"golang.org/x/sys/unix"
 )
 
 // mapRegion maps size bytes of the client's memfd fd for the server. It
 // refuses a file that could shrink under the mapping (no F_SEAL_SHRINK) or
 // that is shorter than size: touching a page past the end of a file kills
-// the process with SIGBUS.
+// the process with SIGBUS (transport.CheckMemfd).
 func mapRegion(fd int, size uint64, max uint64) ([]byte, error) {
-	if size == 0 {
-		return nil, fmt.Errorf("region size is 0")
-	}
-	if size > max {
-		return nil, fmt.Errorf("region of %d bytes is over the %d-byte limit", size, max)
-	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, fmt.Errorf("fstat region fd: %w", err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return nil, fmt.Errorf("region fd is not a regular file (mode %#o): send a memfd", st.Mode)
-	}
-	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
-	if err != nil {
-		return nil, fmt.Errorf("region fd is not a sealable memfd (F_GET_SEALS: %v): create it with MFD_ALLOW_SEALING and seal it with F_SEAL_SHRINK", err)
-	}
-	if seals&unix.F_SEAL_SHRINK == 0 {
-		return nil, fmt.Errorf("region memfd is not sealed with F_SEAL_SHRINK (seals %#x): it could shrink under the mapping", seals)
-	}
-	if st.Size < 0 || uint64(st.Size) < size {
-		return nil, fmt.Errorf("region memfd holds %d bytes, the message says %d", st.Size, size)
-	}
-	if size > uint64(int(^uint(0)>>1)) {
-		return nil, fmt.Errorf("region of %d bytes cannot be mapped", size)
-	}
-	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		return nil, fmt.Errorf("mmap region: %w", err)
-	}
-	return mem, nil
+	return transport.MapMemfd(fd, size, max, true)
 }
 
 // inRange reports whether [off, off+n) lies within size bytes, without
@@ -55,6 +26,7 @@ func inRange(off, n, size uint64) bool {
 type region struct {
 	id       uint32
 	mem      []byte
+	shared   uint64 // the id the other members know it by; 0: not shared
 	refs     int
 	released bool
 	relID    uint64
@@ -102,10 +74,16 @@ func (s *Server) addRegion(m *feed.RegionMsg, arrived time.Time) error {
 	if err != nil {
 		return fail("%v", err)
 	}
+	r := &region{id: m.Region, mem: mem}
+	if s.o.Share != nil {
+		if r.shared, err = s.o.Share.Share(fd, mem); err != nil {
+			s.o.Log.Warn("region not shared with the other members: the collectives copy it through the transport", "region", m.Region, "err", err)
+		}
+	}
 	s.rmu.Lock()
-	s.regions[m.Region] = &region{id: m.Region, mem: mem}
+	s.regions[m.Region] = r
 	s.rmu.Unlock()
-	s.o.Log.Debug("region mapped", "region", m.Region, "bytes", m.Size)
+	s.o.Log.Debug("region mapped", "region", m.Region, "bytes", m.Size, "shared", r.shared != 0)
 	s.reply(m.ID, feed.StatusOK, "", arrived)
 	return nil
 }
@@ -139,8 +117,18 @@ func (s *Server) release(m *feed.ReleaseMsg, arrived time.Time) error {
 	return nil
 }
 
+// withdraw stops sharing r (before it is unmapped; no collective uses it
+// then, so no peer reads it).
+func (s *Server) withdraw(r *region) {
+	if r.shared != 0 {
+		s.o.Share.Unshare(r.shared)
+		r.shared = 0
+	}
+}
+
 // unmap unmaps a released region and answers its RELEASE.
 func (s *Server) unmap(r *region) {
+	s.withdraw(r)
 	err := unix.Munmap(r.mem)
 	r.mem = nil
 	if err != nil {
@@ -192,6 +180,7 @@ func (s *Server) unmapAll() {
 	defer s.rmu.Unlock()
 	for id, r := range s.regions {
 		if r.mem != nil {
+			s.withdraw(r)
 			_ = unix.Munmap(r.mem)
 		}
 		delete(s.regions, id)

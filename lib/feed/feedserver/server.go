@@ -11,7 +11,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/transport"
 	"golang.org/x/sys/unix"
 )
 
@@ -48,7 +50,15 @@ type ServerOptions struct {
 	// millisecond late, so messages behind a long collective (a send, a
 	// recv, a READY of the next streamed request) wait about that long.
 	HandoffDelay time.Duration
-	Log          *slog.Logger
+	// Share offers every region to the other members, so that the
+	// collectives read it in place (transport.Sharer; the shm transport).
+	// nil: the bridge's mesh, when the bridge is a *collective.Comm whose
+	// mesh shares memory. A region that cannot be shared is still served
+	// (the collectives then copy it through the transport).
+	Share transport.Sharer
+	// NoShare turns sharing off.
+	NoShare bool
+	Log     *slog.Logger
 }
 
 func (o *ServerOptions) defaults() {
@@ -137,6 +147,14 @@ func NewServer(conn *net.UnixConn, b Bridge, o ServerOptions) *Server {
 	o.defaults()
 	if o.Members < 1 {
 		o.Members = 1
+	}
+	if o.Share == nil {
+		if c, ok := b.(*collective.Comm); ok {
+			o.Share, _ = c.Mesh().(transport.Sharer)
+		}
+	}
+	if o.NoShare {
+		o.Share = nil
 	}
 	s := &Server{
 		o: o, bridge: b, conn: conn,

@@ -456,6 +456,22 @@ func TestBadRequests(t *testing.T) {
 		{"recv from nobody", feed.Request{Kind: feed.MsgRecv, Buf: reg.Span(0, 4), Peer: 5}, "peer 5 is not a member"},
 		{"streamed send", feed.Request{Kind: feed.MsgSend, Flags: feed.FlagStreamed, Buf: reg.Span(0, 4), Peer: 1}, "cannot be streamed"},
 		{"peer on all_reduce", func() feed.Request { r := f32(reg.Span(0, 4)); r.Peer = 1; return r }(), "no root, peer or tag"},
+		{"caller reduces a broadcast", feed.Request{Kind: feed.MsgBroadcast, Flags: feed.FlagCallerReduces, Buf: reg.Span(0, 4), Peer: 0}, "flag caller-reduces is for all_reduce, not broadcast"},
+		{"caller reduces: output size", func() feed.Request {
+			r := f32(reg.Span(0, 4))
+			r.Flags, r.Out = feed.FlagCallerReduces, reg.Span(8, 4)
+			return r
+		}(), "output of 4 bytes, want 2 members × 4 input bytes"},
+		{"caller reduces: overlap", func() feed.Request {
+			r := f32(reg.Span(4, 4))
+			r.Flags, r.Out = feed.FlagCallerReduces, reg.Span(0, 8)
+			return r
+		}(), "overlap"},
+		{"caller reduces: no dtype", func() feed.Request {
+			r := f32(reg.Span(0, 4))
+			r.Flags, r.Out, r.DType = feed.FlagCallerReduces, reg.Span(0, 8), 0
+			return r
+		}(), "needs a dtype"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -747,11 +763,11 @@ func TestHandshake(t *testing.T) {
 		return readMsg(t, conn), errc
 	}
 	t.Run("version mismatch", func(t *testing.T) {
-		m, errc := answer(t, 2, 5)
+		m, errc := answer(t, 3, 5)
 		em, ok := m.(*feed.ErrorMsg)
 		require.True(t, ok)
 		assert.Equal(t, feed.ErrCodeVersion, em.Code)
-		assert.Contains(t, em.Text, "client speaks feed protocol 2..5, this gbbridge speaks 1..1")
+		assert.Contains(t, em.Text, "client speaks feed protocol 3..5, this gbbridge speaks 1..2")
 		var pe *ProtocolError
 		require.ErrorAs(t, waitErr(t, errc), &pe)
 	})
@@ -759,7 +775,13 @@ func TestHandshake(t *testing.T) {
 		m, _ := answer(t, 1, 9)
 		w, ok := m.(*feed.WelcomeMsg)
 		require.True(t, ok)
-		assert.Equal(t, uint16(1), w.Version)
+		assert.Equal(t, uint16(2), w.Version)
+	})
+	t.Run("version 1 client", func(t *testing.T) {
+		m, _ := answer(t, 1, 1)
+		w, ok := m.(*feed.WelcomeMsg)
+		require.True(t, ok)
+		assert.Equal(t, uint16(1), w.Version, "a version 1 client still gets version 1")
 	})
 	t.Run("no hello", func(t *testing.T) {
 		_, errc := rawFeed(t, newFakeGroup(1, 8)[0], ServerOptions{Members: 1, HandshakeTimeout: 50 * time.Millisecond})

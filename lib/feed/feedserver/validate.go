@@ -12,7 +12,7 @@ import (
 // fields every request has, what its kind takes, whole elements, and
 // overlapping spans. The first problem found is the error.
 func (s *Server) validate(r *feed.Request) error {
-	if err := checkFields(r); err != nil {
+	if err := checkFields(r, s.version); err != nil {
 		return err
 	}
 	if err := checkKind(r, s.o.Member, s.o.Members); err != nil {
@@ -24,13 +24,22 @@ func (s *Server) validate(r *feed.Request) error {
 	return checkOverlap(r, s.o.Member)
 }
 
-// checkFields checks codec, flags, dtype and op.
-func checkFields(r *feed.Request) error {
+// checkFields checks codec, flags (against the session's version), dtype
+// and op.
+func checkFields(r *feed.Request, version uint16) error {
 	if r.Codec != feed.CodecRaw {
 		return fmt.Errorf("codec %d is not supported (this gbbridge knows only 0, raw)", r.Codec)
 	}
 	if r.Flags&^feed.KnownFlags != 0 {
-		return fmt.Errorf("unknown flags %#x", r.Flags&^feed.KnownFlags)
+		return fmt.Errorf("unknown flags %#x (this gbbridge speaks feed protocol %d..%d)", r.Flags&^feed.KnownFlags, feed.MinVersion, feed.Version)
+	}
+	if r.Flags&feed.FlagCallerReduces != 0 {
+		if v := feed.FlagVersion(feed.FlagCallerReduces); version < v {
+			return fmt.Errorf("flag caller-reduces (%#x) is feed protocol %d; this feed speaks version %d", feed.FlagCallerReduces, v, version)
+		}
+		if r.Kind != feed.MsgAllReduce {
+			return fmt.Errorf("flag caller-reduces is for all_reduce, not %s", r.Kind)
+		}
 	}
 	if r.DType != 0 && r.DType.Size() == 0 {
 		return fmt.Errorf("unknown dtype %d", r.DType)
@@ -60,7 +69,15 @@ func checkKind(r *feed.Request, member, members int) error {
 	n := uint64(members)
 	switch r.Kind {
 	case feed.MsgAllReduce:
-		return errors.Join(noOut(r), noPeer(r))
+		if r.Flags&feed.FlagCallerReduces == 0 {
+			return errors.Join(noOut(r), noPeer(r))
+		}
+		if err := noPeer(r); err != nil {
+			return err
+		}
+		if !isMembersTimes(r.Out.Len, r.Buf.Len, n) {
+			return fmt.Errorf("all_reduce (caller reduces): output of %d bytes, want %d members × %d input bytes", r.Out.Len, n, r.Buf.Len)
+		}
 	case feed.MsgBroadcast:
 		if err := errors.Join(noOut(r), isMember(r, "root", members)); err != nil {
 			return err
@@ -143,16 +160,18 @@ func checkElements(r *feed.Request) error {
 }
 
 // checkOverlap refuses input and output spans that overlap, except in the
-// in-place forms: all_gather's input as this member's slot of the output,
-// reduce_scatter's output as this member's segment of the input.
+// in-place forms: all_gather's (and a caller-reduces all_reduce's) input as
+// this member's slot of the output, reduce_scatter's output as this
+// member's segment of the input.
 func checkOverlap(r *feed.Request, member int) error {
 	b, o := r.Buf, r.Out
 	if b.Region == 0 || b.Region != o.Region || b.Len == 0 || o.Len == 0 || b.Off >= o.Off+o.Len || o.Off >= b.Off+b.Len {
 		return nil
 	}
 	me := uint64(member)
-	if r.Kind == feed.MsgAllGather && b.Off == o.Off+me*b.Len || r.Kind == feed.MsgReduceScatter && o.Off == b.Off+me*o.Len {
+	gather := r.Kind == feed.MsgAllGather || r.Kind == feed.MsgAllReduce && r.Flags&feed.FlagCallerReduces != 0
+	if gather && b.Off == o.Off+me*b.Len || r.Kind == feed.MsgReduceScatter && o.Off == b.Off+me*o.Len {
 		return nil
 	}
-	return errors.New("input and output overlap (only the in-place forms are allowed: all_gather's input as this member's slot of the output, reduce_scatter's output as this member's segment of the input)")
+	return errors.New("input and output overlap (only the in-place forms are allowed: all_gather's or a caller-reduces all_reduce's input as this member's slot of the output, reduce_scatter's output as this member's segment of the input)")
 }

@@ -94,6 +94,12 @@ func (k *Call) ID() uint64 { return k.id }
 // Dial connects to the feed socket at path and says HELLO. ctx bounds the
 // connection and the handshake.
 func Dial(ctx context.Context, path string) (*Client, error) {
+	return DialVersion(ctx, path, feed.Version)
+}
+
+// DialVersion is Dial for a client that speaks feed protocol versions up
+// to max only (tests of older clients).
+func DialVersion(ctx context.Context, path string, max uint16) (*Client, error) {
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, feed.HandshakeTimeout)
@@ -113,19 +119,19 @@ func Dial(ctx context.Context, path string) (*Client, error) {
 	c.rtok <- struct{}{}
 	c.raw, _ = conn.SyscallConn()
 	c.callPool.New = func() any { return &Call{c: c} }
-	if err := c.handshake(ctx); err != nil {
+	if err := c.handshake(ctx, max); err != nil {
 		_ = conn.Close()
 		return nil, err
 	}
 	return c, nil
 }
 
-func (c *Client) handshake(ctx context.Context) error {
+func (c *Client) handshake(ctx context.Context, max uint16) error {
 	dl, _ := ctx.Deadline()
 	_ = c.conn.SetDeadline(dl)
 	stop := context.AfterFunc(ctx, func() { _ = c.conn.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
-	hello := feed.HelloMsg{MinVersion: feed.MinVersion, MaxVersion: feed.Version, PID: uint32(os.Getpid()), Name: "gpubridge/lib/feed"}
+	hello := feed.HelloMsg{MinVersion: feed.MinVersion, MaxVersion: max, PID: uint32(os.Getpid()), Name: "gpubridge/lib/feed"}
 	if _, err := c.conn.Write(hello.Append(nil)); err != nil {
 		return fmt.Errorf("feed: send hello: %w", err)
 	}
@@ -146,8 +152,8 @@ func (c *Client) handshake(ctx context.Context) error {
 	}
 	switch m := m.(type) {
 	case *feed.WelcomeMsg:
-		if m.Version < feed.MinVersion || m.Version > feed.Version {
-			return fmt.Errorf("feed: server chose protocol version %d, outside %d..%d", m.Version, feed.MinVersion, feed.Version)
+		if m.Version < feed.MinVersion || m.Version > max {
+			return fmt.Errorf("feed: server chose protocol version %d, outside %d..%d", m.Version, feed.MinVersion, max)
 		}
 		c.welcome = *m
 	case *feed.ErrorMsg:

@@ -3,7 +3,7 @@ package feedtest
 import (
 	"fmt"
 
-	"golang.org/x/sys/unix"
+	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
 // NewMemfd creates a shared-memory file of size bytes the way the plugin
@@ -12,26 +12,9 @@ import (
 // mapping can never lose its pages (no SIGBUS). The caller owns fd and mem
 // (unix.Munmap, unix.Close).
 func NewMemfd(name string, size int) (fd int, mem []byte, err error) {
-	if size <= 0 {
-		return -1, nil, fmt.Errorf("feed: region size %d must be positive", size)
-	}
-	fd, err = unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	fd, mem, err = transport.NewMemfd(name, size)
 	if err != nil {
-		return -1, nil, fmt.Errorf("feed: memfd_create: %w", err)
-	}
-	fail := func(what string, err error) (int, []byte, error) {
-		_ = unix.Close(fd)
-		return -1, nil, fmt.Errorf("feed: %s: %w", what, err)
-	}
-	if err := unix.Ftruncate(fd, int64(size)); err != nil {
-		return fail("ftruncate memfd", err)
-	}
-	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
-		return fail("seal memfd", err)
-	}
-	mem, err = unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		return fail("mmap memfd", err)
+		return -1, nil, fmt.Errorf("feed: %w", err)
 	}
 	return fd, mem, nil
 }
