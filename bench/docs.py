@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import docs_codec
 import report
-from trace_docs import STRAGGLER_BLOCKS, TRACE_BLOCKS
+from trace_docs import REBALANCE_BLOCKS, STRAGGLER_BLOCKS, TRACE_BLOCKS
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "docs" / "bench"
@@ -401,6 +401,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "plugin-train": train,
     "plugin-overhead a5a9c0b": overhead,
     **TRACE_BLOCKS,
+    **REBALANCE_BLOCKS,
     **docs_codec.BLOCKS,
 }
 # Other documents with generated blocks.

@@ -1,7 +1,10 @@
 """The generated blocks about tracing (bench/docs.py writes and checks them):
 the straggler detector's measured ROC in docs/STRAGGLERS.md (rows of
-``gbtrace simulate --roc``, docs/bench/stragglers-*.jsonl) and tracing's
-cost in docs/BENCHMARKS.md (rows of bench/trace_cost.py)."""
+``gbtrace simulate --roc``, docs/bench/stragglers-*.jsonl), the
+heterogeneity-aware detector's (``gbtrace simulate --roc --classes``,
+docs/bench/hetero-roc.jsonl), tracing's cost in docs/BENCHMARKS.md (rows of
+bench/trace_cost.py) and rebalancing's figures (bench/rebalance_cpu.py,
+bench/gpu/rebalance.sh: docs/bench/rebalance-*.jsonl)."""
 
 from __future__ import annotations
 
@@ -114,5 +117,72 @@ def cost() -> str:
     return "\n".join(out) + "\n"
 
 
-STRAGGLER_BLOCKS: dict[str, Callable[[], str]] = {"stragglers-roc": roc, "stragglers-goal": goal}
+def hetero_roc() -> str:
+    """One table per simulated job: each slowdown at each threshold, with
+    the false flags scaled to 250,000 rank-windows and what the plain
+    detector flags in the same clean windows."""
+    models: dict[tuple[str, bool, str, float], Rows] = {}
+    for r in rows("hetero-roc.jsonl"):
+        models.setdefault((r["classes"], r["uniform"], r["dist"], r["jitter"]), []).append(r)
+    out: list[str] = []
+    for (classes, uniform, _, _), group in models.items():
+        g0 = group[0]
+        shares = "even shares" if uniform else "shares in proportion to speed"
+        out += [
+            f"**{classes}**, {shares}, {jitter_name(g0)} — {g0['ranks']} ranks, {g0['steps']} steps, "
+            f"windows of {g0['window']} after a calibration of {g0['calibrate']}, {g0['trials']} trials "
+            f"per slowdown, onset at step 5000; {g0['clean_rank_windows']} clean rank-windows per slowdown",
+            "",
+            "| slowdown | threshold | flagged in the first window | flagged at all | delay p50 / p99 (steps) "
+            "| false flags | per 250,000 rank-windows | mean score after onset | plain detector's flags |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in group:
+            delay = f"{r['delay_steps_p50']:.0f} / {r['delay_steps_p99']:.0f}" if r["detected"] else "—"
+            out.append(
+                f"| {r['slowdown']:.0%} | {r['threshold']:g} | {pct(r['detected_first_window'])} | "
+                f"{pct(r['detected'])} | {delay} | {r['false_flags']} | {r['false_rate'] * 250_000:.2f} | "
+                f"{r['slow_score_mean']:.1f} | {r['classic_flags']} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def rebalance() -> str:
+    """Rebalancing's figures: the dev box's CPU rows and the GPU's."""
+    out = [
+        "| where | commit | load | even shares | n \u00d7 slowest | ideal | rebalanced | rebalanced / ideal "
+        "| plans |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in sorted((BENCH).glob("rebalance-*.jsonl")):
+        for r in rows(name.name):
+            if r["kind"] == "cpu":
+                where = f"{r['cpus']}-core box, CPU (samples/s)"
+                load = f"{r['load_before']:.1f} / {r['load_after']:.1f}"
+                vals = [r["even_per_s"], r["n_slowest_per_s"], r["ideal_per_s"], r["rebalanced_per_s"]]
+                cells = [f"{v:.0f}" for v in vals]
+                ratio = r["rebalanced_per_s"] / r["ideal_per_s"]
+            else:
+                f = r.get("figures_samples_per_s", {})
+                seq = r["config"]["seq"]
+                where = f"{r['host']}, split test (tokens/s)"
+                load = "—"
+                vals = [
+                    r["even_tokens_per_s"], f.get("n_slowest_per_s", 0) * seq, r.get("ideal_tokens_per_s", 0),
+                    r["rebalanced_tokens_per_s"],
+                ]  # fmt: skip
+                cells = [f"{v:,.0f}" if v else "—" for v in vals]
+                ratio = r["rebalanced_tokens_per_s"] / vals[2] if vals[2] else 0
+            plans = ", ".join(f"{p[1]} at {p[0]}" for p in r["plans"])
+            out.append(f"| {where} | {r['commit']} | {load} | {' | '.join(cells)} | {ratio:.2f} | {plans} |")
+    return "\n".join(out) + "\n"
+
+
+STRAGGLER_BLOCKS: dict[str, Callable[[], str]] = {
+    "stragglers-roc": roc,
+    "stragglers-goal": goal,
+    "hetero-roc": hetero_roc,
+}
+REBALANCE_BLOCKS: dict[str, Callable[[], str]] = {"rebalance": rebalance}
 TRACE_BLOCKS: dict[str, Callable[[], str]] = {"tracing-cost": cost}

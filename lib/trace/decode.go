@@ -166,6 +166,15 @@ func decodeRecord(b []byte, cur *Source, name string) (*Source, error) {
 			return nil, fmt.Errorf("phase record: %v", err)
 		}
 		cur.Phases = append(cur.Phases, p)
+	case KindStep:
+		var st Step
+		if err := json.Unmarshal(b, &st); err != nil {
+			return nil, fmt.Errorf("step record: %v", err)
+		}
+		if err := st.check(cur.Header.Rank); err != nil {
+			return nil, err
+		}
+		cur.Steps = append(cur.Steps, st)
 	default:
 		cur.Skipped++ // a kind of a later version: fields and kinds may be added within v1
 	}
@@ -182,6 +191,22 @@ func (c *Collective) check(rank int) error {
 		return fmt.Errorf("collective record #%d: group rank %d of size %d", c.Seq, c.Group.Rank, c.Group.Size)
 	case c.Result != ResultOK && c.Result != ResultError && c.Result != ResultInFlight:
 		return fmt.Errorf("collective record #%d: result %q", c.Seq, c.Result)
+	}
+	return nil
+}
+
+func (s *Step) check(rank int) error {
+	switch {
+	case s.Rank != rank:
+		return fmt.Errorf("step record of rank %d in rank %d's records", s.Rank, rank)
+	case s.Step < 0:
+		return fmt.Errorf("step record: step %d", s.Step)
+	case s.Samples < 0 || s.Samples > MaxStepSamples:
+		return fmt.Errorf("step record #%d: samples %d (0 to %d)", s.Step, s.Samples, int64(MaxStepSamples))
+	case s.End < s.Start:
+		return fmt.Errorf("step record #%d: ends (%d) before it starts (%d)", s.Step, s.End, s.Start)
+	case (s.GPUStart == nil) != (s.GPUEnd == nil) || (s.GPUStart != nil && *s.GPUEnd < *s.GPUStart):
+		return fmt.Errorf("step record #%d: gpu_start and gpu_end must come together, in order", s.Step)
 	}
 	return nil
 }

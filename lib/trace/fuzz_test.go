@@ -41,6 +41,15 @@ func FuzzDecodeLines(f *testing.F) {
 		m := Merge(srcs)
 		_ = Summarize(m.Collectives)
 		_, _ = Stragglers(m.Collectives, nil, StragglerOptions{Window: 2}, true)
+		var steps []Step
+		classes := map[int]string{}
+		for _, s := range srcs {
+			steps = append(steps, s.Steps...)
+			if s.Header.Hardware != nil {
+				classes[s.Rank()] = s.Header.Hardware.Class
+			}
+		}
+		_, _ = Hetero(HeteroInput{Splits: SplitSteps(m.Collectives, steps), Classes: classes}, HeteroOptions{Window: 2})
 		_ = Perfetto(&out, srcs)
 	})
 }

@@ -20,6 +20,7 @@ type RankView struct {
 	Error   string  `json:"error,omitempty"`
 	Step    string  `json:"step,omitempty"`
 	Leader  bool    `json:"leader,omitempty"`
+	Async   bool    `json:"async,omitempty"` // called with async_op=True (DDP's buckets): the caller went on computing
 	Phases  []Phase `json:"phases"`
 }
 
@@ -143,7 +144,7 @@ func mergeOne(k key, byRank map[int]Collective, size int, offsets map[int]int64,
 		c := byRank[r]
 		off := offsets[r]
 		v := RankView{Rank: r, Arrived: c.Arrived - off, Start: shift(c.Start, off), End: shift(c.End, off),
-			Result: c.Result, Error: c.Error, Step: c.Step, Leader: c.Leader}
+			Result: c.Result, Error: c.Error, Step: c.Step, Leader: c.Leader, Async: c.Async}
 		for _, p := range c.Phases {
 			v.Phases = append(v.Phases, Phase{Name: p.Name, Start: p.Start - off, End: shift(p.End, off),
 				GPUStart: shift(p.GPUStart, off), GPUEnd: shift(p.GPUEnd, off)})

@@ -11,6 +11,7 @@ const (
 	KindGroup      = "group"      // a group's name, ranks and this rank's place in it
 	KindCollective = "collective" // one collective on one rank
 	KindPhase      = "phase"      // a step of the user's own, outside any collective
+	KindStep       = "step"       // a training step the user marked, with its samples (gpubridge.observe.step)
 )
 
 // Results of a collective record.
@@ -40,11 +41,26 @@ type Header struct {
 	Clock  Clock  `json:"clock"`
 	MonoNs int64  `json:"mono_ns"`
 	WallNs int64  `json:"wall_ns"`
+	// Hardware is the rank's hardware class (absent in records of older
+	// writers and in torch's dumps).
+	Hardware *Hardware `json:"hardware,omitempty"`
 	// Dumps only.
 	Reason  string        `json:"reason,omitempty"`
 	Buffer  int           `json:"buffer,omitempty"`
 	Records int           `json:"records,omitempty"`
 	Groups  []GroupStatus `json:"groups,omitempty"`
+}
+
+// Hardware says what a rank computes on: its vendor and GPU model (from
+// the topology's probe records) and the class the heterogeneity-aware
+// diagnosis groups it in (docs/STRAGGLERS.md): "<vendor> <model>", "<vendor>
+// (simulated)" in CPU simulation, or what GPUBRIDGE_HW_CLASS declares.
+type Hardware struct {
+	Vendor    string `json:"vendor,omitempty"`
+	Model     string `json:"model,omitempty"`
+	Class     string `json:"class"`
+	Simulated bool   `json:"simulated,omitempty"`
+	Declared  bool   `json:"declared,omitempty"` // the class came from GPUBRIDGE_HW_CLASS
 }
 
 // GroupStatus is a group's progress when a dump was written: the sequence
@@ -126,6 +142,24 @@ type UserPhase struct {
 	End    int64  `json:"end"`
 }
 
+// Step is a training step the user marked on one rank
+// (gpubridge.observe.step): its index (the same step has the same index on
+// every rank), the samples it computed, and when it began and ended; on a
+// GPU also when the rank's current stream reached its start and its end
+// (CUDA events on the host clock, as phases' gpu_start and gpu_end).
+type Step struct {
+	Rank     int    `json:"rank"`
+	Step     int64  `json:"step"`
+	Samples  int64  `json:"samples"`
+	Start    int64  `json:"start"`
+	End      int64  `json:"end"`
+	GPUStart *int64 `json:"gpu_start,omitempty"`
+	GPUEnd   *int64 `json:"gpu_end,omitempty"`
+}
+
+// MaxStepSamples bounds a step record's samples.
+const MaxStepSamples = 1 << 40
+
 // Source is what one process (one rank) wrote: a trace file, a dump, or a
 // torch Flight Recorder dump converted.
 type Source struct {
@@ -135,6 +169,7 @@ type Source struct {
 	Groups      map[string]Group
 	Collectives []Collective
 	Phases      []UserPhase
+	Steps       []Step
 	Skipped     int // records of kinds this version does not know
 }
 

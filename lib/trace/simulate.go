@@ -183,24 +183,17 @@ const ROCSchema = "gpubridge.trace-roc/v1"
 
 // ROCRow is one slowdown at one threshold.
 type ROCRow struct {
-	Schema        string  `json:"schema"`
-	Dist          string  `json:"dist"`
-	Jitter        float64 `json:"jitter"`
-	Common        float64 `json:"common"`
-	Ranks         int     `json:"ranks"`
-	Steps         int     `json:"steps"`
-	Window        int     `json:"window"`
-	Slowdown      float64 `json:"slowdown"`
-	Threshold     float64 `json:"threshold"`
-	Trials        int     `json:"trials"`
-	Detected1     float64 `json:"detected_first_window"` // share of trials flagged in the first window after the onset
-	Detected      float64 `json:"detected"`              // share flagged in any window after the onset
-	DelayP50      float64 `json:"delay_steps_p50"`       // steps from the onset to the end of the first flagged window
-	DelayP99      float64 `json:"delay_steps_p99"`
-	CleanWindows  int     `json:"clean_rank_windows"`
-	FalseFlags    int     `json:"false_flags"`
-	FalseRate     float64 `json:"false_rate"`
-	SlowScoreMean float64 `json:"slow_score_mean"` // the slowed rank's mean score after the onset
+	Schema    string  `json:"schema"`
+	Dist      string  `json:"dist"`
+	Jitter    float64 `json:"jitter"`
+	Common    float64 `json:"common"`
+	Ranks     int     `json:"ranks"`
+	Steps     int     `json:"steps"`
+	Window    int     `json:"window"`
+	Slowdown  float64 `json:"slowdown"`
+	Threshold float64 `json:"threshold"`
+	Trials    int     `json:"trials"`
+	ROCRates
 }
 
 // ROC runs the trials; rows per slowdown and threshold.
@@ -217,14 +210,7 @@ func ROC(o ROCOptions) ([]ROCRow, error) {
 	}
 	var rows []ROCRow
 	for si, s := range o.Slowdowns {
-		type trial struct {
-			firstFlag map[float64]int // threshold -> first flagged window after the onset (-1 none)
-			falses    map[float64]int
-			clean     int
-			slowSum   float64
-			slowN     int
-		}
-		trials := make([]trial, o.Trials)
+		trials := make([]*rocTrial, o.Trials)
 		for t := range trials {
 			sim := o.Sim
 			sim.Seed = o.Sim.Seed + uint64(si)*1_000_003 + uint64(t)*7919
@@ -234,66 +220,17 @@ func ROC(o ROCOptions) ([]ROCRow, error) {
 			if err != nil {
 				return nil, err
 			}
-			tr := trial{firstFlag: map[float64]int{}, falses: map[float64]int{}}
-			for _, th := range o.Thresholds {
-				tr.firstFlag[th] = -1
-			}
+			tr := newROCTrial(o.Thresholds)
 			for _, ws := range ScoreWindows(arr, det) {
-				windowStart := ws.Window * det.Window
-				after := windowStart >= o.Onset
-				cleanW := ws.Rank != victim || (ws.Window+1)*det.Window <= o.Onset
-				if cleanW {
-					tr.clean++
-				}
-				if ws.Rank == victim && after {
-					tr.slowSum += ws.Score
-					tr.slowN++
-				}
-				for _, th := range o.Thresholds {
-					if ws.Score < th {
-						continue
-					}
-					if cleanW {
-						tr.falses[th]++
-					} else if ws.Rank == victim && after && (tr.firstFlag[th] < 0 || ws.Window < tr.firstFlag[th]) {
-						tr.firstFlag[th] = ws.Window
-					}
-				}
+				tr.add(o.Thresholds, ws.Rank == victim, ws.Window, ws.Window*det.Window, (ws.Window+1)*det.Window, o.Onset,
+					ws.Score, func(th float64) bool { return ws.Score >= th })
 			}
 			trials[t] = tr
 		}
 		for _, th := range o.Thresholds {
-			row := ROCRow{Schema: ROCSchema, Dist: distName(o.Sim.Dist), Jitter: o.Sim.Jitter, Common: o.Sim.Common,
-				Ranks: o.Sim.Ranks, Steps: o.Sim.Steps, Window: det.Window, Slowdown: s, Threshold: th, Trials: o.Trials}
-			var delays []float64
-			first := (o.Onset + det.Window - 1) / det.Window // the first window wholly after the onset
-			slowSum, slowN := 0.0, 0
-			for _, tr := range trials {
-				row.CleanWindows += tr.clean
-				row.FalseFlags += tr.falses[th]
-				slowSum += tr.slowSum
-				slowN += tr.slowN
-				if w := tr.firstFlag[th]; w >= 0 {
-					row.Detected++
-					if w == first {
-						row.Detected1++
-					}
-					delays = append(delays, float64((w+1)*det.Window-o.Onset))
-				}
-			}
-			row.Detected = round6(row.Detected / float64(o.Trials))
-			row.Detected1 = round6(row.Detected1 / float64(o.Trials))
-			if row.CleanWindows > 0 {
-				row.FalseRate = float64(row.FalseFlags) / float64(row.CleanWindows)
-			}
-			if len(delays) > 0 {
-				sortFloats(delays)
-				row.DelayP50, row.DelayP99 = Quantile(delays, 0.5), Quantile(delays, 0.99)
-			}
-			if slowN > 0 {
-				row.SlowScoreMean = round3(slowSum / float64(slowN))
-			}
-			rows = append(rows, row)
+			rows = append(rows, ROCRow{Schema: ROCSchema, Dist: distName(o.Sim.Dist), Jitter: o.Sim.Jitter, Common: o.Sim.Common,
+				Ranks: o.Sim.Ranks, Steps: o.Sim.Steps, Window: det.Window, Slowdown: s, Threshold: th, Trials: o.Trials,
+				ROCRates: rocRates(trials, th, o.Onset, det.Window)})
 		}
 	}
 	return rows, nil

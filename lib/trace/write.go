@@ -8,7 +8,7 @@ import (
 )
 
 // WriteSources writes sources as gpubridge.trace/v1 JSON Lines: each
-// source's header, its group records, its collective and phase records.
+// source's header, its group records, its collective, phase and step records.
 func WriteSources(w io.Writer, srcs []*Source) error {
 	bw := bufio.NewWriter(w)
 	enc := json.NewEncoder(bw)
@@ -50,6 +50,15 @@ func WriteSources(w io.Writer, srcs []*Source) error {
 				Kind   string `json:"kind"`
 				UserPhase
 			}{Schema, KindPhase, p}); err != nil {
+				return err
+			}
+		}
+		for _, st := range s.Steps {
+			if err := enc.Encode(struct {
+				Schema string `json:"schema"`
+				Kind   string `json:"kind"`
+				Step
+			}{Schema, KindStep, st}); err != nil {
 				return err
 			}
 		}

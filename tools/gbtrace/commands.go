@@ -177,11 +177,16 @@ func (c *hangCmd) Run(env *cli.Env) error {
 
 type stragglersCmd struct {
 	inputs
-	Window    int     `help:"Collectives per window." default:"100"`
-	Threshold float64 `help:"Score (mean lateness over its standard error) at or above which a rank is flagged; docs/STRAGGLERS.md has the rates." default:"5"`
-	Op        string  `help:"Only collectives of this op (all_reduce, all_gather, ...)." placeholder:"OP"`
-	Group     string  `help:"Only this group." placeholder:"NAME"`
-	All       bool    `help:"Print every rank's score in every window, not only the flagged."`
+	Window          int      `help:"Collectives per window (with --hetero: training steps per window)." default:"100"`
+	Threshold       float64  `help:"Score (mean lateness over its standard error; with --hetero, mean excess compute per sample or transfer time) at or above which a rank is flagged; docs/STRAGGLERS.md has the rates." default:"5"`
+	Op              string   `help:"Only collectives of this op (all_reduce, all_gather, ...)." placeholder:"OP"`
+	Group           string   `help:"Only this group." placeholder:"NAME"`
+	All             bool     `help:"Print every rank's score in every window, not only the flagged."`
+	Hetero          bool     `help:"Mixed hardware: each rank's steps (gpubridge.observe.step records) split into compute and communication; compute per sample judged against the rank's hardware class and its own history, communication against its history; verdict per rank: ok, degraded compute, slow link (docs/STRAGGLERS.md)."`
+	Calibrate       int      `help:"--hetero: the calibration, in steps from the first (0: one window)." default:"0"`
+	Class           []string `sep:"none" help:"--hetero: RANKS=NAME puts ranks (3, 0-3, 0,2,5) in hardware class NAME, over what the records say; repeatable." placeholder:"RANKS=NAME"`
+	MinSlowdown     float64  `help:"--hetero: degraded compute is at least this much slower per sample than expected." default:"0.01"`
+	MinLinkSlowdown float64  `help:"--hetero: a slow link's transfer time is at least this much longer than in the calibration." default:"0.25"`
 }
 
 func (c *stragglersCmd) Run(env *cli.Env) error {
@@ -194,6 +199,13 @@ func (c *stragglersCmd) Run(env *cli.Env) error {
 		if (c.Op == "" || m.Op == c.Op) && (c.Group == "" || m.Group == c.Group) {
 			keep = append(keep, m)
 		}
+	}
+	if c.Hetero {
+		return c.hetero(env, srcs, keep)
+	}
+	if classes := distinctClasses(srcs); len(classes) > 1 {
+		env.Log.Warn("the ranks are of several hardware classes: the slower classes show as stragglers; --hetero tells expected differences from degradation",
+			"classes", strings.Join(classes, ", "))
 	}
 	var phases []trace.UserPhase
 	for _, s := range srcs {
@@ -229,6 +241,128 @@ func (c *stragglersCmd) Run(env *cli.Env) error {
 		return cli.Failed(fmt.Errorf("straggler(s): rank(s) %v", sum.Flagged))
 	}
 	return nil
+}
+
+// distinctClasses: the hardware classes the sources' headers name.
+func distinctClasses(srcs []*trace.Source) []string {
+	seen := map[string]bool{}
+	var out []string
+	for _, s := range srcs {
+		if h := s.Header.Hardware; h != nil && h.Class != "" && !seen[h.Class] {
+			seen[h.Class] = true
+			out = append(out, h.Class)
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+func (c *stragglersCmd) hetero(env *cli.Env, srcs []*trace.Source, merged []trace.Merged) error {
+	in := trace.HeteroInput{Classes: map[int]string{}, Islands: map[int]string{}}
+	var steps []trace.Step
+	for _, s := range srcs {
+		off, _ := s.Offset()
+		r := s.Rank()
+		if h := s.Header.Hardware; h != nil && h.Class != "" {
+			in.Classes[r] = h.Class
+		}
+		for _, g := range s.Groups {
+			if g.Island != "" {
+				in.Islands[r] = g.Island
+			}
+		}
+		for _, st := range s.Steps {
+			st.Start, st.End = st.Start-off, st.End-off
+			if st.GPUStart != nil {
+				a, b := *st.GPUStart-off, *st.GPUEnd-off
+				st.GPUStart, st.GPUEnd = &a, &b
+			}
+			steps = append(steps, st)
+		}
+	}
+	for _, spec := range c.Class {
+		ranks, name, err := parseClass(spec)
+		if err != nil {
+			return cli.CannotRun(err)
+		}
+		for _, r := range ranks {
+			in.Classes[r] = name
+		}
+	}
+	if len(steps) == 0 {
+		return cli.CannotRun(errors.New("--hetero needs step records (mark each training step with gpubridge.observe.step(samples=...)); these inputs have none"))
+	}
+	in.Splits = trace.SplitSteps(merged, steps)
+	rep, err := trace.Hetero(in, trace.HeteroOptions{Window: c.Window, Calibrate: c.Calibrate, Threshold: c.Threshold,
+		MinSlowdown: c.MinSlowdown, MinLinkSlowdown: c.MinLinkSlowdown})
+	if err != nil {
+		return cli.CannotRun(err)
+	}
+	sum := rep.Summary
+	if sum.Windows == 0 {
+		env.Log.Warn("no window to score: too few steps every rank has a record of", "steps", sum.Steps, "window", c.Window)
+	}
+	var windows []trace.HeteroWindow
+	for _, w := range rep.Windows {
+		if w.Flagged || c.All {
+			windows = append(windows, w)
+		}
+	}
+	if c.Format == "json" {
+		for _, err := range []error{jsonl(env.Stdout, rep.Classes), jsonl(env.Stdout, windows), jsonl(env.Stdout, rep.Ranks),
+			jsonl(env.Stdout, []trace.HeteroSummary{sum})} {
+			if err != nil {
+				return err
+			}
+		}
+	} else {
+		var rows [][]string
+		for _, r := range rep.Ranks {
+			rows = append(rows, []string{fmt.Sprint(r.Rank), r.Class, f3(r.ExpectedUsPerSample), f3(r.ObservedUsPerSample),
+				f3(r.WaitUs), f3(r.TransferUs), r.Verdict, strconv.FormatFloat(r.Confidence, 'f', 4, 64)})
+		}
+		if err := table(env.Stdout, []string{"RANK", "CLASS", "EXPECTED_US/SAMPLE", "OBSERVED_US/SAMPLE", "WAIT_US", "TRANSFER_US", "VERDICT", "CONFIDENCE"}, rows); err != nil {
+			return err
+		}
+		for _, w := range windows {
+			fmt.Fprintf(env.Stdout, "  rank %d window %d (steps %d-%d): %s, slowdown %+.1f%% (score %.1f), link %+.1f%% (score %.1f) %s\n",
+				w.Rank, w.Window, w.FirstStep, w.LastStep, w.Verdict, 100*w.Slowdown, w.Score, 100*w.LinkSlowdown, w.LinkScore, w.Link)
+		}
+		fmt.Fprintf(env.Stdout, "%d windows of %d steps after %d of calibration, %d ranks in %d classes, threshold %g: degraded %v, slow link %v\n",
+			sum.Windows, sum.Window, sum.Calibrate, sum.Ranks, sum.Classes, sum.Threshold, sum.Degraded, sum.SlowLink)
+	}
+	if len(sum.Degraded) > 0 || len(sum.SlowLink) > 0 {
+		return cli.Failed(fmt.Errorf("degraded compute on rank(s) %v, slow link on rank(s) %v", sum.Degraded, sum.SlowLink))
+	}
+	return nil
+}
+
+// parseClass reads RANKS=NAME: RANKS a comma-separated list of ranks and
+// ranges (0-3,6).
+func parseClass(s string) ([]int, string, error) {
+	bad := fmt.Errorf("--class %q: want RANKS=NAME (0-3,6=h100)", s)
+	list, name, ok := strings.Cut(s, "=")
+	if !ok || name == "" || list == "" {
+		return nil, "", bad
+	}
+	var out []int
+	for _, part := range strings.Split(list, ",") {
+		a, b, isRange := strings.Cut(part, "-")
+		lo, err := strconv.Atoi(a)
+		if err != nil || lo < 0 {
+			return nil, "", bad
+		}
+		hi := lo
+		if isRange {
+			if hi, err = strconv.Atoi(b); err != nil || hi < lo || hi-lo > 1<<20 {
+				return nil, "", bad
+			}
+		}
+		for r := lo; r <= hi; r++ {
+			out = append(out, r)
+		}
+	}
+	return out, name, nil
 }
 
 // ---- perfetto ----
@@ -267,7 +401,7 @@ func (c *frCmd) Run(env *cli.Env) error {
 // ---- simulate ----
 
 type simulateCmd struct {
-	Ranks      int       `help:"Ranks of the job." default:"64"`
+	Ranks      int       `help:"Ranks of the job (with --classes: the classes' ranks)." default:"64"`
 	Steps      int       `help:"Training steps (one all_reduce each)." default:"10000"`
 	Compute    float64   `help:"Mean computation per step, ms." default:"100"`
 	Collective float64   `help:"The all_reduce once every rank is there, ms." default:"5"`
@@ -277,24 +411,40 @@ type simulateCmd struct {
 	Slow       []string  `help:"RANK:FRACTION@STEP: rank computes FRACTION more from STEP on (3:0.02@5000); repeatable." placeholder:"R:F@S"`
 	Seed       uint64    `help:"Random seed." default:"1"`
 	Bytes      int64     `help:"Bytes of the simulated all_reduce." default:"104857600"`
-	ROC        bool      `name:"roc" help:"Measure the straggler detector instead: --trials jobs per slowdown, one random rank slowed from --onset."`
+	ROC        bool      `name:"roc" help:"Measure the straggler detector instead (with --classes, the heterogeneity-aware one): --trials jobs per slowdown, one random rank slowed from --onset."`
 	Trials     int       `help:"--roc: jobs per slowdown." default:"40"`
 	Slowdowns  []float64 `help:"--roc: slowdowns to measure." default:"0.01,0.02,0.05,0.1"`
 	Thresholds []float64 `help:"--roc: thresholds (the ROC's points)." default:"3,4,4.5,5,5.5,6"`
 	Onset      int       `help:"--roc: the step the slowdown starts." default:"5000"`
-	Window     int       `help:"--roc: collectives per window." default:"100"`
+	Window     int       `help:"--roc: collectives (with --classes: steps) per window." default:"100"`
+
+	Classes     []string `help:"Mixed hardware: NAME:RANKS:MS_PER_SAMPLE per class (h100:32:1,mi300x:24:1.3); each rank computes its share of --global-batch at its class's pace (plus --overhead), and records its steps (step records) and class." placeholder:"N:R:MS"`
+	GlobalBatch int      `help:"--classes: samples per step over all ranks." default:"2048"`
+	Uniform     bool     `help:"--classes: every rank gets the same share (else in proportion to its class's speed, as a rebalancer would)."`
+	Overhead    float64  `help:"--classes: compute per step that does not scale with the samples, ms." default:"5"`
+	Post        float64  `help:"--classes: compute after the all_reduce (the optimizer), ms." default:"10"`
+	LinkJitter  float64  `help:"--classes: standard deviation of the all_reduce's time per step, relative." default:"0"`
+	SlowLink    []string `help:"--classes: FRACTION@STEP: the all_reduce takes FRACTION longer from STEP on; repeatable." placeholder:"F@S"`
+	Calibrate   int      `help:"--classes --roc: the calibration, in steps (0: one window)." default:"0"`
 }
 
 func (c *simulateCmd) Run(env *cli.Env) error {
-	o := trace.SimOptions{Ranks: c.Ranks, Steps: c.Steps, ComputeNs: c.Compute * 1e6, CollectiveNs: c.Collective * 1e6,
-		Jitter: c.Jitter, Common: c.Common, Dist: c.Dist, Seed: c.Seed}
+	var slow []trace.Slowdown
 	for _, s := range c.Slow {
 		sd, err := parseSlow(s)
 		if err != nil {
 			return cli.CannotRun(err)
 		}
-		o.Slow = append(o.Slow, sd)
+		slow = append(slow, sd)
 	}
+	if len(c.Classes) > 0 {
+		return c.hetero(env, slow)
+	}
+	if len(c.SlowLink) > 0 {
+		return cli.CannotRun(errors.New("--slow-link needs --classes"))
+	}
+	o := trace.SimOptions{Ranks: c.Ranks, Steps: c.Steps, ComputeNs: c.Compute * 1e6, CollectiveNs: c.Collective * 1e6,
+		Jitter: c.Jitter, Common: c.Common, Dist: c.Dist, Seed: c.Seed, Slow: slow}
 	if err := o.Check(); err != nil {
 		return cli.CannotRun(err)
 	}
@@ -311,6 +461,59 @@ func (c *simulateCmd) Run(env *cli.Env) error {
 		return cli.CannotRun(err)
 	}
 	return trace.WriteSources(env.Stdout, trace.Records(o, arr, ends, c.Bytes))
+}
+
+func (c *simulateCmd) hetero(env *cli.Env, slow []trace.Slowdown) error {
+	o := trace.HeteroSimOptions{Steps: c.Steps, GlobalBatch: c.GlobalBatch, Uniform: c.Uniform, OverheadNs: c.Overhead * 1e6,
+		PostNs: c.Post * 1e6, CollectiveNs: c.Collective * 1e6, Jitter: c.Jitter, Common: c.Common, LinkJitter: c.LinkJitter,
+		Dist: c.Dist, Slow: slow, Seed: c.Seed}
+	for _, spec := range c.Classes {
+		cl, err := parseSimClass(spec)
+		if err != nil {
+			return cli.CannotRun(err)
+		}
+		o.Classes = append(o.Classes, cl)
+	}
+	for _, s := range c.SlowLink {
+		frac, step, ok := strings.Cut(s, "@")
+		f, err1 := strconv.ParseFloat(frac, 64)
+		k, err2 := strconv.Atoi(step)
+		if !ok || err1 != nil || err2 != nil {
+			return cli.CannotRun(fmt.Errorf("--slow-link %q: want FRACTION@STEP (0.5@3000)", s))
+		}
+		o.SlowLink = append(o.SlowLink, trace.Slowdown{Factor: f, From: k})
+	}
+	if err := o.Check(); err != nil {
+		return cli.CannotRun(err)
+	}
+	if c.ROC {
+		rows, err := trace.HeteroROC(trace.HeteroROCOptions{Sim: o, Detector: trace.HeteroOptions{Window: c.Window, Calibrate: c.Calibrate},
+			Slowdowns: c.Slowdowns, Thresholds: c.Thresholds, Trials: c.Trials, Onset: c.Onset})
+		if err != nil {
+			return cli.CannotRun(err)
+		}
+		return jsonl(env.Stdout, rows)
+	}
+	run, err := trace.SimulateHetero(o)
+	if err != nil {
+		return cli.CannotRun(err)
+	}
+	return trace.WriteSources(env.Stdout, run.Records(c.Bytes))
+}
+
+// parseSimClass reads NAME:RANKS:MS_PER_SAMPLE.
+func parseSimClass(s string) (trace.SimClass, error) {
+	bad := fmt.Errorf("--classes %q: want NAME:RANKS:MS_PER_SAMPLE (h100:32:1)", s)
+	parts := strings.Split(s, ":")
+	if len(parts) != 3 || parts[0] == "" {
+		return trace.SimClass{}, bad
+	}
+	n, err1 := strconv.Atoi(parts[1])
+	ms, err2 := strconv.ParseFloat(parts[2], 64)
+	if err1 != nil || err2 != nil {
+		return trace.SimClass{}, bad
+	}
+	return trace.SimClass{Name: parts[0], Ranks: n, SampleNs: ms * 1e6}, nil
 }
 
 // parseSlow reads RANK:FRACTION@STEP.

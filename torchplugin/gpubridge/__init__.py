@@ -9,7 +9,11 @@ here (:func:`init`, :func:`all_reduce`, …); one or the other per process.
 :func:`in_flight` says which collective each thread is inside, without
 blocking; :mod:`gpubridge.observe` hands each collective's record to
 observers, and every rank keeps its last ones in a flight recorder
-(:func:`dump_trace`; docs/TRACING.md). The data path to gbbridge is
+(:func:`dump_trace`; docs/TRACING.md). On ranks of unequal speed,
+:class:`RebalancingSampler` gives the faster ones more of each global
+batch and :func:`weighted_comm_hook` (:class:`SampleWeights`; FSDP:
+:func:`weighted_fsdp`) weights each rank's gradient by its share
+(docs/REBALANCING.md). The data path to gbbridge is
 :mod:`gpubridge._feed` (docs/FEED.md).
 """
 
@@ -30,6 +34,8 @@ from gpubridge._native import (
     probe,
     reduce_scatter_tensor,
 )
+from gpubridge._rebalance import RebalancingSampler
+from gpubridge._weighted import SampleWeights, weighted_comm_hook, weighted_fsdp
 from gpubridge.observe import CollectiveObserver, add_observer, dump_trace, remove_observer
 
 __version__ = "0.1.0.dev0"
@@ -38,6 +44,8 @@ __all__ = [
     "BACKEND_NAME",
     "CollectiveObserver",
     "GpubridgeProcessGroup",
+    "RebalancingSampler",
+    "SampleWeights",
     "__version__",
     "add_observer",
     "all_gather_into_tensor",
@@ -55,6 +63,8 @@ __all__ = [
     "probe",
     "reduce_scatter_tensor",
     "remove_observer",
+    "weighted_comm_hook",
+    "weighted_fsdp",
 ]
 
 register()

@@ -1,8 +1,10 @@
 """Where a rank stands in its group, from the topology gbdiscover agreed on:
-the islands, this rank's island and leader, and the bridge's members."""
+the islands, this rank's island and leader, the bridge's members, and what
+the rank computes on (its hardware class, for the trace records)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,7 @@ class Layout:
     island: Island  # this rank's
     members: tuple[int, ...]  # the bridge's members (island leaders), in member order
     bridged: bool  # the group spans islands joined by a bridge
+    hardware: dict[str, Any]  # vendor, model, class (see hardware_of)
     _by_rank: dict[int, Island] = field(repr=False, compare=False)
 
     @classmethod
@@ -53,6 +56,7 @@ class Layout:
             island=next(i for i in islands if i.label == label),
             members=members,
             bridged=bridge.get("transport", "none") != "none" and len(members) > 1,
+            hardware=hardware_of(topo),
             _by_rank={r: i for i in islands for r in i.ranks},
         )
 
@@ -82,3 +86,30 @@ class Layout:
     def max_island(self) -> int:
         """Ranks in the largest island."""
         return max(len(i.ranks) for i in self.islands)
+
+
+def hardware_of(topo: dict[str, Any]) -> dict[str, Any]:
+    """What this rank computes on, from the topology's probe records: its
+    vendor (the island's, so the simulated one in simulation) and GPU model,
+    and the class the heterogeneity-aware diagnosis groups it in
+    (docs/STRAGGLERS.md): "<vendor> <model>", "<vendor> (simulated)" in
+    simulation, or what GPUBRIDGE_HW_CLASS declares (tests, split tests)."""
+    me = topo.get("self") or {}
+    label = me.get("island")
+    vendor = next((str(i.get("vendor", "")) for i in topo.get("islands", []) if i.get("label") == label), "")
+    gpu = me.get("gpu") or {}
+    model = str(gpu.get("name") or "")
+    simulated = bool(topo.get("simulated"))
+    hw: dict[str, Any] = {"vendor": vendor}
+    if model:
+        hw["model"] = model
+    declared = os.environ.get("GPUBRIDGE_HW_CLASS", "").strip()
+    if declared:
+        hw["class"], hw["declared"] = declared, True
+    elif model:
+        hw["class"] = f"{vendor} {model}"
+    else:
+        hw["class"] = f"{vendor} (simulated)" if simulated else vendor or "unknown"
+    if simulated:
+        hw["simulated"] = True
+    return hw

@@ -18,7 +18,7 @@ from typing import Any
 
 from gpubridge import _inflight as fl
 
-__all__ = ["SCHEMA", "CollectiveRecord", "GroupInfo", "Phase", "ns"]
+__all__ = ["SCHEMA", "CollectiveRecord", "GroupInfo", "Phase", "StepRecord", "ns"]
 
 SCHEMA = "gpubridge.trace/v1"
 
@@ -198,4 +198,45 @@ class CollectiveRecord:
             d["error"] = self.error
         if self.step is not None:
             d["step"] = self.step
+        return d
+
+
+class StepRecord:
+    """A training step this rank marked (gpubridge.observe.step): its index
+    (steps marked on this rank, from 0: the same step has the same index on
+    every rank), the samples it computed, its start and end (host ns), and
+    on a GPU, once ready(), when the current stream reached its start and
+    its end (gpu_start_ns, gpu_end_ns: CUDA events, as a collective's
+    phases have them)."""
+
+    __slots__ = ("_gpu", "end_ns", "gpu_end_ns", "gpu_start_ns", "rank", "samples", "start_ns", "step")
+
+    def __init__(
+        self, rank: int, step: int, samples: int, start_ns: int, end_ns: int, gpu: Any = None
+    ) -> None:
+        self.rank, self.step, self.samples = rank, step, samples
+        self.start_ns, self.end_ns = start_ns, end_ns
+        self.gpu_start_ns: int | None = None
+        self.gpu_end_ns: int | None = None
+        self._gpu = gpu  # a gpubridge._trace_gpu.Marker with the start and end events, or None
+
+    def ready(self) -> bool:
+        """True once the device times can be read (always without a GPU);
+        never blocks."""
+        m = self._gpu
+        if m is None:
+            return True
+        if not m.ready():
+            return False
+        self.gpu_start_ns, self.gpu_end_ns = m.times()[:2]
+        self._gpu = None
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "schema": SCHEMA, "kind": "step", "rank": self.rank, "step": self.step, "samples": self.samples,
+            "start": self.start_ns, "end": self.end_ns,
+        }  # fmt: skip
+        if self.gpu_start_ns is not None:
+            d["gpu_start"], d["gpu_end"] = self.gpu_start_ns, self.gpu_end_ns
         return d

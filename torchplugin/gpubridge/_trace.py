@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -33,7 +34,7 @@ from typing import Any
 
 from gpubridge import _clock
 from gpubridge import _inflight as fl
-from gpubridge._record import SCHEMA, CollectiveRecord, GroupInfo, ns
+from gpubridge._record import SCHEMA, CollectiveRecord, GroupInfo, StepRecord, ns
 
 __all__ = [
     "GroupInfo",
@@ -73,6 +74,8 @@ _rank: int | None = None
 _clock_of: _clock.Clock | None = None
 _writer: _Writer | None = None
 _dumps = 0
+_hardware: dict[str, Any] | None = None  # the first group's layout.hardware, for the headers
+_steps = 0  # training steps marked (gpubridge.observe.step)
 
 # Observers (gpubridge.observe), and how many threads are inside one's
 # callback now (collectives are refused there).
@@ -90,11 +93,14 @@ def rank() -> int:
 
 
 def _header(kind: str, **extra: Any) -> dict[str, Any]:
-    return {
+    h = {
         "schema": SCHEMA, "kind": kind, "rank": rank(), "host": socket.gethostname(), "pid": os.getpid(),
         "clock": (_clock_of or _clock.unmeasured("no group set up yet")).to_dict(),
         "mono_ns": time.monotonic_ns(), "wall_ns": time.time_ns(), **extra,
     }  # fmt: skip
+    if _hardware is not None:
+        h["hardware"] = _hardware
+    return h
 
 
 class _Writer:
@@ -105,13 +111,13 @@ class _Writer:
         d.mkdir(parents=True, exist_ok=True)
         self.path = d / f"rank-{rank()}.jsonl"
         self._f = self.path.open("w", encoding="utf-8")
-        self._pending: collections.deque[CollectiveRecord | dict[str, Any]] = collections.deque()
+        self._pending: collections.deque[CollectiveRecord | StepRecord | dict[str, Any]] = collections.deque()
         self._lines: list[str] = []
         self._last = time.monotonic()
         self._lock = threading.Lock()
         self.add(_header("rank", gpubridge_trace_buffer=_buffer_size()))
 
-    def add(self, rec: CollectiveRecord | dict[str, Any]) -> None:
+    def add(self, rec: CollectiveRecord | StepRecord | dict[str, Any]) -> None:
         with self._lock:
             self._pending.append(rec)
             self._drain()
@@ -122,7 +128,7 @@ class _Writer:
         p = self._pending
         while p:
             rec = p[0]
-            if isinstance(rec, CollectiveRecord):
+            if isinstance(rec, (CollectiveRecord, StepRecord)):
                 if not rec.ready():
                     return
                 rec = rec.to_dict()
@@ -146,8 +152,8 @@ class _Writer:
                 time.sleep(0.005)
                 self._drain()
             for rec in self._pending:
-                d = rec.to_dict() if isinstance(rec, CollectiveRecord) else rec
-                if isinstance(rec, CollectiveRecord):
+                d = rec.to_dict() if isinstance(rec, (CollectiveRecord, StepRecord)) else rec
+                if isinstance(rec, (CollectiveRecord, StepRecord)):
                     d["gpu"] = "not ready at exit"
                 self._lines.append(json.dumps(d, separators=(",", ":")))
             self._pending.clear()
@@ -170,7 +176,7 @@ def attach(
     opens the trace file and installs the SIGUSR1 handler. layout: the
     group's gpubridge._layout.Layout; ranks_of: its global ranks, once torch
     knows them."""
-    global _ring, _rank, _clock_of, _writer  # noqa: PLW0603 - the process's recorder
+    global _ring, _rank, _clock_of, _writer, _hardware  # noqa: PLW0603 - the process's recorder
     peers = [r for r in layout.island.ranks if r != group_rank]
     if layout.bridged and layout.is_leader:
         peers += [m for m in layout.members if m != group_rank]
@@ -186,6 +192,7 @@ def attach(
             _rank = int(env_rank) if env_rank.isdigit() else group_rank
             n = _buffer_size()
             _ring = collections.deque(maxlen=n) if n > 0 else None
+            _hardware = getattr(layout, "hardware", None)
         _groups[name] = info
     d = trace_dir()
     if first:
@@ -387,28 +394,33 @@ def in_callback() -> bool:
 
 
 def _notify(rec: CollectiveRecord) -> None:
-    global callbacks  # noqa: PLW0603
     for obj in list(_observers):
-        _local.inside = True
+        _notify_one(obj, obj.on_collective, rec, "on_collective")
+
+
+def _notify_one(obj: Any, method: Any, arg: Any, name: str) -> None:
+    """Calls one observer's method; one that raises is detached."""
+    global callbacks  # noqa: PLW0603
+    _local.inside = True
+    with _cb_lock:
+        callbacks += 1
+    try:
+        method(arg)
+    except Exception as exc:
+        remove_observer(obj)
+        warnings.warn(
+            f"gpubridge: rank {rank()}: observer {obj!r} raised {exc!r} in {name} and was "
+            "detached (collectives carry on)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        with contextlib.suppress(Exception):
+            if callable(getattr(obj, "on_detach", None)):
+                obj.on_detach(exc)
+    finally:
         with _cb_lock:
-            callbacks += 1
-        try:
-            obj.on_collective(rec)
-        except Exception as exc:
-            remove_observer(obj)
-            warnings.warn(
-                f"gpubridge: rank {rank()}: observer {obj!r} raised {exc!r} in on_collective and was "
-                "detached (collectives carry on)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            with contextlib.suppress(Exception):
-                if callable(getattr(obj, "on_detach", None)):
-                    obj.on_detach(exc)
-        finally:
-            with _cb_lock:
-                callbacks -= 1
-            _local.inside = False
+            callbacks -= 1
+        _local.inside = False
 
 
 def refuse_in_callback(op: str) -> None:
@@ -430,6 +442,36 @@ def add_phase(name: str, start: float, end: float) -> None:
         "schema": SCHEMA, "kind": "phase", "rank": rank(), "name": name,
         "thread": threading.current_thread().name, "start": ns(start), "end": ns(end),
     })  # fmt: skip
+
+
+def step_marker() -> Any:
+    """For a step being marked on a GPU (CUDA in use, records wanted):
+    a marker that records CUDA events on the current stream (call it at the
+    step's start and end); else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not tracing() or not torch.cuda.is_initialized():
+        return None
+    from gpubridge._trace_gpu import Marker  # noqa: PLC0415  (torch is there)
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return Marker(dev, torch.cuda.current_stream(dev))
+
+
+def add_step(samples: int, start: float, end: float, marker: Any = None) -> None:
+    """A training step marked with gpubridge.observe.step: a record of its
+    own in the trace file (its index counts the steps marked on this rank,
+    so the same step has the same index on every rank), and to the
+    observers that have on_step. marker: step_marker()'s, with its start
+    and end events recorded."""
+    global _steps  # noqa: PLW0603
+    rec = StepRecord(rank(), _steps, samples, ns(start), ns(end), marker)
+    _steps += 1
+    if _writer is not None:
+        _writer.add(rec)
+    for obj in list(_observers):
+        on_step = getattr(obj, "on_step", None)
+        if callable(on_step):
+            _notify_one(obj, on_step, rec, "on_step")
 
 
 @atexit.register

@@ -30,6 +30,8 @@ TORCH = {
     "gpubridge._group": "the ProcessGroup torch sees",
     "gpubridge._native": "the native API on tensors",
     "gpubridge._hook": "the DDP communication hook",
+    "gpubridge._weighted": "the sample-weighted DDP hook and FSDP's gradient reduction",
+    "gpubridge._rebalance": "the sampler's permutation and its plan exchange, tensors",
     "gpubridge._worker": "Works, futures, CUDA streams",
     "gpubridge._collectives": "the algorithms on tensors",
     "gpubridge._p2p": "send and recv of tensors",
