@@ -39,7 +39,7 @@ done
 for p in "${pids[@]}"; do wait "$p" || { echo "FAILED node (rc $?)"; fail=1; }; done
 wall=$(( $(date +%s) - start ))
 echo "  wall $wall s"
-tail -3 "$out/job/node0.log" "$out/job/node1.log"
+tail -n 3 "$out/job/node0.log" "$out/job/node1.log"
 bin/gbtrace stragglers --hetero --all --window 30 --calibrate 30 "$out/trace" > "$out/hetero.jsonl"
 echo "  gbtrace stragglers --hetero: exit $? (0: no rank degraded, no slow link)"
 bin/gbtrace stragglers --hetero --format text --window 30 --calibrate 30 "$out/trace"
