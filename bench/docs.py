@@ -141,6 +141,28 @@ AFTER = "devbox-91bea07.jsonl"
 PAIR_BEFORE, PAIR_AFTER = "devbox-pair-88db6d9.jsonl", "devbox-pair-91bea07.jsonl"
 
 
+H200X1 = "h200x1-host-fb7ec87.jsonl"
+
+
+def goals12_host() -> str:
+    """Issue 12's 16-32-core goals, from the run on the 16-core H200 host."""
+    t = bw(H200X1)
+    tcp = ratios(H200X1, "tcp-allreduce-s8", "tcp-exchange-s8", 64 * MIB)
+    shm = [(s, t["shm-allreduce-s8"][s]) for s in sorted(t["shm-allreduce-s8"]) if s >= 64 * MIB]
+    tcp4 = ratios(H200X1, "tcp-allreduce-4m-s8", "gloo-4")
+    shm4 = ratios(H200X1, "shm-allreduce-4m-s8", "gloo-4")
+    shm_gbs = verdict(shm, 40).replace(X, " GB/s")
+    lines = [
+        "| goal (issue 12) | 16-core H200 host (CPUs only), fb7ec87 |",
+        "|---|---|",
+        f"| 2 members, ≥ 64 MiB: TCP all_reduce ≥ 0.9 of the TCP exchange (8 streams) | {verdict(tcp, 0.9)} |",
+        f"| 2 members, ≥ 64 MiB: shm all_reduce ≥ 40 GB/s | {shm_gbs} |",
+        f"| 4 members, ≥ 16 MiB: TCP ≥ 4{X} Gloo's 4-rank all_reduce | {verdict(tcp4, 4)} |",
+        f"| 4 members, ≥ 16 MiB: shm ≥ 8{X} Gloo | {verdict(shm4, 8)} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def goals12() -> str:
     """Issue 12's goals that the 2-core box can judge, from the run at 91bea07."""
     tcp = ratios(AFTER, "tcp-allreduce-s8", "tcp-exchange-s8")
@@ -395,6 +417,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "goals": goals,
     "bridge devbox-91bea07": lambda: bridge_block(AFTER),
     "issue12-goals": goals12,
+    "bridge h200x1-host-fb7ec87": lambda: bridge_block(H200X1),
+    "issue12-goals-h200x1": goals12_host,
     "issue12-before-after": before_after,
     "plugin-bench a5a9c0b": plugin_bench,
     "plugin-profile b5844c9": profile,

@@ -14,6 +14,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
 exec > >(tee -a "$out/validate.log") 2>&1
+# Pass GB_COMMIT: the device machine's copy may carry another HEAD than the tree it got.
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
 all=(plugin-check exchange host-bridge codec trace rebalance overhead)
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=("${all[@]}")
