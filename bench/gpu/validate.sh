@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-host session of checks and benchmarks, from the repository root:
 #   bash bench/gpu/validate.sh STEP...      (default: every step)
-# STEP: plugin-check exchange host-bridge codec trace rebalance overhead.
+# STEP: plugin-check exchange host-bridge codec trace rebalance overhead
+# one-gpu-bench (plugin_bench.py and plugin_train.py as two torchrun nodes of
+# one rank on GPU 0: every call's check and the parameters' digests on a GPU).
 # Each step runs one of bench/gpu's scripts under `timeout` (its share of
 # GB_BUDGET_S, default 540 s, so a session fits a 10-minute device call) with
 # its output in $OUT/STEP/, packed into $OUT/STEP.tgz afterwards; the files
@@ -16,14 +18,29 @@ out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
 exec > >(tee -a "$out/validate.log") 2>&1
 # Pass GB_COMMIT: the device machine's copy may carry another HEAD than the tree it got.
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
-all=(plugin-check exchange host-bridge codec trace rebalance overhead)
+all=(plugin-check exchange host-bridge codec trace rebalance overhead one-gpu-bench)
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=("${all[@]}")
-declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=60 [trace]=120 [rebalance]=150 [overhead]=90)
+declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=60 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200)
 for s in "${steps[@]}"; do [ -n "${share[$s]:-}" ] || { echo "unknown step $s (steps: ${all[*]})"; exit 2; }; done
 budget=${GB_BUDGET_S:-540}; t_end=$(( $(date +%s) + budget ))
 echo "== $(date -u +%FT%TZ) validate: commit $GB_COMMIT; steps ${steps[*]}; $(nproc --all) cores"
 nvidia-smi -L 2>/dev/null || echo "(no nvidia-smi)"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())'
+# Two torchrun "nodes" of one rank each on this host (both on GPU 0 with
+# one GPU): two_nodes LIMIT LOG SCRIPT ARGS...
+two_nodes() {
+  local lim=$1 log=$2; shift 2
+  local port=$((29700 + RANDOM % 200)) pids=() rc=0
+  for node in 0 1; do
+    GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=4 timeout "$lim" \
+      python3 -m torch.distributed.run --nnodes 2 --node-rank $node --nproc-per-node 1 --max-restarts 0 \
+      --master-addr 127.0.0.1 --master-port $port "$@" > "$log.$node" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  tail -n 4 "$log.0"
+  return $rc
+}
 fail=0
 for s in "${steps[@]}"; do
   left=$(( t_end - $(date +%s) ))
@@ -45,6 +62,12 @@ for s in "${steps[@]}"; do
         GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=1 timeout "$lim" \
           python3 -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
           bench/gpu/plugin_overhead.py "$d/overhead.jsonl" --check-calls --rounds 6 --iters 1000 ;;
+      one-gpu-bench)
+        rc=0
+        two_nodes 80 "$d/bench-gpubridge.log" bench/gpu/plugin_bench.py gpubridge "$d/bench.jsonl" --sizes 1M,256M,1G --iters 10 || rc=1
+        two_nodes 80 "$d/bench-gloo-bridge.log" bench/gpu/plugin_bench.py gloo-bridge "$d/bench.jsonl" --sizes 1M,256M,1G --iters 5 || rc=1
+        two_nodes 100 "$d/train.log" bench/gpu/plugin_train.py gpubridge "$d/train.jsonl" --steps 20 || rc=1
+        [ "$rc" -eq 0 ] ;;
     esac
     rc=$?
   fi
