@@ -144,40 +144,56 @@ PAIR_BEFORE, PAIR_AFTER = "devbox-pair-88db6d9.jsonl", "devbox-pair-91bea07.json
 H200X1 = "h200x1-host-fb7ec87.jsonl"
 
 
+def goal_table(head: str, rows: list[tuple[str, str]]) -> str:
+    """A two-column table of goals and their verdicts."""
+    lines = [head, "|---|---|", *(f"| {goal} | {v} |" for goal, v in rows)]
+    return "\n".join(lines) + "\n"
+
+
 def goals12_host() -> str:
     """Issue 12's 16-32-core goals, from the run on the 16-core H200 host."""
     t = bw(H200X1)
-    tcp = ratios(H200X1, "tcp-allreduce-s8", "tcp-exchange-s8", 64 * MIB)
     shm = [(s, t["shm-allreduce-s8"][s]) for s in sorted(t["shm-allreduce-s8"]) if s >= 64 * MIB]
-    tcp4 = ratios(H200X1, "tcp-allreduce-4m-s8", "gloo-4")
-    shm4 = ratios(H200X1, "shm-allreduce-4m-s8", "gloo-4")
-    shm_gbs = verdict(shm, 40).replace(X, " GB/s")
-    lines = [
+    return goal_table(
         "| goal (issue 12) | 16-core H200 host (CPUs only), fb7ec87 |",
-        "|---|---|",
-        f"| 2 members, ≥ 64 MiB: TCP all_reduce ≥ 0.9 of the TCP exchange (8 streams) | {verdict(tcp, 0.9)} |",
-        f"| 2 members, ≥ 64 MiB: shm all_reduce ≥ 40 GB/s | {shm_gbs} |",
-        f"| 4 members, ≥ 16 MiB: TCP ≥ 4{X} Gloo's 4-rank all_reduce | {verdict(tcp4, 4)} |",
-        f"| 4 members, ≥ 16 MiB: shm ≥ 8{X} Gloo | {verdict(shm4, 8)} |",
-    ]
-    return "\n".join(lines) + "\n"
+        [
+            (
+                "2 members, ≥ 64 MiB: TCP all_reduce ≥ 0.9 of the TCP exchange (8 streams)",
+                verdict(ratios(H200X1, "tcp-allreduce-s8", "tcp-exchange-s8", 64 * MIB), 0.9),
+            ),
+            ("2 members, ≥ 64 MiB: shm all_reduce ≥ 40 GB/s", verdict(shm, 40).replace(X, " GB/s")),
+            (
+                f"4 members, ≥ 16 MiB: TCP ≥ 4{X} Gloo's 4-rank all_reduce",
+                verdict(ratios(H200X1, "tcp-allreduce-4m-s8", "gloo-4"), 4),
+            ),
+            (
+                f"4 members, ≥ 16 MiB: shm ≥ 8{X} Gloo",
+                verdict(ratios(H200X1, "shm-allreduce-4m-s8", "gloo-4"), 8),
+            ),
+        ],
+    )
 
 
 def goals12() -> str:
     """Issue 12's goals that the 2-core box can judge, from the run at 91bea07."""
-    tcp = ratios(AFTER, "tcp-allreduce-s8", "tcp-exchange-s8")
-    shm = ratios(AFTER, "shm-allreduce-s8", "gloo-2")
-    tcp4 = ratios(AFTER, "tcp-allreduce-4m-s8", "gloo-4")
-    shm4 = ratios(AFTER, "shm-allreduce-4m-s8", "gloo-4")
-    lines = [
+    return goal_table(
         "| goal (issue 12), sizes ≥ 16 MiB | 2-core box, 91bea07 |",
-        "|---|---|",
-        f"| TCP all_reduce ≥ 0.85 of its exchange ceiling (8 streams) | {verdict(tcp, 0.85)} |",
-        f"| shm all_reduce ≥ 4{X} Gloo | {verdict(shm, 4)} |",
-        f"| (the 16{DASH}32-core goal, for reference) 4 members: TCP ≥ 4{X} Gloo | {verdict(tcp4, 4)} |",
-        f"| (the same) 4 members: shm ≥ 8{X} Gloo | {verdict(shm4, 8)} |",
-    ]
-    return "\n".join(lines) + "\n"
+        [
+            (
+                "TCP all_reduce ≥ 0.85 of its exchange ceiling (8 streams)",
+                verdict(ratios(AFTER, "tcp-allreduce-s8", "tcp-exchange-s8"), 0.85),
+            ),
+            (f"shm all_reduce ≥ 4{X} Gloo", verdict(ratios(AFTER, "shm-allreduce-s8", "gloo-2"), 4)),
+            (
+                f"(the 16{DASH}32-core goal, for reference) 4 members: TCP ≥ 4{X} Gloo",
+                verdict(ratios(AFTER, "tcp-allreduce-4m-s8", "gloo-4"), 4),
+            ),
+            (
+                f"(the same) 4 members: shm ≥ 8{X} Gloo",
+                verdict(ratios(AFTER, "shm-allreduce-4m-s8", "gloo-4"), 8),
+            ),
+        ],
+    )
 
 
 def before_after() -> str:
