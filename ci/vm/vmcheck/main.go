@@ -20,6 +20,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -262,8 +263,11 @@ func feedPath(o opts) error {
 	defer cancel()
 	serve := exec.CommandContext(ctx, filepath.Join(o.bin, "gbbridge"), "serve", "--topology", topoFile, "--feed", sock,
 		"--store", o.store, "--streams", "2", "--chunk", "1M", "--timeout", o.timeout.String(), "--setup-timeout", o.timeout.String())
-	serve.Env = env
-	serve.Stderr = os.Stderr
+	// At debug level serve logs each region it maps, and whether the RDMA
+	// device registered it (sends without staging): checked below.
+	serve.Env = append(env, "GPUBRIDGE_LOG_LEVEL=debug")
+	var logs bytes.Buffer
+	serve.Stderr = io.MultiWriter(os.Stderr, &logs)
 	out, err := serve.StdoutPipe()
 	if err != nil {
 		return err
@@ -311,6 +315,9 @@ func feedPath(o opts) error {
 	}
 	if err := serve.Wait(); err != nil {
 		return fmt.Errorf("gbbridge serve: %w", err)
+	}
+	if !strings.Contains(logs.String(), "registered=true") {
+		return errors.New("gbbridge serve did not register the feed region with the RDMA device (no \"registered=true\" in its log)")
 	}
 	report(map[string]any{"check": "feed", "rank": o.rank, "bridge": topo.Bridge.Reason, "transport": ready.Transport,
 		"bytes": 4 * elems, "seconds": took.Seconds(), "bit_exact": true})

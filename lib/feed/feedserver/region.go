@@ -27,6 +27,7 @@ type region struct {
 	id       uint32
 	mem      []byte
 	shared   uint64 // the id the other members know it by; 0: not shared
+	unreg    func() // ends its registration with the mesh's device; nil: none
 	refs     int
 	released bool
 	relID    uint64
@@ -80,10 +81,16 @@ func (s *Server) addRegion(m *feed.RegionMsg, arrived time.Time) error {
 			s.o.Log.Warn("region not shared with the other members: the collectives copy it through the transport", "region", m.Region, "err", err)
 		}
 	}
+	if s.o.Register != nil {
+		if r.unreg, err = s.o.Register.Register(mem); err != nil {
+			r.unreg = nil
+			s.o.Log.Warn("region not registered with the RDMA device: its sends are copied into staging", "region", m.Region, "err", err)
+		}
+	}
 	s.rmu.Lock()
 	s.regions[m.Region] = r
 	s.rmu.Unlock()
-	s.o.Log.Debug("region mapped", "region", m.Region, "bytes", m.Size, "shared", r.shared != 0)
+	s.o.Log.Debug("region mapped", "region", m.Region, "bytes", m.Size, "shared", r.shared != 0, "registered", r.unreg != nil)
 	s.reply(m.ID, feed.StatusOK, "", arrived)
 	return nil
 }
@@ -117,12 +124,17 @@ func (s *Server) release(m *feed.ReleaseMsg, arrived time.Time) error {
 	return nil
 }
 
-// withdraw stops sharing r (before it is unmapped; no collective uses it
-// then, so no peer reads it).
+// withdraw stops sharing r and ends its registration (before it is
+// unmapped; no collective uses it then, so no peer reads it and no send
+// is in flight from it).
 func (s *Server) withdraw(r *region) {
 	if r.shared != 0 {
 		s.o.Share.Unshare(r.shared)
 		r.shared = 0
+	}
+	if r.unreg != nil {
+		r.unreg()
+		r.unreg = nil
 	}
 }
 

@@ -58,7 +58,13 @@ type ServerOptions struct {
 	Share transport.Sharer
 	// NoShare turns sharing off.
 	NoShare bool
-	Log     *slog.Logger
+	// Register registers every region with the mesh's device while it is
+	// mapped, so that sends from it go out without a copy
+	// (transport.Registrar; the verbs transport). nil: the bridge's mesh,
+	// when it is a *collective.Comm whose mesh registers memory. A region
+	// that cannot be registered is still served (its sends are staged).
+	Register transport.Registrar
+	Log      *slog.Logger
 }
 
 func (o *ServerOptions) defaults() {
@@ -148,9 +154,12 @@ func NewServer(conn *net.UnixConn, b Bridge, o ServerOptions) *Server {
 	if o.Members < 1 {
 		o.Members = 1
 	}
-	if o.Share == nil {
-		if c, ok := b.(*collective.Comm); ok {
+	if c, ok := b.(*collective.Comm); ok {
+		if o.Share == nil {
 			o.Share, _ = c.Mesh().(transport.Sharer)
+		}
+		if o.Register == nil {
+			o.Register, _ = c.Mesh().(transport.Registrar)
 		}
 	}
 	if o.NoShare {

@@ -966,3 +966,75 @@ func TestClientWaitModes(t *testing.T) {
 		})
 	}
 }
+
+// recordingRegistrar is a transport.Registrar that records what it holds;
+// its releases read the memory, so a release after munmap would fault.
+type recordingRegistrar struct {
+	mu       sync.Mutex
+	held     map[*byte]int // first byte of a registration -> its length
+	released int
+	refuse   bool
+}
+
+func (r *recordingRegistrar) Register(b []byte) (func(), error) {
+	if r.refuse {
+		return nil, errors.New("no RDMA device here")
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.held[&b[0]] = len(b)
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			_ = b[0] + b[len(b)-1] // still mapped
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			delete(r.held, &b[0])
+			r.released++
+		})
+	}, nil
+}
+
+func (r *recordingRegistrar) count() (held, released int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.held), r.released
+}
+
+// Every region is registered with the mesh's device while it is mapped
+// (issue 15: sends from the feed's regions without a copy into staging),
+// released once, before its munmap, on RELEASE and at the end; a device
+// that refuses leaves the region served.
+func TestRegionsAreRegistered(t *testing.T) {
+	for _, refuse := range []bool{false, true} {
+		t.Run(fmt.Sprint("refuse=", refuse), func(t *testing.T) {
+			reg := &recordingRegistrar{held: map[*byte]int{}, refuse: refuse}
+			e := startFeeds(t, bridges(newFakeGroup(1, 8)), func(o *ServerOptions) { o.Register = reg })
+			ctx := context.Background()
+			c := e.clients[0]
+			a, err := c.Map(ctx, 4096)
+			require.NoError(t, err)
+			b, err := c.Map(ctx, 8192)
+			require.NoError(t, err)
+			held, _ := reg.count()
+			if refuse {
+				assert.Zero(t, held)
+			} else {
+				assert.Equal(t, 2, held)
+			}
+			require.NoError(t, c.AllReduce(ctx, a.Span(0, 64), reduce.Int64, reduce.Sum))
+			require.NoError(t, c.Release(ctx, a))
+			held, released := reg.count()
+			if !refuse {
+				assert.Equal(t, []int{1, 1}, []int{held, released}, "the released region's registration ended")
+			}
+			require.NoError(t, c.AllReduce(ctx, b.Span(0, 64), reduce.Int64, reduce.Sum))
+			e.closeAll()
+			held, released = reg.count()
+			assert.Zero(t, held, "every registration ended")
+			if !refuse {
+				assert.Equal(t, 2, released)
+			}
+		})
+	}
+}
