@@ -6,7 +6,8 @@ batch 48, traced with every step marked.
 
 - The uniform job (even shares, 200 steps): `gbtrace stragglers` flags the
   AMD ranks, as it should for a detector that compares arrivals; `gbtrace
-  stragglers --hetero` flags no rank, in any window.
+  stragglers --hetero` finds no rank's compute degraded, in any window
+  (links are not judged in this simulation: see the test).
 - The rebalanced job (400 steps): shares replanned at step 100 from the
   calibration to 16/16/8/8; no rank degraded in windows 1-2; its samples/s
   over steps 100-299 at least 90% of the ideal; its loss curve the uniform
@@ -94,9 +95,15 @@ def test_expected_differences_are_not_degradation(uniform: tuple[Path, list[dict
     assert all(r["plans"] == [[0, [12, 12, 12, 12]]] for r in results)
     rc, plain = gbtrace("stragglers", "--op", "all_reduce", str(d / "trace"))
     assert rc == 1 and plain[-1]["flagged"] == [2, 3], plain[-1]  # the plain detector: the slow island
+    # Compute is judged here, not links: the transfers of 4 ranks and 2
+    # gbbridge serves on 2 cores follow the host's load, and a load that
+    # changed after the calibration window made every rank's transfer twice
+    # as long, a "slow link" on all four (CI, beside the VM lane). Slow
+    # links are tested where the link is what changes (lib/trace's
+    # TestHeteroSlowLink, gbtrace's hetero.txtar).
     rc, lines = hetero(d / "trace")
     summary = lines[-1]
-    assert rc == 0 and summary["degraded"] == [] and summary["slow_link"] == [], summary
+    assert rc in (0, 1) and summary["degraded"] == [], summary
     assert summary["classes"] == 2 and summary["windows"] == 2, summary
     classes = {x["class"]: x for x in lines if x["kind"] == "class"}
     fast, slow = classes["nvidia (simulated)"], classes["amd (simulated)"]
@@ -104,7 +111,8 @@ def test_expected_differences_are_not_degradation(uniform: tuple[Path, list[dict
     assert 1.7 < slow["expected_us_per_sample"] / fast["expected_us_per_sample"] < 2.3, classes
     w = windows(lines)
     for r in range(4):
-        assert w[(r, 0)]["verdict"] == "calibrating" and w[(r, 1)]["verdict"] == "ok", w[(r, 1)]
+        assert w[(r, 0)]["verdict"] == "calibrating" and w[(r, 1)]["verdict"] != "degraded compute", w[(r, 1)]
+        assert abs(w[(r, 1)]["slowdown"]) < 0.02, w[(r, 1)]
     # The NVIDIA ranks wait for the AMD ones (communication, not compute):
     # longer than the AMD ranks wait, by about the difference in compute.
     extra_wait = w[(0, 1)]["wait_us"] - w[(2, 1)]["wait_us"]
@@ -123,14 +131,10 @@ def test_rebalanced_job(tmp_path: Path, uniform: tuple[Path, list[dict[str, Any]
     assert len(a) == 200
     worst = max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=False))
     assert worst <= 1e-12, worst
-    # Compute only: once rebalanced, the four ranks reach each all_reduce
-    # together and their transfers (and both gbbridge serves) share the 2
-    # cores of the CI box, so the transfer times drift from the
-    # calibration's (even shares: the AMD leader arrived last and found its
-    # peer waiting): +25% to +50% in windows 1-2 on the loaded box, a slow
-    # link by the default 25% now and then. That is the host, not a link;
-    # slow links are tested where the link is what changes
-    # (lib/trace's TestHeteroSlowLink, gbtrace's hetero.txtar).
+    # Compute only, as above; here also because once rebalanced the four
+    # ranks reach each all_reduce together and their transfers contend for
+    # the 2 cores: +25% to +50% against the calibration with even shares
+    # (where the AMD leader arrived last and found its peer waiting).
     rc, lines = hetero(tmp_path / "trace")
     w = windows(lines)
     for r in range(4):
