@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -64,7 +65,11 @@ def fault() -> None:
         (outdir / "victim").write_text(json.dumps({"at": time.time(), "pid": bridge.process.proc.pid}))
         os.kill(bridge.process.proc.pid, signal.SIGKILL)
         return
-    (outdir / "victim").write_text(json.dumps({"at": time.time(), "pid": os.getpid()}))
+    # The private directories this process holds as it dies (the test
+    # checks that the next group removes them; another job's group may be
+    # first, so they are named now, not looked for afterwards).
+    mine = sorted(str(d) for d in Path(tempfile.gettempdir()).glob(f"gpubridge-{os.getpid()}-*"))
+    (outdir / "victim").write_text(json.dumps({"at": time.time(), "pid": os.getpid(), "dirs": mine}))
     if mode == "exit":
         os._exit(0)
     os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)

@@ -19,7 +19,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,7 +148,9 @@ def test_killed_rank(tmp_path: Path, workload: str, vendors: list[str], victim: 
     check_clean(out, tmp_path)
     # The killed rank's private directory is left behind; the next group
     # this user creates removes it (_setup.remove_stale_dirs runs first).
-    left = list(Path(tempfile.gettempdir()).glob(f"gpubridge-{out.pids[victim]}-*"))
+    # The rank named its directories as it died: any group made since (this
+    # machine's other jobs included) may have removed them already.
+    left = [Path(d) for d in json.loads((tmp_path / "victim").read_text())["dirs"]]
     assert left, "the killed rank had a private directory"
     _setup.remove_stale_dirs()
     assert not [d for d in left if d.exists()]
