@@ -117,7 +117,7 @@ func (c *Comm) describe(cl *call, buf []byte) ([]desc, error) {
 		if p == c.self {
 			continue
 		}
-		err := cl.recv(c.mesh.Stream(p, 0), p, stepDesc, 0, descSize, true, func(pl []byte) error {
+		err := cl.recv(c.mesh.Stream(p, 0), 0, p, stepDesc, 0, descSize, true, func(pl []byte) error {
 			var err error
 			descs[p], err = parseDesc(pl)
 			return err
@@ -315,12 +315,12 @@ func (d *directStream) receive(p int) error {
 		pc := &d.pl.pieces[i]
 		switch {
 		case pc.owner == me && !d.pl.gather && d.streamed(p):
-			if err := cl.recv(st, p, stepReady, i, 0, true, noop); err != nil {
+			if err := cl.recv(st, d.s, p, stepReady, i, 0, true, noop); err != nil {
 				return err
 			}
 			d.readies <- i
 		case pc.owner == p:
-			if err := cl.recv(st, p, stepFinal, i, 0, primary, noop); err != nil {
+			if err := cl.recv(st, d.s, p, stepFinal, i, 0, primary, noop); err != nil {
 				return err
 			}
 			if err := d.pl.take(pc); err != nil {
@@ -329,5 +329,5 @@ func (d *directStream) receive(p int) error {
 		}
 	}
 	d.taken <- struct{}{}
-	return cl.recv(st, p, stepCopied, 0, 0, primary, noop)
+	return cl.recv(st, d.s, p, stepCopied, 0, 0, primary, noop)
 }
