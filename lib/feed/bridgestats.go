@@ -38,6 +38,10 @@ const (
 	doneFixed        = 48
 )
 
+// BridgeNotHeard is a peer's arrival skew when no frame of the collective
+// came from it (a ring member hears only from its predecessor).
+const BridgeNotHeard = -1 << 63
+
 // ErrBridgeStatsVersion marks a tag-1 value of a layout version this
 // package does not know: a reader skips it (a newer bridge), unlike a
 // malformed value (ErrMalformed).
