@@ -225,7 +225,36 @@ func (c *Comm) runDirect(cl *call, pl *directPlan, descs []desc) error {
 			}
 		}
 	}
-	return cl.wait()
+	if err := cl.wait(); err != nil {
+		return err
+	}
+	cl.movedDirect(pl)
+	return nil
+}
+
+// movedDirect counts the bytes of a direct plan that crossed between
+// members' memories as moved: what this member read of its peers' buffers
+// (received), and what they read of its (sent, by the same plan).
+func (cl *call) movedDirect(pl *directPlan) {
+	n, me := cl.c.size, cl.c.self
+	var sent, received int
+	for i := range pl.pieces {
+		p := &pl.pieces[i]
+		switch {
+		case p.owner == me && pl.gather:
+			sent += (n - 1) * p.n // every peer copies it
+		case pl.gather:
+			received += p.n
+		case p.owner == me:
+			// It reduces the piece from every peer's input; every peer
+			// copies the result.
+			received, sent = received+(n-1)*p.n, sent+(n-1)*p.n
+		default:
+			received, sent = received+p.n, sent+p.n
+		}
+	}
+	cl.st.sent.Add(int64(sent))
+	cl.st.received.Add(int64(received))
 }
 
 // directStream is one stream's part of a direct collective.

@@ -18,10 +18,10 @@ type Stats struct {
 	// from every peer it heard from (Start when it heard from none: a
 	// broadcast root).
 	AllArrived time.Time
-	// BytesSent and BytesReceived count the payloads of the frames (data,
-	// and the descriptors of the direct path's set-up; on
-	// the direct path, where peers read each other's memory in place,
-	// only the descriptors and notices travel in frames).
+	// BytesSent and BytesReceived count the payloads of the frames (the
+	// direct path's descriptors included) and, on the direct path, where
+	// members read each other's buffers in place, the bytes this member
+	// read of its peers' buffers (received) and they of its (sent).
 	BytesSent, BytesReceived uint64
 	// Reduce is the time spent in lib/reduce's kernels, summed over the
 	// goroutines that ran them.

@@ -3,6 +3,10 @@ package feed
 import (
 	"bytes"
 	"encoding/binary"
+	"encoding/json"
+	"flag"
+	"os"
+	"path/filepath"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -123,4 +127,42 @@ func FuzzBridgeStats(f *testing.F) {
 			t.Fatalf("re-encoded %x, decoded from %x", again, v)
 		}
 	})
+}
+
+var update = flag.Bool("update", false, "rewrite testdata/bridgestats")
+
+// TestBridgeStatsVectors checks testdata/bridgestats: values (NAME.bin)
+// with what they hold (NAME.json, the Go fields), which the plugin's
+// decoder must read alike (torchplugin/tests/test_feed_protocol.py).
+func TestBridgeStatsVectors(t *testing.T) {
+	cut := sampleBridgeStats()
+	vectors := map[string]struct {
+		b     *BridgeStats
+		limit int
+	}{
+		"two-peers": {sampleBridgeStats(), MaxBridgeStatsValue},
+		"not-heard": {&BridgeStats{Streams: 1, StartNS: 5, AllArrivedNS: 5, EndNS: 6, Peers: []BridgePeer{{Member: 1, ArrivalSkewNS: BridgeNotHeard, BlockedNS: []uint64{0}}}}, MaxBridgeStatsValue},
+		"cut":       {cut, 64 + 32},
+	}
+	for name, v := range vectors {
+		bin := AppendBridgeStats(nil, v.b, v.limit)
+		var got BridgeStats
+		require.NoError(t, DecodeBridgeStats(bin, &got))
+		js, err := json.MarshalIndent(&got, "", "  ")
+		require.NoError(t, err)
+		js = append(js, '\n')
+		dir := filepath.Join("testdata", "bridgestats")
+		if *update {
+			require.NoError(t, os.MkdirAll(dir, 0o755))
+			require.NoError(t, os.WriteFile(filepath.Join(dir, name+".bin"), bin, 0o644))
+			require.NoError(t, os.WriteFile(filepath.Join(dir, name+".json"), js, 0o644))
+			continue
+		}
+		wantBin, err := os.ReadFile(filepath.Join(dir, name+".bin"))
+		require.NoError(t, err, "run go test ./lib/feed -run Vectors -update")
+		wantJS, err := os.ReadFile(filepath.Join(dir, name+".json"))
+		require.NoError(t, err)
+		assert.Equal(t, wantBin, bin, name)
+		assert.JSONEq(t, string(wantJS), string(js), name)
+	}
 }
