@@ -387,6 +387,11 @@ def test_traced_job_and_gbtrace(tmp_path: Path) -> None:
     assert m and all(
         x["schema"] == "gpubridge.trace-merged/v1" and x["complete"] and x["seen"] == 4 for x in m
     )
+    # gbtrace reads the leaders' bridge parts: when the bridged step could start.
+    bridged = [x for x in m if any("bridge" in v for v in x["ranks"])]
+    assert bridged
+    for x in bridged:
+        assert x["bridge_start"] == max(v["bridge"]["all_arrived"] for v in x["ranks"] if "bridge" in v), x
     summary = gbtrace("summary", str(trace))
     assert summary.returncode == 0, summary.stderr
     rows = [r for r in jsonl(summary.stdout) if r["op"] == "all_reduce" and r["bucket"] == 65536]
