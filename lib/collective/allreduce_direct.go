@@ -2,6 +2,7 @@ package collective
 
 import (
 	"sync"
+	"time"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
 )
@@ -36,6 +37,7 @@ func (c *Comm) directAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.
 		ownEnd: func(p *dpiece) int { return p.off + p.n },
 		produce: func(p *dpiece) error {
 			dst := buf[p.off : p.off+p.n]
+			t0 := time.Now()
 			var err error
 			if n == 2 {
 				err = reduce.CombineParallel(op, dt, dst, views[0][p.off:p.off+p.n], views[1][p.off:p.off+p.n], w)
@@ -50,6 +52,7 @@ func (c *Comm) directAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.
 			if err == nil {
 				err = reduce.Finish(op, dt, dst, n)
 			}
+			cl.reduced(p.seg, t0)
 			if err != nil {
 				return err
 			}

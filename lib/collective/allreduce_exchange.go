@@ -2,6 +2,7 @@ package collective
 
 import (
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"time"
 )
 
 // exchange is the two-member all-reduce: both members send their whole
@@ -26,8 +27,10 @@ func (c *Comm) exchange(cl *call, buf []byte, dt reduce.DType, op reduce.Op, C i
 			}
 			return buf[off : off+n], nil
 		},
-		recv: func(_, _, _, off, n int, p []byte) error {
+		recv: func(_, _, ch, off, n int, p []byte) error {
 			own := buf[off : off+n]
+			t0 := time.Now()
+			defer cl.reduced(ch, t0)
 			var err error
 			if c.self == 0 {
 				err = reduce.CombineParallel(op, dt, own, own, p, w)

@@ -2,6 +2,7 @@ package collective
 
 import (
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"time"
 )
 
 // ringSegments returns the segment bounds of a ring all-reduce of L bytes
@@ -56,13 +57,15 @@ func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op
 			}
 			return nil
 		},
-		recv: func(t, j, _, off, m int, p []byte) error {
+		recv: func(t, j, ch, off, m int, p []byte) error {
 			at := segOff(j) + off
 			own := buf[at : at+m]
 			if t >= n-1 {
 				copy(own, p)
 				return nil
 			}
+			t0 := time.Now()
+			defer cl.reduced(ch, t0)
 			if err := reduce.CombineParallel(op, dt, own, p, own, w); err != nil {
 				return err
 			}

@@ -24,7 +24,8 @@ type call struct {
 	stopT  context.CancelFunc
 	limit  time.Duration
 	heard  []atomic.Bool // a frame of this call came from that member
-	pre    error         // found before the call started: it fails at once
+	st     *callStats
+	pre    error // found before the call started: it fails at once
 
 	readyFn func(context.Context, int) error
 	readyTo atomic.Int64
@@ -46,7 +47,7 @@ func (c *Comm) begin(ctx context.Context, k kind, desc string, fp uint16, p *Pro
 		return nil, &Error{Op: k.String(), Desc: desc, Err: r}
 	}
 	c.collMu.Lock()
-	cl := &call{c: c, kind: k, desc: desc, fp: fp, heard: make([]atomic.Bool, c.size)}
+	cl := &call{c: c, kind: k, desc: desc, fp: fp, heard: make([]atomic.Bool, c.size), st: c.newCallStats()}
 	if p != nil {
 		cl.readyFn, cl.doneFn = p.Ready, p.Done
 	}
@@ -135,9 +136,11 @@ func (c *Comm) finish(cl *call, err error) error {
 			t.Stop()
 		}
 	}
+	end := time.Now()
 	c.mu.Lock()
 	c.cur = nil
 	c.finished = cl.seq
+	cl.snapshot(&c.last, end)
 	c.mu.Unlock()
 	cl.cancel(nil)
 	cl.stopT()
@@ -215,20 +218,24 @@ func (cl *call) sendProgress(st transport.Stream, peer, step, chunk int, payload
 	} else {
 		err = st.Send(cl.ctx, h, payload)
 	}
+	cl.st.sent.Add(int64(len(payload)))
 	if err != nil {
 		return cl.c.classify(cl.ctx, err, peer, cl.limit, false, "it is not reading")
 	}
 	return nil
 }
 
-// recv receives the data frame (step, chunk) of n bytes from peer on st and
+// recv receives the data frame (step, chunk) of n bytes from peer on st (its
+// data stream s) and
 // hands its payload to fn. primary says whether a timeout here points at
 // peer itself rather than at a member peer waits for.
-func (cl *call) recv(st transport.Stream, peer, step, chunk, n int, primary bool, fn func(p []byte) error) error {
+func (cl *call) recv(st transport.Stream, s, peer, step, chunk, n int, primary bool, fn func(p []byte) error) error {
+	asked := time.Now()
 	err := st.Recv(cl.ctx, func(h wire.Header, p []byte) error {
 		if err := cl.check(peer, h, step, chunk, n); err != nil {
 			return &localError{err}
 		}
+		cl.frameIn(peer, s, asked, n)
 		cl.heard[peer].Store(true)
 		if err := fn(p); err != nil {
 			return &localError{err}
@@ -244,7 +251,8 @@ func (cl *call) recv(st transport.Stream, peer, step, chunk, n int, primary bool
 // recvHold is recv for a stream that can hold frames: it returns the
 // payload of the data frame (step, chunk) of n bytes from peer, valid until
 // release is called (once). Errors are recv's.
-func (cl *call) recvHold(st transport.Holder, peer, step, chunk, n int, primary bool) (p []byte, release func(), err error) {
+func (cl *call) recvHold(st transport.Holder, s, peer, step, chunk, n int, primary bool) (p []byte, release func(), err error) {
+	asked := time.Now()
 	h, p, release, err := st.RecvHold(cl.ctx)
 	if err != nil {
 		return nil, nil, cl.recvErr(err, peer, primary)
@@ -253,6 +261,7 @@ func (cl *call) recvHold(st transport.Holder, peer, step, chunk, n int, primary 
 		release()
 		return nil, nil, cl.recvErr(&localError{err}, peer, primary)
 	}
+	cl.frameIn(peer, s, asked, n)
 	cl.heard[peer].Store(true)
 	return p, release, nil
 }
@@ -261,11 +270,13 @@ func (cl *call) recvHold(st transport.Holder, peer, step, chunk, n int, primary 
 // payload of the data frame (step, chunk) of n bytes from peer piece by
 // piece (off within the payload), each valid only during the call. Errors
 // are recv's.
-func (cl *call) recvPieces(st transport.PieceReceiver, peer, step, chunk, n int, primary bool, fn func(off int, p []byte) error) error {
+func (cl *call) recvPieces(st transport.PieceReceiver, s, peer, step, chunk, n int, primary bool, fn func(off int, p []byte) error) error {
+	asked := time.Now()
 	err := st.RecvPieces(cl.ctx, func(h wire.Header) error {
 		if err := cl.check(peer, h, step, chunk, n); err != nil {
 			return &localError{err}
 		}
+		cl.frameIn(peer, s, asked, n)
 		cl.heard[peer].Store(true)
 		return nil
 	}, func(off int, p []byte) error {

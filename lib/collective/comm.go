@@ -109,6 +109,7 @@ type Comm struct {
 	mu       sync.Mutex
 	cur      *call  // the collective in progress
 	finished uint64 // seq of the last collective that ended
+	last     Stats  // its stats
 	cause    error  // why the communicator stopped (ErrClosed when closed)
 	closed   bool
 	stop     chan struct{} // closed with cause set

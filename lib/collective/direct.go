@@ -117,7 +117,7 @@ func (c *Comm) describe(cl *call, buf []byte) ([]desc, error) {
 		if p == c.self {
 			continue
 		}
-		err := cl.recv(c.mesh.Stream(p, 0), p, stepDesc, 0, descSize, true, func(pl []byte) error {
+		err := cl.recv(c.mesh.Stream(p, 0), 0, p, stepDesc, 0, descSize, true, func(pl []byte) error {
 			var err error
 			descs[p], err = parseDesc(pl)
 			return err
@@ -225,7 +225,36 @@ func (c *Comm) runDirect(cl *call, pl *directPlan, descs []desc) error {
 			}
 		}
 	}
-	return cl.wait()
+	if err := cl.wait(); err != nil {
+		return err
+	}
+	cl.movedDirect(pl)
+	return nil
+}
+
+// movedDirect counts the bytes of a direct plan that crossed between
+// members' memories as moved: what this member read of its peers' buffers
+// (received), and what they read of its (sent, by the same plan).
+func (cl *call) movedDirect(pl *directPlan) {
+	n, me := cl.c.size, cl.c.self
+	var sent, received int
+	for i := range pl.pieces {
+		p := &pl.pieces[i]
+		switch {
+		case p.owner == me && pl.gather:
+			sent += (n - 1) * p.n // every peer copies it
+		case pl.gather:
+			received += p.n
+		case p.owner == me:
+			// It reduces the piece from every peer's input; every peer
+			// copies the result.
+			received, sent = received+(n-1)*p.n, sent+(n-1)*p.n
+		default:
+			received, sent = received+p.n, sent+p.n
+		}
+	}
+	cl.st.sent.Add(int64(sent))
+	cl.st.received.Add(int64(received))
 }
 
 // directStream is one stream's part of a direct collective.
@@ -315,12 +344,12 @@ func (d *directStream) receive(p int) error {
 		pc := &d.pl.pieces[i]
 		switch {
 		case pc.owner == me && !d.pl.gather && d.streamed(p):
-			if err := cl.recv(st, p, stepReady, i, 0, true, noop); err != nil {
+			if err := cl.recv(st, d.s, p, stepReady, i, 0, true, noop); err != nil {
 				return err
 			}
 			d.readies <- i
 		case pc.owner == p:
-			if err := cl.recv(st, p, stepFinal, i, 0, primary, noop); err != nil {
+			if err := cl.recv(st, d.s, p, stepFinal, i, 0, primary, noop); err != nil {
 				return err
 			}
 			if err := d.pl.take(pc); err != nil {
@@ -329,5 +358,5 @@ func (d *directStream) receive(p int) error {
 		}
 	}
 	d.taken <- struct{}{}
-	return cl.recv(st, p, stepCopied, 0, 0, primary, noop)
+	return cl.recv(st, d.s, p, stepCopied, 0, 0, primary, noop)
 }

@@ -184,7 +184,7 @@ func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}
 		// while the peer's send of the same chunk blocks on it, and
 		// the two directions of a stream would take turns.
 		waitSend := pp.recvWaits(k.t)
-		err := cl.recv(st, pp.prev, k.t, k.c, k.n, pp.primary, func(p []byte) error {
+		err := cl.recv(st, s, pp.prev, k.t, k.c, k.n, pp.primary, func(p []byte) error {
 			if waitSend {
 				if err := cl.await(sendTok); err != nil {
 					return err
@@ -225,7 +225,7 @@ func (pp *pipe) pieceReceiver(s int, st transport.PieceReceiver, recvTok chan<- 
 		needs := pp.recvWaits(k.t)
 		sent := !needs
 		var spilled [][2]int // pieces in the spill buffer: offset, length
-		err := cl.recvPieces(st, pp.prev, k.t, k.c, k.n, pp.primary, func(off int, p []byte) error {
+		err := cl.recvPieces(st, s, pp.prev, k.t, k.c, k.n, pp.primary, func(off int, p []byte) error {
 			if !sent {
 				select {
 				case <-sendTok:
@@ -396,7 +396,7 @@ func (pp *pipe) holdReceiver(s int, st transport.Holder, held chan<- heldChunk) 
 	defer close(held)
 	cl := pp.cl
 	return pp.recvChunks(s, func(k chunkAt) error {
-		p, release, err := cl.recvHold(st, pp.prev, k.t, k.c, k.n, pp.primary)
+		p, release, err := cl.recvHold(st, s, pp.prev, k.t, k.c, k.n, pp.primary)
 		if err != nil {
 			return err
 		}

@@ -3,6 +3,7 @@ package collective
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
 )
@@ -72,8 +73,10 @@ func (c *Comm) ringReduceScatter(cl *call, out, in []byte, dt reduce.DType, op r
 			return scratch[(t-1)%2][off : off+m], nil
 		},
 		prep: func(_, j, _, off, m int) error { return cl.ready(j*L + off + m) },
-		recv: func(t, j, _, off, m int, p []byte) error {
+		recv: func(t, j, ch, off, m int, p []byte) error {
 			mine := in[j*L+off : j*L+off+m]
+			t0 := time.Now()
+			defer cl.reduced(ch, t0)
 			if t < n-2 {
 				return reduce.CombineParallel(op, dt, scratch[t%2][off:off+m], p, mine, w)
 			}

@@ -141,7 +141,7 @@ func (m *ProgressMsg) Append(b []byte) []byte {
 //	sequence number; 0 for requests that are not collectives), u64 bytes
 //	(recv: bytes received; else the result's bytes), u64 queue µs (from
 //	arrival to start), u64 total µs (from arrival to DONE), str error,
-//	extensions (reserved for trace records)
+//	extensions (ExtBridgeStats on an ok DONE of a data collective)
 type DoneMsg struct {
 	ID      uint64
 	Status  Status

@@ -26,6 +26,7 @@ func sampleMessages() []Message {
 		&ProgressMsg{ID: 9, Off: 4 << 20, N: 1 << 20},
 		&DoneMsg{ID: 9, Status: StatusBridgeError, Seq: 17, Bytes: 64, QueueUS: 3, TotalUS: 1234, Error: "member 1 (rank 2 on host-b): connection reset", Ext: ext},
 		&DoneMsg{ID: 10},
+		&DoneMsg{ID: 11, Seq: 5, Bytes: 4 << 20, Ext: []Ext{{Tag: ExtBridgeStats, Value: AppendBridgeStats(nil, sampleBridgeStats(), MaxBridgeStatsValue)}}},
 	}
 	for k := firstOp; k <= lastOp; k++ {
 		msgs = append(msgs, &Request{

@@ -192,6 +192,19 @@ func (c *Collective) check(rank int) error {
 	case c.Result != ResultOK && c.Result != ResultError && c.Result != ResultInFlight:
 		return fmt.Errorf("collective record #%d: result %q", c.Seq, c.Result)
 	}
+	if b := c.Bridge; b != nil {
+		switch {
+		case b.AllArrived < b.Start || b.End < b.AllArrived:
+			return fmt.Errorf("collective record #%d: bridge start %d, all_arrived %d, end %d are not in order", c.Seq, b.Start, b.AllArrived, b.End)
+		case len(b.Peers) > maxBridgePeers:
+			return fmt.Errorf("collective record #%d: %d bridge peers (at most %d): %w", c.Seq, len(b.Peers), maxBridgePeers, ErrLimit)
+		}
+		for _, p := range b.Peers {
+			if len(p.BlockedNs) > maxBridgeStreams {
+				return fmt.Errorf("collective record #%d: bridge peer %d: %d streams (at most %d): %w", c.Seq, p.Member, len(p.BlockedNs), maxBridgeStreams, ErrLimit)
+			}
+		}
+	}
 	return nil
 }
 

@@ -22,6 +22,7 @@ type RankView struct {
 	Leader  bool    `json:"leader,omitempty"`
 	Async   bool    `json:"async,omitempty"` // called with async_op=True (DDP's buckets): the caller went on computing
 	Phases  []Phase `json:"phases"`
+	Bridge  *Bridge `json:"bridge,omitempty"` // a leader's: gbbridge's part, on the reference clock
 }
 
 // Mismatch is a field on which the ranks' records of one collective differ:
@@ -51,7 +52,14 @@ type Merged struct {
 	SkewNs       int64      `json:"skew_ns"`   // from the first arrival to the last
 	AlignErrorNs *int64     `json:"align_error_ns"`
 	Mismatches   []Mismatch `json:"mismatches,omitempty"`
-	Ranks        []RankView `json:"ranks"`
+	// BridgeStart is when the bridged step could start: the last leader's
+	// all_arrived (gbbridge's parts, docs/TRACING.md §7); BridgeWaitedFor
+	// the rank the leaders waited for there (the peer whose first frame
+	// came last after a leader's start), BridgeWaitNs for how long.
+	BridgeStart     *int64     `json:"bridge_start,omitempty"`
+	BridgeWaitedFor *int       `json:"bridge_waited_for,omitempty"`
+	BridgeWaitNs    int64      `json:"bridge_wait_ns,omitempty"`
+	Ranks           []RankView `json:"ranks"`
 }
 
 // MergeResult is what Merge returns: the collectives in (group, seq) order,
@@ -149,6 +157,10 @@ func mergeOne(k key, byRank map[int]Collective, size int, offsets map[int]int64,
 			v.Phases = append(v.Phases, Phase{Name: p.Name, Start: p.Start - off, End: shift(p.End, off),
 				GPUStart: shift(p.GPUStart, off), GPUEnd: shift(p.GPUEnd, off)})
 		}
+		if b := c.Bridge; b != nil {
+			v.Bridge = shiftBridge(b, off)
+			m.noteBridge(v.Bridge)
+		}
 		if c.Result != ResultOK {
 			m.Complete = false
 		}
@@ -178,6 +190,28 @@ func mergeOne(k key, byRank map[int]Collective, size int, offsets map[int]int64,
 	m.Mismatches = mismatches(ranks, byRank)
 	return m
 }
+
+// shiftBridge is b on the reference clock.
+func shiftBridge(b *Bridge, off int64) *Bridge {
+	out := *b
+	out.Start, out.AllArrived, out.End = b.Start-off, b.AllArrived-off, b.End-off
+	return &out
+}
+
+// noteBridge takes a leader's bridge part into the bridged step's start and
+// the peer it waited for longest.
+func (m *Merged) noteBridge(b *Bridge) {
+	if m.BridgeStart == nil || b.AllArrived > *m.BridgeStart {
+		m.BridgeStart = ptr(b.AllArrived)
+	}
+	for _, p := range b.Peers {
+		if p.Rank != nil && p.ArrivalSkewNs != nil && *p.ArrivalSkewNs > m.BridgeWaitNs {
+			m.BridgeWaitedFor, m.BridgeWaitNs = ptr32(*p.Rank), *p.ArrivalSkewNs
+		}
+	}
+}
+
+func ptr32(v int) *int { return &v }
 
 // callFields are what every rank must call a collective with.
 var callFields = []struct {

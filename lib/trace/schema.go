@@ -130,7 +130,38 @@ type Collective struct {
 	Error    string   `json:"error,omitempty"`
 	Step     string   `json:"step,omitempty"`
 	StepNs   *int64   `json:"step_ns,omitempty"`
+	Bridge   *Bridge  `json:"bridge,omitempty"`
 }
+
+// Bridge is what gbbridge measured of a leader's bridged collective
+// (docs/TRACING.md §7), on the rank's clock.
+type Bridge struct {
+	Start         int64        `json:"start"`
+	AllArrived    int64        `json:"all_arrived"` // every peer's first frame was in
+	End           int64        `json:"end"`
+	BytesSent     int64        `json:"bytes_sent"`
+	BytesReceived int64        `json:"bytes_received"`
+	CodecNs       int64        `json:"codec_ns"`
+	ReduceNs      int64        `json:"reduce_ns"`
+	Peers         []BridgePeer `json:"peers"`
+	PeersCut      bool         `json:"peers_cut,omitempty"`
+}
+
+// BridgePeer is one other bridge member: its global rank, when its first
+// frame came after the bridge's start (nil: none came), and per stream the
+// ns waited on it.
+type BridgePeer struct {
+	Member        int     `json:"member"`
+	Rank          *int    `json:"rank"`
+	ArrivalSkewNs *int64  `json:"arrival_skew_ns"`
+	BlockedNs     []int64 `json:"blocked_ns"`
+}
+
+// Bounds of a bridge part (lib/collective.MaxMembers, transport.MaxStreams).
+const (
+	maxBridgePeers   = 1024
+	maxBridgeStreams = 64
+)
 
 // UserPhase is a step the user marked outside any collective
 // (gpubridge.observe.phase).

@@ -163,6 +163,11 @@ type Straggler struct {
 	SDUs       float64 `json:"sd_us"`
 	Phase      string  `json:"phase"` // where the time goes
 	Flagged    bool    `json:"flagged"`
+	// BridgeWaitedFor is the rank the leaders waited for most at the
+	// bridge over the window (gbbridge's per-peer arrival skew), and
+	// BridgeWaitUs that wait per collective; absent without bridge parts.
+	BridgeWaitedFor *int    `json:"bridge_waited_for,omitempty"`
+	BridgeWaitUs    float64 `json:"bridge_wait_us,omitempty"`
 }
 
 // StragglerSummary ends gbtrace stragglers' output.
@@ -239,6 +244,7 @@ func Stragglers(merged []Merged, phases []UserPhase, o StragglerOptions, all boo
 				st.Score, st.Phase = round3(l.score), l.phase
 				st.Confidence = round6(Confidence(l.score, len(ranks)))
 			}
+			st.BridgeWaitedFor, st.BridgeWaitUs = bridgeWait(rows[lo : hi+1])
 			st.Flagged = st.Score >= o.Threshold
 			if st.Flagged {
 				st.Kind = "straggler"
@@ -354,3 +360,24 @@ func userPhase(phases []UserPhase, rank int, ranks []int, rows []*Merged) string
 }
 
 func round6(x float64) float64 { return math.Round(x*1e6) / 1e6 }
+
+// bridgeWait: the rank whose lateness at the bridge the leaders waited
+// for longest in total over rows, and that total per collective (µs).
+func bridgeWait(rows []*Merged) (*int, float64) {
+	total := map[int]int64{}
+	for _, m := range rows {
+		if m.BridgeWaitedFor != nil {
+			total[*m.BridgeWaitedFor] += m.BridgeWaitNs
+		}
+	}
+	best, bestNs := -1, int64(0)
+	for r, ns := range total {
+		if ns > bestNs || ns == bestNs && r < best {
+			best, bestNs = r, ns
+		}
+	}
+	if best < 0 {
+		return nil, 0
+	}
+	return &best, round3(float64(bestNs) / float64(len(rows)) / 1e3)
+}

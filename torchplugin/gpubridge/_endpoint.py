@@ -19,7 +19,7 @@ from gpubridge import _inflight as fl
 from gpubridge._bridge_process import BridgeProcess, start_bridge
 from gpubridge._combine import can_combine, combine
 from gpubridge._dtypes import DTYPES, as_bytes
-from gpubridge._feed import DType, FeedClient, FeedError, Op, Region
+from gpubridge._feed import Done, DType, FeedClient, FeedError, Op, Region
 from gpubridge._staging import Staging
 
 __all__ = ["BridgeEndpoint"]
@@ -152,7 +152,7 @@ class BridgeEndpoint:
             e.set_step(fl.COPY)
             host.copy_(src)
             e.set_step(fl.BRIDGE)
-            self.feed.all_reduce(region, 0, n, dt, op)
+            self._measured(e, self.feed.all_reduce(region, 0, n, dt, op))
             e.set_step(fl.COPY_BACK)
             src.copy_(host)
         except FeedError as exc:
@@ -206,7 +206,7 @@ class BridgeEndpoint:
             call.ready(end)
             if trace is not None:
                 trace.append((f"ready {end >> 20}M", time.perf_counter() - t0))
-        call.wait()
+        self._measured(e, call.wait())
         e.set_step(fl.COPY_BACK)
         self._stream.wait_stream(self._h2d)
         if trace is not None:
@@ -216,6 +216,10 @@ class BridgeEndpoint:
                 "gpubridge: rank %d: %d-byte all_reduce (chunks of %d): %s", self._rank, n, chunk,
                 ", ".join(f"{w} {t * 1e3:.3f}" for w, t in trace),
             )  # fmt: skip
+
+    def _measured(self, e: fl.Entry, d: Done) -> None:
+        """Keeps what gbbridge measured of the step for e's trace record."""
+        e.bridge, e.bridge_ranks = d.bridge, self._members
 
     def _caller_reduces(self, t: torch.Tensor, op: Op) -> bool:
         """Whether this all_reduce exchanges the partials and reduces them
@@ -254,7 +258,7 @@ class BridgeEndpoint:
             staging.copy_in(e, host, src)
         e.set_step(fl.BRIDGE)
         try:
-            self.feed.broadcast(staging.region, 0, src.numel(), root)
+            self._measured(e, self.feed.broadcast(staging.region, 0, src.numel(), root))
         except FeedError as exc:
             raise RuntimeError(f"bridge broadcast: {exc}") from exc
         if not mine:
@@ -271,7 +275,8 @@ class BridgeEndpoint:
         staging.copy_in(e, host[me * slot : me * slot + block.numel()], block)
         e.set_step(fl.BRIDGE)
         try:
-            self.feed.all_gather(staging.region.span(0, m * slot), staging.region.span(me * slot, slot))
+            d = self.feed.all_gather(staging.region.span(0, m * slot), staging.region.span(me * slot, slot))
+            self._measured(e, d)
         except FeedError as exc:
             raise RuntimeError(f"bridge all_gather: {exc}") from exc
         return host
@@ -381,6 +386,7 @@ class _Exchange:
                 _gpu.wait_event(ev, what, ep._secs, pump=lambda: feed.pump(0.0))
             call.ready(end)
         d = call.wait()
+        ep._measured(self.e, d)
         self.e.set_step(fl.COPY_BACK)
         self._reduce(final=True)
         if self.done_to != n:

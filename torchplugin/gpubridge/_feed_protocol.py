@@ -17,6 +17,8 @@ from typing import Any, Final
 import numpy as np
 
 __all__ = [
+    "BRIDGE_STATS_TAG",
+    "BRIDGE_STATS_VERSION",
     "CALLER_REDUCES_VERSION",
     "EXT_CRITICAL",
     "FLAG_CALLER_REDUCES",
@@ -29,6 +31,8 @@ __all__ = [
     "REQUEST_SIZE",
     "VERSION",
     "BridgeError",
+    "BridgePeer",
+    "BridgeStats",
     "DType",
     "Done",
     "FeedError",
@@ -40,6 +44,7 @@ __all__ = [
     "Span",
     "Status",
     "Welcome",
+    "decode_bridge_stats",
     "decode_bye",
     "decode_done",
     "decode_error",
@@ -70,6 +75,13 @@ FLAG_STREAMED: Final = 1
 # (members x the input, in member order); the caller reduces them.
 FLAG_CALLER_REDUCES: Final = 2
 EXT_CRITICAL: Final = 0x8000
+# DONE's extension tag 1: what the bridge measured of a collective
+# (docs/TRACING.md §7; Go: lib/feed/bridgestats.go).
+BRIDGE_STATS_TAG: Final = 1
+BRIDGE_STATS_VERSION: Final = 1
+_MAX_BRIDGE_STREAMS: Final = 64
+_BRIDGE_NOT_HEARD: Final = -(1 << 63)
+_BRIDGE_PEERS_CUT: Final = 1
 
 _HEADER = struct.Struct("<IHH")
 _REQUEST = struct.Struct("<QBBBBIIIQQQQiI")
@@ -79,6 +91,8 @@ _U32 = struct.Struct("<I")
 _EXT = struct.Struct("<HH")
 _U64X2 = struct.Struct("<QQ")
 _U64X3 = struct.Struct("<QQQ")
+_BRIDGE = struct.Struct("<HHHH7Q")
+_BRIDGE_PEER = struct.Struct("<IIq")
 assert _REQUEST.size == REQUEST_SIZE
 
 
@@ -247,9 +261,36 @@ class Welcome:
     transport: str
 
 
+@dataclass(frozen=True, slots=True)
+class BridgePeer:
+    """One peer's part of BridgeStats: its member index, when its first
+    frame came relative to start (ns; None: none came, as a ring member
+    hears only from its predecessor), and per stream the ns waited on it."""
+
+    member: int
+    arrival_skew_ns: int | None
+    blocked_ns: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeStats:
+    """DONE's tag 1 (layout version 1): one collective as gbbridge saw it.
+    Times are CLOCK_MONOTONIC ns of the bridge's host, the trace clock."""
+
+    start_ns: int
+    all_arrived_ns: int
+    end_ns: int
+    bytes_sent: int
+    bytes_received: int
+    codec_ns: int
+    reduce_ns: int
+    peers: tuple[BridgePeer, ...]
+    peers_cut: bool  # the value held fewer peers than the bridge has
+
+
 @dataclass(frozen=True)
 class Done:
-    """A request's DONE."""
+    """A request's DONE; bridge: what gbbridge measured of a collective."""
 
     request_id: int
     status: Status
@@ -258,6 +299,7 @@ class Done:
     queue_us: int
     total_us: int
     error: str
+    bridge: BridgeStats | None = None
 
 
 @dataclass(frozen=True)
@@ -367,15 +409,20 @@ class _Dec:
         self.pos += n
         return s
 
-    def exts(self) -> None:
-        """Checks and skips the extensions that fill the rest of the body."""
+    def exts(self, want: int = 0) -> bytes | None:
+        """Checks the extensions that fill the rest of the body and returns
+        the value of the last with tag want (0: none is wanted)."""
+        got = None
         while self.pos < len(self.b):
             tag, n = self.fixed(_EXT)
             if len(self.b) - self.pos < n:
                 raise malformed(self.kind, "body too short")
             if tag & EXT_CRITICAL:
                 raise malformed(self.kind, f"unknown critical extension {tag:#06x}")
+            if want and tag == want:
+                got = bytes(self.b[self.pos : self.pos + n])
             self.pos += n
+        return got
 
     def end(self) -> None:
         if self.pos != len(self.b):
@@ -410,13 +457,46 @@ def decode_done(body: bytes) -> Done:
     if zero != 0:
         raise malformed(Kind.DONE, "reserved field is not zero")
     text = d.text()
-    d.exts()
+    value = d.exts(BRIDGE_STATS_TAG)
     d.end()
     try:
         st = Status(status)
     except ValueError:
         raise malformed(Kind.DONE, f"unknown status {status}") from None
-    return Done(rid, st, seq, nbytes, queue_us, total_us, text)
+    bridge = None if value is None else decode_bridge_stats(value)
+    return Done(rid, st, seq, nbytes, queue_us, total_us, text, bridge)
+
+
+def decode_bridge_stats(v: bytes) -> BridgeStats | None:
+    """DONE's tag-1 value; None for another layout version (a newer
+    gbbridge: skipped). A version-1 value must be exactly as long as its
+    peer and stream counts say, with 1 .. 64 streams, known flags and zero
+    reserved words, else ProtocolError."""
+    if len(v) < 2:
+        raise malformed(Kind.DONE, f"bridge stats: {len(v)} bytes, need {_BRIDGE.size}")
+    if int.from_bytes(v[:2], "little") != BRIDGE_STATS_VERSION:
+        return None
+    if len(v) < _BRIDGE.size:
+        raise malformed(Kind.DONE, f"bridge stats: {len(v)} bytes, need {_BRIDGE.size}")
+    _, p, s, flags, start, arrived, end, sent, received, codec, red = _BRIDGE.unpack_from(v)
+    if not 1 <= s <= _MAX_BRIDGE_STREAMS:
+        raise malformed(Kind.DONE, f"bridge stats: {s} streams per peer, 1..{_MAX_BRIDGE_STREAMS} allowed")
+    if flags & ~_BRIDGE_PEERS_CUT:
+        raise malformed(Kind.DONE, f"bridge stats: unknown flags {flags:#x}")
+    size = _BRIDGE_PEER.size + 8 * s
+    if len(v) != (want := _BRIDGE.size + p * size):
+        raise malformed(Kind.DONE, f"bridge stats: {len(v)} bytes, {p} peers of {s} streams take {want}")
+    blocked = struct.Struct(f"<{s}Q")
+    peers = []
+    for i in range(p):
+        off = _BRIDGE.size + i * size
+        member, zero, skew = _BRIDGE_PEER.unpack_from(v, off)
+        if zero:
+            raise malformed(Kind.DONE, f"bridge stats: peer {i}: reserved word is not zero")
+        skew_ns = None if skew == _BRIDGE_NOT_HEARD else skew
+        peers.append(BridgePeer(member, skew_ns, blocked.unpack_from(v, off + _BRIDGE_PEER.size)))
+    cut = bool(flags & _BRIDGE_PEERS_CUT)
+    return BridgeStats(start, arrived, end, sent, received, codec, red, tuple(peers), cut)
 
 
 def decode_progress(body: bytes) -> tuple[int, int, int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,11 @@ class Entry:
     error: str | None = None  # set when it ended with one
     # Tracing on a GPU: called with each new step (records a CUDA event).
     mark: Callable[[str], None] | None = None
+    # On a leader, what gbbridge measured of the bridged step (the DONE's
+    # gpubridge._feed_protocol.BridgeStats), and the global rank of each
+    # bridge member, in member order.
+    bridge: Any = None
+    bridge_ranks: Sequence[int] = ()
 
     def set_step(self, step: str) -> None:
         now = time.monotonic()

@@ -7,12 +7,14 @@ the clock the entries keep), which every process of one boot shares; the
 rank's header record says how that clock maps onto the reference rank's
 (``clock``). On GPUs a record may carry device times too (``gpu_start``,
 ``gpu_end`` per phase), read from CUDA events once they have completed
-(:meth:`CollectiveRecord.ready`); until then it has host times only.
+(:meth:`CollectiveRecord.ready`); until then it has host times only. A
+leader's record also has ``bridge``: what gbbridge measured of the bridged
+step (DONE's tag 1, docs/TRACING.md §7), on the same clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +161,8 @@ class CollectiveRecord:
         last = marks[-1][2] if marks else None
         self.end_ns = None if in_flight or last is None else ns(last)
         self._gpu = e.mark  # tracing on a GPU: the step events (gpubridge._trace_gpu.Marker)
+        self.bridge = e.bridge  # a gpubridge._feed_protocol.BridgeStats, on leaders
+        self._bridge_ranks = e.bridge_ranks
 
     def ready(self) -> bool:
         """True once the device times can be read (always on CPU); never
@@ -198,7 +202,26 @@ class CollectiveRecord:
             d["error"] = self.error
         if self.step is not None:
             d["step"] = self.step
+        if self.bridge is not None:
+            d["bridge"] = _bridge(self.bridge, self._bridge_ranks)
         return d
+
+
+def _bridge(b: Any, ranks: Sequence[int]) -> dict[str, Any]:
+    """The record's ``bridge`` from a BridgeStats; a peer's rank is its
+    member's global rank (None if the bridge has more members than ranks
+    are known)."""
+    return {
+        "start": b.start_ns, "all_arrived": b.all_arrived_ns, "end": b.end_ns,
+        "bytes_sent": b.bytes_sent, "bytes_received": b.bytes_received,
+        "codec_ns": b.codec_ns, "reduce_ns": b.reduce_ns,
+        "peers": [
+            {"member": p.member, "rank": ranks[p.member] if p.member < len(ranks) else None,
+             "arrival_skew_ns": p.arrival_skew_ns, "blocked_ns": list(p.blocked_ns)}
+            for p in b.peers
+        ],
+        **({"peers_cut": True} if b.peers_cut else {}),
+    }  # fmt: skip
 
 
 class StepRecord:

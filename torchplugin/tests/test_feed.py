@@ -322,6 +322,36 @@ def test_broadcast_gather_scatter_barrier_p2p(pair: Pair) -> None:
     pair.both(run)
 
 
+def test_done_carries_bridge_stats(pair: Pair) -> None:
+    """gbbridge's measure of each collective (DONE tag 1, docs/TRACING.md
+    §7) on the trace clock: all_reduce and broadcast carry it, barrier and
+    send do not."""
+    n = 1 << 20
+
+    def run(c: FeedClient, m: int) -> None:
+        r = c.map_region(n)
+        before = time.monotonic_ns()
+        d = c.all_reduce(r, 0, n, "float32", "sum")
+        after = time.monotonic_ns()
+        b = d.bridge
+        assert b is not None
+        assert before <= b.start_ns <= b.all_arrived_ns <= b.end_ns <= after, (before, b, after)
+        # Two members send each other their buffers.
+        assert n <= b.bytes_sent < n + 1024 and n <= b.bytes_received < n + 1024, b
+        assert b.reduce_ns > 0 and b.codec_ns == 0 and not b.peers_cut
+        (p,) = b.peers
+        assert p.member == 1 - m and p.arrival_skew_ns is not None and len(p.blocked_ns) >= 1
+        assert all(0 <= w <= b.end_ns - b.start_ns for w in p.blocked_ns), b
+        d = c.broadcast(r, 0, 4096, root=0)
+        assert d.bridge is not None
+        heard = d.bridge.peers[0].arrival_skew_ns is not None
+        assert heard == (m == 1), "only the non-root hears from a peer"
+        assert c.barrier().bridge is None
+        c.release(r)
+
+    pair.both(run)
+
+
 def test_threads_share_a_client(pair: Pair) -> None:
     """A RECV waits on one thread while collectives and the SEND it waits
     for run on another: each thread's DONE reaches it, whoever reads."""

@@ -4,11 +4,14 @@ refuses to read."""
 
 from __future__ import annotations
 
+import json
 import struct
+from pathlib import Path
 
 import pytest
 
 from gpubridge._feed_protocol import (
+    BRIDGE_STATS_TAG,
     CALLER_REDUCES_VERSION,
     FLAG_CALLER_REDUCES,
     FLAG_STREAMED,
@@ -19,6 +22,7 @@ from gpubridge._feed_protocol import (
     ProtocolError,
     Span,
     Status,
+    decode_bridge_stats,
     decode_done,
     decode_error,
     decode_progress,
@@ -128,3 +132,78 @@ def test_bad_headers_are_refused(head: bytes, want: str) -> None:
     with pytest.raises(ProtocolError) as e:
         parse_header(head)
     assert want in str(e.value), e.value
+
+
+# Tag-1 values lib/feed wrote, with the Go fields they hold
+# (lib/feed/bridgestats_test.go, TestBridgeStatsVectors).
+BRIDGE_VECTORS = Path(__file__).resolve().parents[2] / "lib" / "feed" / "testdata" / "bridgestats"
+
+
+def ok_done(tag: int, value: bytes) -> bytes:
+    """An ok DONE's body with one extension."""
+    fixed = struct.pack("<QIIQQQQ", 7, 0, 0, 3, 64, 1, 2) + text("")
+    return fixed + struct.pack("<HH", tag, len(value)) + value
+
+
+@pytest.mark.parametrize("name", ["two-peers", "not-heard", "cut"])
+def test_bridge_stats_vectors(name: str) -> None:
+    v = (BRIDGE_VECTORS / f"{name}.bin").read_bytes()
+    want = json.loads((BRIDGE_VECTORS / f"{name}.json").read_text())
+    b = decode_done(ok_done(BRIDGE_STATS_TAG, v)).bridge
+    assert b is not None
+    assert b == decode_bridge_stats(v)
+    assert (b.start_ns, b.all_arrived_ns, b.end_ns) == (want["StartNS"], want["AllArrivedNS"], want["EndNS"])
+    assert (b.bytes_sent, b.bytes_received) == (want["BytesSent"], want["BytesReceived"])
+    assert (b.codec_ns, b.reduce_ns) == (want["CodecNS"], want["ReduceNS"])
+    assert b.peers_cut == bool(want["Flags"] & 1)
+    assert len(b.peers) == len(want["Peers"] or [])
+    for p, w in zip(b.peers, want["Peers"] or [], strict=True):
+        skew = None if w["ArrivalSkewNS"] == -(1 << 63) else w["ArrivalSkewNS"]
+        assert (p.member, p.arrival_skew_ns, list(p.blocked_ns)) == (w["Member"], skew, w["BlockedNS"])
+
+
+def test_done_without_bridge_stats() -> None:
+    assert decode_done(ok_done(9, b"ab")).bridge is None
+
+
+def _bridge_value() -> bytes:
+    return (BRIDGE_VECTORS / "two-peers.bin").read_bytes()
+
+
+def _patched(off: int, v: int) -> bytes:
+    b = bytearray(_bridge_value())
+    struct.pack_into("<H", b, off, v)
+    return bytes(b)
+
+
+def test_bridge_stats_of_another_version_are_skipped() -> None:
+    assert decode_bridge_stats(_patched(0, 2)) is None
+    assert decode_bridge_stats(b"\x02\x00") is None  # a newer layout may be of any length
+
+
+_BAD_BRIDGE_IDS = [
+    "empty", "truncated", "short-peer", "oversized", "peers", "no-streams", "streams", "flags", "reserved",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        (b"", "0 bytes, need 64"),
+        (_bridge_value()[:40], "40 bytes, need 64"),
+        (_bridge_value()[:-1], "127 bytes, 2 peers of 2 streams take 128"),
+        (_bridge_value() + b"\x00", "129 bytes, 2 peers of 2 streams take 128"),
+        (_patched(2, 3), "3 peers of 2 streams"),
+        (_patched(4, 0), "0 streams per peer"),
+        (_patched(4, 65), "65 streams per peer"),
+        (_patched(6, 2), "unknown flags 0x2"),
+        (_patched(64 + 4, 1), "peer 0: reserved word is not zero"),
+    ],
+    ids=_BAD_BRIDGE_IDS,
+)
+def test_malformed_bridge_stats_are_refused(value: bytes, want: str) -> None:
+    with pytest.raises(ProtocolError, match="malformed message from the server: done: bridge stats") as e:
+        decode_bridge_stats(value)
+    assert want in str(e.value), e.value
+    with pytest.raises(ProtocolError, match=want):
+        decode_done(ok_done(BRIDGE_STATS_TAG, value))

@@ -30,6 +30,7 @@ from testenv import scale
 
 from gpubridge import _inflight as fl
 from gpubridge import _trace, observe
+from gpubridge._feed_protocol import BridgePeer, BridgeStats
 from gpubridge._record import CollectiveRecord, GroupInfo
 
 HERE = Path(__file__).resolve().parent
@@ -76,6 +77,23 @@ def test_record_of_an_entry() -> None:
         assert a["end"] == b["start"] and a["start"] <= a["end"]
     assert d["arrived"] == d["phases"][0]["start"] and d["start"] == d["phases"][0]["end"]
     assert d["end"] == d["phases"][-1]["end"]
+
+
+def test_record_bridge_part() -> None:
+    e = entry(5, steps=(fl.BRIDGE,))
+    e.set_step(fl.DONE)
+    assert "bridge" not in CollectiveRecord(e, group(), 11, None).to_dict()
+    peers = (BridgePeer(1, -5, (1, 2)), BridgePeer(2, None, (0, 0)))
+    e.bridge = BridgeStats(10, 20, 30, 4096, 4096, 0, 7, peers, False)
+    e.bridge_ranks = [0, 2, 4]
+    assert CollectiveRecord(e, group(), 11, None).to_dict()["bridge"] == {
+        "start": 10, "all_arrived": 20, "end": 30, "bytes_sent": 4096, "bytes_received": 4096,
+        "codec_ns": 0, "reduce_ns": 7,
+        "peers": [
+            {"member": 1, "rank": 2, "arrival_skew_ns": -5, "blocked_ns": [1, 2]},
+            {"member": 2, "rank": 4, "arrival_skew_ns": None, "blocked_ns": [0, 0]},
+        ],
+    }  # fmt: skip
 
 
 def test_record_options_and_in_flight() -> None:
@@ -315,6 +333,33 @@ def jsonl(text: str) -> list[dict[str, Any]]:
 
 @needs_tools
 @needs_gbtrace
+def check_bridge_parts(per_rank: list[list[dict[str, Any]]]) -> None:
+    """A leader's record of a bridged collective has gbbridge's part
+    (docs/TRACING.md §7) within its bridge phase, on the same clock; no
+    other record has one."""
+    seen = 0
+    for lines in per_rank:
+        for c in (x for x in lines if x["kind"] == "collective"):
+            phase = next((p for p in c["phases"] if p["name"] == "bridge"), None)
+            if not c["leader"] or phase is None:
+                assert "bridge" not in c, c
+                continue
+            b = c["bridge"]
+            assert phase["start"] <= b["start"] <= b["all_arrived"] <= b["end"] <= phase["end"], (phase, b)
+            assert b["codec_ns"] == 0 and b["reduce_ns"] >= 0
+            if c["op"] == "all_reduce":
+                # Two leaders send each other their buffers.
+                n = c["bytes"]
+                assert n <= b["bytes_sent"] == b["bytes_received"] <= n + 1024, (n, b)
+            (p,) = b["peers"]
+            others = [r for r in c["peers"] if r == p["rank"]]
+            assert others and p["member"] in (0, 1), (c["peers"], p)
+            assert p["arrival_skew_ns"] is not None
+            assert all(0 <= w <= b["end"] - b["start"] for w in p["blocked_ns"]), b
+            seen += 1
+    assert seen > 0, "no leader's record has a bridge part"
+
+
 def test_traced_job_and_gbtrace(tmp_path: Path) -> None:
     trace = tmp_path / "trace"
     res = run_job(tmp_path, "loop", "40", extra={"GPUBRIDGE_TRACE": str(trace)})
@@ -334,6 +379,7 @@ def test_traced_job_and_gbtrace(tmp_path: Path) -> None:
     names = [p["name"] for p in leader["phases"]]
     for step in ("island reduce", "copy", "bridge", "copy back", "island broadcast"):
         assert step in names, names
+    check_bridge_parts(per_rank)
 
     merged = gbtrace("merge", str(trace))
     assert merged.returncode == 0, merged.stderr
@@ -341,6 +387,11 @@ def test_traced_job_and_gbtrace(tmp_path: Path) -> None:
     assert m and all(
         x["schema"] == "gpubridge.trace-merged/v1" and x["complete"] and x["seen"] == 4 for x in m
     )
+    # gbtrace reads the leaders' bridge parts: when the bridged step could start.
+    bridged = [x for x in m if any("bridge" in v for v in x["ranks"])]
+    assert bridged
+    for x in bridged:
+        assert x["bridge_start"] == max(v["bridge"]["all_arrived"] for v in x["ranks"] if "bridge" in v), x
     summary = gbtrace("summary", str(trace))
     assert summary.returncode == 0, summary.stderr
     rows = [r for r in jsonl(summary.stdout) if r["op"] == "all_reduce" and r["bucket"] == 65536]

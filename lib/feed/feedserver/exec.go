@@ -105,6 +105,12 @@ type call struct {
 	readyEnd uint64
 	wake     chan struct{}
 	prog     Progress
+
+	// bridge stats for DONE (stats.go), reused
+	stats   collective.Stats
+	bstats  feed.BridgeStats
+	blocked []uint64
+	ext     [1]feed.Ext
 }
 
 func (s *Server) refuse(r *feed.Request, st feed.Status, msg string, arrived time.Time) {
@@ -182,6 +188,8 @@ func (s *Server) run(c *call) {
 		d.Status, d.Error = feed.StatusBroken, brokenText(b)
 	} else if err := s.call(c); err != nil {
 		s.failed(c, err)
+	} else {
+		s.addStats(c, d)
 	}
 	s.finish(c)
 }
