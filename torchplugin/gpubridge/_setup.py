@@ -76,8 +76,14 @@ def private_dir() -> Path:
     killed processes left are removed first."""
     remove_stale_dirs()
     d = Path(tempfile.mkdtemp(prefix=f"gpubridge-{os.getpid()}-"))
-    fd = os.open(d / _LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # The lock file appears only once it is locked (made under another
+    # name, locked, renamed): a .lock another process could find unlocked
+    # in between would let its remove_stale_dirs take this live directory.
+    # Until the rename, _abandoned goes by the pid, which is alive.
+    tmp = d / (_LOCK + ".new")
+    fd = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(tmp, d / _LOCK)
     _held_locks[d] = fd
     return d
 

@@ -258,3 +258,34 @@ def test_stale_private_dirs_are_removed(tmp_path: Path, monkeypatch: pytest.Monk
         holder.wait()
     _setup.remove_stale_dirs()
     assert not foreign.exists(), "its holder is gone"
+
+
+def test_a_directory_being_made_is_not_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process's remove_stale_dirs at the worst moment of
+    private_dir (the lock file made, not yet locked) keeps the directory:
+    in CI a rank's directory vanished that way while it ran discovery
+    ("No such file or directory: .../topology.json")."""
+    import fcntl  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from gpubridge import _setup  # noqa: PLC0415
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = fcntl.flock
+    raced = []
+
+    def flock(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_EX and not raced:  # private_dir's blocking lock
+            # A stranger's sweep, as from another process: a new open file
+            # description, so its LOCK_NB would win over an unlocked file.
+            raced.append(True)
+            _setup.remove_stale_dirs()
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    d = _setup.private_dir()
+    try:
+        assert raced and d.exists() and (d / ".lock").exists(), "the sweep took a live directory"
+        (d / "topology.json").write_text("{}")
+    finally:
+        _setup.remove_private_dir(d)
