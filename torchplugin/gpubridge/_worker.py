@@ -213,34 +213,41 @@ class Worker:
         e = task.entry
         e.set_step(fl.RUNNING)
         fl.enter(e)
+        cuda = self._device.type == "cuda"
         try:
             if self._breaker.error is not None:
                 raise RuntimeError(f"not started: the group is broken: {self._breaker.error}")
-            if self._device.type == "cuda":
+            if cuda:
                 with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
                     self._stream.wait_event(task.event)
                     self._run_task(task)
                     done = _gpu.new_event()
                     done.record(self._stream)
                     task.event = done
-                task.done.set()
-                self._done_q.put(task)
             else:
                 self._run_task(task)
-                task.done.set()
-                task.fut.set_result(task.result)
         except BaseException as exc:  # every failure fails the Work, never the thread
             task.exc = self._breaker.fail(e, exc)
             task.event = None
-            task.done.set()
-            task.fut.set_exception(task.exc)
         finally:
-            fl.leave()
-            e.set_step(fl.DONE)
-            self._count(e)
-            _trace.finish(e, task.exc)
-            with self._submit_lock:
-                self._pending -= 1
+            # The entry is closed, counted and its record delivered before
+            # the Work completes: a caller back from wait() finds the
+            # collective in stats() and in its observers' records.
+            try:
+                fl.leave()
+                e.set_step(fl.DONE)
+                self._count(e)
+                _trace.finish(e, task.exc)
+                with self._submit_lock:
+                    self._pending -= 1
+            finally:
+                task.done.set()
+                if task.exc is not None:
+                    task.fut.set_exception(task.exc)
+                elif cuda:
+                    self._done_q.put(task)
+                else:
+                    task.fut.set_result(task.result)
 
     def _run_task(self, task: Task) -> None:
         if task.sig and self._compare_calls is not None:
