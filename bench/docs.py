@@ -78,17 +78,18 @@ def ratios(name: str, a: str, b: str, min_size: int = 16 * MIB) -> list[tuple[in
     return [(s, t[a][s] / t[b][s]) for s in sorted(t[a]) if s >= min_size and s in t[b]]
 
 
-def verdict(pairs: list[tuple[int, float]], goal: float) -> str:
-    """Met or missed against a ratio goal, quoting every size in the range."""
+def verdict(pairs: list[tuple[int, float]], goal: float, unit: str = X) -> str:
+    """Met or missed against a goal (a ratio, or in unit), quoting every
+    size in the range."""
     met = [(s, q) for s, q in pairs if q >= goal]
     missed = [(s, q) for s, q in pairs if q < goal]
     if not missed:
-        return f"met: {span([q for _, q in met])}\u00d7"
+        return f"met: {span([q for _, q in met])}{unit}"
     if not met:
-        return f"**missed**: {span([q for _, q in missed])}\u00d7"
+        return f"**missed**: {span([q for _, q in missed])}{unit}"
 
     def at(ps: list[tuple[int, float]]) -> str:
-        return f"{and_list([human(s) for s, _ in ps])} ({', '.join(f'{q:.2f}{X}' for _, q in ps)})"
+        return f"{and_list([human(s) for s, _ in ps])} ({', '.join(f'{q:.2f}{unit}' for _, q in ps)})"
 
     return f"met at {at(met)}; **missed** at {at(missed)}"
 
@@ -161,7 +162,7 @@ def goals12_host() -> str:
                 "2 members, ≥ 64 MiB: TCP all_reduce ≥ 0.9 of the TCP exchange (8 streams)",
                 verdict(ratios(H200X1, "tcp-allreduce-s8", "tcp-exchange-s8", 64 * MIB), 0.9),
             ),
-            ("2 members, ≥ 64 MiB: shm all_reduce ≥ 40 GB/s", verdict(shm, 40).replace(X, " GB/s")),
+            ("2 members, ≥ 64 MiB: shm all_reduce ≥ 40 GB/s", verdict(shm, 40, " GB/s")),
             (
                 f"4 members, ≥ 16 MiB: TCP ≥ 4{X} Gloo's 4-rank all_reduce",
                 verdict(ratios(H200X1, "tcp-allreduce-4m-s8", "gloo-4"), 4),

@@ -30,6 +30,16 @@ def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def roc_cells(r: dict[str, Any]) -> str:
+    """An ROC row's cells both straggler tables share: slowdown, threshold,
+    flagged in the first window and at all, the delay, the false flags."""
+    delay = f"{r['delay_steps_p50']:.0f} / {r['delay_steps_p99']:.0f}" if r["detected"] else "—"
+    return (
+        f"{r['slowdown']:.0%} | {r['threshold']:g} | {pct(r['detected_first_window'])} | "
+        f"{pct(r['detected'])} | {delay} | {r['false_flags']}"
+    )
+
+
 def jitter_name(r: dict[str, Any]) -> str:
     if r["dist"] == "uniform":
         return f"uniform ±{r['jitter'] * 3**0.5:.0%} (SD {r['jitter']:.2%})"
@@ -55,11 +65,7 @@ def roc() -> str:
             "|---|---|---|---|---|---|---|",
         ]
         for r in group:
-            delay = f"{r['delay_steps_p50']:.0f} / {r['delay_steps_p99']:.0f}" if r["detected"] else "—"
-            out.append(
-                f"| {r['slowdown']:.0%} | {r['threshold']:g} | {pct(r['detected_first_window'])} | "
-                f"{pct(r['detected'])} | {delay} | {r['false_flags']} | {r['slow_score_mean']:.1f} |"
-            )
+            out.append(f"| {roc_cells(r)} | {r['slow_score_mean']:.1f} |")
         out.append("")
     return "\n".join(out)
 
@@ -138,11 +144,9 @@ def hetero_roc() -> str:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in group:
-            delay = f"{r['delay_steps_p50']:.0f} / {r['delay_steps_p99']:.0f}" if r["detected"] else "—"
             out.append(
-                f"| {r['slowdown']:.0%} | {r['threshold']:g} | {pct(r['detected_first_window'])} | "
-                f"{pct(r['detected'])} | {delay} | {r['false_flags']} | {r['false_rate'] * 250_000:.2f} | "
-                f"{r['slow_score_mean']:.1f} | {r['classic_flags']} |"
+                f"| {roc_cells(r)} | {r['false_rate'] * 250_000:.2f} | {r['slow_score_mean']:.1f} | "
+                f"{r['classic_flags']} |"
             )
         out.append("")
     return "\n".join(out)

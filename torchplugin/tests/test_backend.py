@@ -36,6 +36,10 @@ needs_tools = pytest.mark.skipif(
     not all(os.access(t, os.X_OK) for t in TOOLS),
     reason=f"needs bin/gbprobe, bin/gbdiscover and bin/gbbridge: run `make build` in {REPO}",
 )
+GBTRACE = BIN / "gbtrace"
+needs_gbtrace = pytest.mark.skipif(
+    not os.access(GBTRACE, os.X_OK), reason=f"needs bin/gbtrace: run `make build` in {REPO}"
+)
 
 
 def bridge_pids(tag: str | None = None) -> set[int]:

@@ -39,14 +39,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_backend import BIN, REPO, needs_tools, run_job  # (tests/ is on sys.path under pytest)
+from test_backend import (  # (tests/ is on sys.path under pytest)
+    GBTRACE,
+    REPO,
+    needs_gbtrace,
+    needs_tools,
+    run_job,
+)
 from testenv import scale
 
 sys.path.insert(0, str(REPO / "bench"))
 from rebalance_figures import figures  # the formula, shared with the benches
 
 HERE = Path(__file__).resolve().parent
-GBTRACE = BIN / "gbtrace"
 VENDORS = "nvidia,nvidia,amd,amd"
 B = 48
 
@@ -89,7 +94,7 @@ def uniform(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[s
 
 
 @needs_tools
-@pytest.mark.skipif(not GBTRACE.exists(), reason="needs bin/gbtrace: make build")
+@needs_gbtrace
 def test_expected_differences_are_not_degradation(uniform: tuple[Path, list[dict[str, Any]]]) -> None:
     d, results = uniform
     assert all(r["plans"] == [[0, [12, 12, 12, 12]]] for r in results)
@@ -120,7 +125,7 @@ def test_expected_differences_are_not_degradation(uniform: tuple[Path, list[dict
 
 
 @needs_tools
-@pytest.mark.skipif(not GBTRACE.exists(), reason="needs bin/gbtrace: make build")
+@needs_gbtrace
 def test_rebalanced_job(tmp_path: Path, uniform: tuple[Path, list[dict[str, Any]]]) -> None:
     results = job(tmp_path, "rebalanced", "400", "1", "300")
     plans = [r["plans"] for r in results]

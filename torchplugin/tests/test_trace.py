@@ -25,7 +25,13 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from test_backend import BIN, bridge_pids, job_env, needs_tools  # (tests/ is on sys.path under pytest)
+from test_backend import (  # (tests/ is on sys.path under pytest)
+    GBTRACE,
+    bridge_pids,
+    job_env,
+    needs_gbtrace,
+    needs_tools,
+)
 from testenv import scale
 
 from gpubridge import _inflight as fl
@@ -34,12 +40,7 @@ from gpubridge._feed_protocol import BridgePeer, BridgeStats
 from gpubridge._record import CollectiveRecord, GroupInfo
 
 HERE = Path(__file__).resolve().parent
-GBTRACE = BIN / "gbtrace"
 VENDORS = ["nvidia", "nvidia", "amd", "amd"]
-
-needs_gbtrace = pytest.mark.skipif(
-    not os.access(GBTRACE, os.X_OK), reason=f"needs bin/gbtrace: run `make build` in {BIN.parent}"
-)
 
 
 # ---- records and the flight recorder, in process ----
