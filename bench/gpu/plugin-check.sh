@@ -33,6 +33,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/check.*.json")):
               f"ddp={d['ddp']} bridge_exit={d['bridge_exit']} exchanged={d.get('exchanged')}")
 PY
 }
+. bench/gpu/two_nodes.sh
 if [ "$ngpu" -ge 2 ]; then
   echo "== split test, 2 ranks (2 islands x 1 GPU) vs world NCCL"
   start=$(date +%s)
@@ -66,18 +67,11 @@ else
   echo "== one GPU: split test, 2 ranks on the one GPU as two torchrun nodes (2 islands x 1 rank) vs world Gloo on CPU copies"
   for mode in auto host; do  # the GPU path's exchange-and-add (auto, >= 1 MiB) and the host reduce
     start=$(date +%s)
-    port=$((29600 + RANDOM % 200))
-    pids=()
     d=$out/check2/$mode; mkdir -p "$d"
-    for node in 0 1; do
-      GPUBRIDGE_BRIDGE_REDUCE=$mode timeout 300 python3 -m torch.distributed.run --nnodes 2 --node-rank $node \
-        --nproc-per-node 1 --max-restarts 0 --master-addr 127.0.0.1 --master-port $port \
-        bench/gpu/plugin_check.py "$d" gloo > "$d/node$node.log" 2>&1 &
-      pids+=($!)
-    done
-    for p in "${pids[@]}"; do wait "$p" || { echo "FAILED node, GPUBRIDGE_BRIDGE_REDUCE=$mode (rc $?)"; fail=1; }; done
+    GPUBRIDGE_BRIDGE_REDUCE=$mode two_nodes 300 "$d/node.log" bench/gpu/plugin_check.py "$d" gloo ||
+      { echo "FAILED node, GPUBRIDGE_BRIDGE_REDUCE=$mode (rc $?)"; fail=1; }
     echo "  GPUBRIDGE_BRIDGE_REDUCE=$mode: wall $(( $(date +%s) - start )) s"; summary "$d"
-    tail -3 "$d/node0.log"
+    tail -3 "$d/node.log.0"
     python3 - "$d" "$mode" <<'PY' || fail=1
 import glob, json, sys
 rows = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/check.*.json")]
@@ -91,14 +85,8 @@ PY
   mkdir -p "$out/check4"
   for ex in ddp_train fsdp_train; do
     echo "== examples/$ex.py on the one GPU (split test: two nodes of one rank), as a user launches it"
-    port=$((29600 + RANDOM % 200)); pids=()
-    for node in 0 1; do
-      timeout 200 python3 -m torch.distributed.run --nnodes 2 --node-rank $node --nproc-per-node 1 --max-restarts 0 \
-        --master-addr 127.0.0.1 --master-port $port examples/$ex.py > "$out/$ex.$node.out" 2> "$out/$ex.$node.log" &
-      pids+=($!)
-    done
-    for p in "${pids[@]}"; do wait "$p" || { echo "FAILED $ex (rc $?)"; fail=1; }; done
-    tail -3 "$out/$ex.0.log"
+    two_nodes 200 "$out/$ex.log" examples/$ex.py || { echo "FAILED $ex (rc $?)"; fail=1; }
+    tail -3 "$out/$ex.log.0"
   done
 fi
 echo "== plugin-check done, fail=$fail"

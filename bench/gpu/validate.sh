@@ -26,21 +26,7 @@ budget=${GB_BUDGET_S:-540}; t_end=$(( $(date +%s) + budget ))
 echo "== $(date -u +%FT%TZ) validate: commit $GB_COMMIT; steps ${steps[*]}; $(nproc --all) cores"
 nvidia-smi -L 2>/dev/null || echo "(no nvidia-smi)"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())'
-# Two torchrun "nodes" of one rank each on this host (both on GPU 0 with
-# one GPU): two_nodes LIMIT LOG SCRIPT ARGS...
-two_nodes() {
-  local lim=$1 log=$2; shift 2
-  local port=$((29700 + RANDOM % 200)) pids=() rc=0
-  for node in 0 1; do
-    GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=4 timeout "$lim" \
-      python3 -m torch.distributed.run --nnodes 2 --node-rank $node --nproc-per-node 1 --max-restarts 0 \
-      --master-addr 127.0.0.1 --master-port $port "$@" > "$log.$node" 2>&1 &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-  tail -n 4 "$log.0"
-  return $rc
-}
+. bench/gpu/two_nodes.sh
 fail=0
 for s in "${steps[@]}"; do
   left=$(( t_end - $(date +%s) ))
@@ -65,8 +51,11 @@ for s in "${steps[@]}"; do
       one-gpu-bench)
         rc=0
         two_nodes 80 "$d/bench-gpubridge.log" bench/gpu/plugin_bench.py gpubridge "$d/bench.jsonl" --sizes 1M,256M,1G --iters 10 || rc=1
+        tail -n 4 "$d/bench-gpubridge.log.0"
         two_nodes 80 "$d/bench-gloo-bridge.log" bench/gpu/plugin_bench.py gloo-bridge "$d/bench.jsonl" --sizes 1M,256M,1G --iters 5 || rc=1
+        tail -n 4 "$d/bench-gloo-bridge.log.0"
         two_nodes 100 "$d/train.log" bench/gpu/plugin_train.py gpubridge "$d/train.jsonl" --steps 20 || rc=1
+        tail -n 4 "$d/train.log.0"
         [ "$rc" -eq 0 ] ;;
     esac
     rc=$?
