@@ -21,19 +21,13 @@ echo "== $(date -u +%FT%TZ) commit ${GB_COMMIT:-$(git rev-parse --short HEAD 2>/
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())'
 fail=0
 echo "== 1. traced split test: 2 ranks (2 islands) on one GPU"
-port=$((29600 + RANDOM % 200))
+. bench/gpu/two_nodes.sh
 start=$(date +%s)
-pids=()
-for node in 0 1; do
-  GPUBRIDGE_TRACE=$out/trace GPUBRIDGE_TRACE_DUMP_DIR=$out/dumps timeout 240 python3 -m torch.distributed.run \
-    --nnodes 2 --node-rank $node --nproc-per-node 1 --max-restarts 0 --master-addr 127.0.0.1 --master-port $port \
-    bench/gpu/trace_job.py "$out/job" > "$out/job/node$node.log" 2>&1 &
-  pids+=($!)
-done
-for p in "${pids[@]}"; do wait "$p" || { echo "FAILED node (rc $?)"; fail=1; }; done
+GPUBRIDGE_TRACE=$out/trace GPUBRIDGE_TRACE_DUMP_DIR=$out/dumps two_nodes 240 "$out/job/node.log" \
+  bench/gpu/trace_job.py "$out/job" || { echo "FAILED node (rc $?)"; fail=1; }
 echo "  wall $(( $(date +%s) - start )) s"
 for f in "$out"/job/rank*.json; do echo "  $(basename "$f"): $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d.pop("dump",None); print(json.dumps(d))' "$f")"; done
-tail -3 "$out/job/node0.log"
+tail -3 "$out/job/node.log.0"
 bin/gbtrace summary "$out/trace" > "$out/summary.jsonl" || { echo "gbtrace summary FAILED"; fail=1; }
 bin/gbtrace summary --format text "$out/trace"
 bin/gbtrace merge "$out/trace" > "$out/merge.jsonl" || { echo "gbtrace merge FAILED"; fail=1; }
