@@ -65,10 +65,11 @@ func (lz *lossy) resid(v0, v1 int) []byte {
 	return lz.res[4*v0 : 4*v1]
 }
 
-// blockVals is how many values the block loops handle at a time: 8 fp8
-// groups, 32 KiB of float32, so that a value's decode, add, finish and
-// encode run while it is in the first-level cache.
-const blockVals = 8 * codec.GroupElems
+// blockVals is how many values the block loops handle at a time: 16 fp8
+// groups, 64 KiB of float32, so that a value's decode, add, finish and
+// encode run while it is in the core's cache, and the clock reads of the
+// stats cost little beside them.
+const blockVals = 16 * codec.GroupElems
 
 // blockPool holds the two float32 blocks of a worker: a partial, and an
 // input widened to float32.
