@@ -12,8 +12,9 @@
 #     root, ip and tc; skipped otherwise).
 # Usage: bench/codec_bridge.sh OUTDIR [BIN]
 # Writes OUTDIR/rows.jsonl: the kernels' rows (gpubridge.codec-bench/v1)
-# and the bench rows (gpubridge.bench/v1) with "link", "round", "commit"
-# and the load average before the round. GB_SIZES (64M,256M), GB_ITERS
+# and the bench rows (gpubridge.bench/v1) with "link", "round", "config"
+# (the configuration's name below), "commit" and the load average after
+# the configuration ran. GB_SIZES (64M,256M), GB_ITERS
 # (3), GB_REPS (3), GB_RATE (1gbit), GB_KCOUNT (5).
 set -euo pipefail
 out=${1:?usage: bench/codec_bridge.sh OUTDIR [BIN]}
@@ -35,14 +36,14 @@ cat /proc/loadavg > "$out/load-after"
 : > "$out/stat.jsonl"
 python3 "$here/codec_rows.py" "$out" "$commit" >> "$rows"
 
-tag() { # tag LINK ROUND: add the run's fields to each JSON row on stdin
+tag() { # tag LINK ROUND CONFIG: add the run's fields to each JSON row on stdin
   python3 -c 'import json,sys
 load = open("/proc/loadavg").read().split()[0]
 for l in sys.stdin:
     if l.startswith("{"):
         d = json.loads(l)
-        d.update(link=sys.argv[1], round=int(sys.argv[2]), commit=sys.argv[3], load=float(load))
-        print(json.dumps(d), flush=True)' "$1" "$2" "$commit"
+        d.update(link=sys.argv[1], round=int(sys.argv[2]), config=sys.argv[3], commit=sys.argv[4], load=float(load))
+        print(json.dumps(d), flush=True)' "$1" "$2" "$3" "$commit"
 }
 
 # The configurations each round times: name, then gbbridge bench's flags.
@@ -68,7 +69,7 @@ loopback() { # loopback ROUND
     echo "== loopback round $1: $name" >&2
     # shellcheck disable=SC2086
     "$bin/gbbridge" bench --json --members 2 --transport tcp --data random --sizes "$sizes" --iters "$iters" --warmup 1 $flags \
-      | tag loopback "$1" >> "$rows"
+      | tag loopback "$1" "$name" >> "$rows"
   done
 }
 
@@ -107,7 +108,7 @@ limited() { # limited ROUND STORE
       pids+=($!)
     done
     for p in "${pids[@]}"; do wait "$p"; done
-    tag "$link" "$1" < "$out/member0.jsonl" >> "$rows"
+    tag "$link" "$1" "$name" < "$out/member0.jsonl" >> "$rows"
   done
 }
 

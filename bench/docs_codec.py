@@ -5,6 +5,7 @@ the rest (BLOCKS)."""
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -141,9 +142,133 @@ def accuracy() -> str:
     return "\n".join(out) + "\n"
 
 
+# ---- compression on the bridge (phase 2): bench/codec_bridge.sh ----
+
+BRIDGE_RUN = "ef34a2e"  # the commit of the bridge rows (bench/codec_bridge.sh)
+BRIDGE = f"codec-bridge-devbox-{BRIDGE_RUN}.jsonl"
+MIB = 1 << 20
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def spread(values: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    """'median (min to max)' of values / scale, with an en dash."""
+    v = [x / scale for x in values]
+    return f"{fmt.format(med(v))} ({fmt.format(min(v))}{DASH}{fmt.format(max(v))})"
+
+
+def bridge_kernels() -> str:
+    rs = [r for r in rows(BRIDGE) if r["schema"] == "gpubridge.codec-bench/v1"]
+    by: dict[tuple[str, str], Rows] = {}
+    for r in rs:
+        by.setdefault((r["bench"], r["case"]), []).append(r)
+    memcpy = med([r["cpu_mbps"] for r in by[("MXFP8", "memcpy")]])
+    out = [
+        "| codec | operation | AVX2: GB/s per core, median (min"
+        + DASH
+        + "max) | wall GB/s, median | Go: GB/s per core | AVX2 / memcpy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for bench in ("MXFP8", "BF16"):
+        for op in ("encode", "decode", "decode-add", "encode-feedback"):
+            a, g = by.get((bench, f"{op}/avx2")), by.get((bench, f"{op}/go"))
+            if a is None or g is None:
+                continue
+            cpu = [r["cpu_mbps"] for r in a]
+            out.append(
+                f"| {'fp8' if bench == 'MXFP8' else 'bf16'} | {op} | {spread(cpu, 1e3)} | "
+                f"{med([r['wall_mbps'] for r in a]) / 1e3:.2f} | "
+                f"{med([r['cpu_mbps'] for r in g]) / 1e3:.2f} | "
+                f"{med(cpu) / memcpy:.2f} |"
+            )
+    mc = by[("MXFP8", "memcpy")]
+    out.append(
+        f"| {DASH} | memcpy (the anchor) | {spread([r['cpu_mbps'] for r in mc], 1e3)} | "
+        f"{med([r['wall_mbps'] for r in mc]) / 1e3:.2f} | {DASH} | 1 |"
+    )
+    enc = med([r["cpu_mbps"] for r in by[("MXFP8", "encode/avx2")]]) / 1e3
+    add = med([r["cpu_mbps"] for r in by[("MXFP8", "decode-add/avx2")]]) / 1e3
+    met = enc >= GOAL_GBPS and add >= GOAL_GBPS
+    r0 = rs[0]
+    out += [
+        "",
+        f"{len(mc)} runs of each benchmark. The goal, fp8 encode and decode+add "
+        f"\u2265 {GOAL_GBPS:g} GB/s per core "
+        f"for float32, {'holds' if met else '**does not hold**'}: {enc:.1f} and {add:.1f} GB/s (medians). "
+        f"Machine: {r0['cpu']}, {r0['cpus']} cores, load average {r0['load_before'][0]} before and "
+        f"{r0['load_after'][0]} after.",
+    ]
+    return "\n".join(out) + "\n"
+
+
+CONFIGS = [  # (label, bench/codec_bridge.sh's configuration) in table order
+    ("memcpy, one core (anchor)", "memcpy"),
+    ("raw exchange, nothing reduced (the ceiling)", "exchange"),
+    ("all_reduce raw", "raw"),
+    ("all_reduce bf16", "bf16"),
+    ("all_reduce fp8", "fp8"),
+    ("all_reduce fp8, error feedback", "fp8-feedback"),
+    ("all_reduce zstd", "zstd"),
+    ("all_reduce fp8, 512 KiB chunks", "fp8-chunk512K"),
+]
+
+
+def bridge_table(link: str) -> str:
+    rs = [r for r in rows(BRIDGE) if r["schema"] == "gpubridge.bench/v1" and r["link"] == link]
+    sizes = sorted({r["size"] for r in rs})
+    head = " | ".join(f"{s // MIB} MiB: GB/s, median (min{DASH}max)" for s in sizes)
+    big = sizes[-1]
+    out = [
+        f"| configuration | {head} | sent per call at {big // MIB} MiB "
+        f"| vs all_reduce raw at {big // MIB} MiB |",
+        "|---|" + "---|" * (len(sizes) + 2),
+    ]
+
+    def pick(config: str, size: int) -> Rows:
+        return [r for r in rs if r["config"] == config and r["size"] == size]
+
+    raw = med([r["algbw_gbps"] for r in pick("raw", big)])
+    for label, config in CONFIGS:
+        last = pick(config, big)
+        if not last:
+            continue
+        cells = [spread([r["algbw_gbps"] for r in pick(config, s)]) for s in sizes]
+        sent = med([r.get("sent_bytes", 0) for r in last])
+        sent_cell = DASH if sent == 0 else f"{sent / MIB:.1f} MiB"
+        vs = med([r["algbw_gbps"] for r in last]) / raw
+        out.append(f"| {label} | " + " | ".join(cells) + f" | {sent_cell} | {vs:.2f}{X} |")
+    loads = [r["load"] for r in rs]
+    rounds = sorted({r["round"] for r in rs})
+    wrong = sum(r["wrong"] for r in rs)
+    out += [
+        "",
+        f"2 members over TCP (8 streams, 4 MiB chunks), float32 sum of random values in [-8, 8), "
+        f"{len(rounds)} rounds; GB/s is algbw (the buffer over the slowest member's mean time of 3 "
+        f"calls). Load average during the rounds: "
+        f"{min(loads):.1f}{DASH}{max(loads):.1f} on 2 cores. Every row checked: {wrong} wrong elements.",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def bridge_loopback() -> str:
+    return bridge_table("loopback")
+
+
+def bridge_limited() -> str:
+    links = sorted(
+        {r["link"] for r in rows(BRIDGE) if r["schema"] == "gpubridge.bench/v1" and r["link"] != "loopback"}
+    )
+    return bridge_table(links[0])
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     f"codec-kernels {RUN}": kernels,
     f"codec-lossless {RUN}": lossless,
     f"codec-stat {RUN}": stat,
     f"codec-accuracy {ACCURACY_RUN}": accuracy,
+    f"codec-bridge-kernels {BRIDGE_RUN}": bridge_kernels,
+    f"codec-bridge-loopback {BRIDGE_RUN}": bridge_loopback,
+    f"codec-bridge-limited {BRIDGE_RUN}": bridge_limited,
 }

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -666,4 +667,32 @@ func TestCodecRealMeshes(t *testing.T) {
 			})
 		}
 	}
+}
+
+// The packing of the buffer and the zstd frames' buffers are kept by the
+// Comm and reused by the next call, not made again.
+func TestCodecScratchReused(t *testing.T) {
+	cl := newCluster(t, 2, 2, Options{ChunkBytes: testChunk})
+	run := func(cd Codec) {
+		requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+			return c.AllReduceCodec(context.Background(), make([]byte, 40000), reduce.Float32, reduce.Sum, cd, nil)
+		}))
+	}
+	at := func(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
+	c := cl.comms[0]
+	run(Codec{ID: codec.MXFP8})
+	first := c.packed
+	run(Codec{ID: codec.BF16}) // a longer packing: grown once
+	require.NotEqual(t, at(first), at(c.packed))
+	packed := at(c.packed)
+	run(Codec{ID: codec.MXFP8})
+	run(Codec{ID: codec.BF16})
+	assert.Equal(t, packed, at(c.packed), "the packing was made again")
+
+	run(Codec{ID: codec.Zstd})
+	require.Len(t, c.zstd, 2)
+	send, recv := at(c.zstd[0].send), at(c.zstd[0].recv)
+	run(Codec{ID: codec.Zstd})
+	assert.Equal(t, send, at(c.zstd[0].send))
+	assert.Equal(t, recv, at(c.zstd[0].recv))
 }
