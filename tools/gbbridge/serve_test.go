@@ -597,3 +597,41 @@ func TestServeKilledDirect(t *testing.T) {
 	assert.Equal(t, 1, ps[1].wait(t), "a bridge failure during the session is exit 1")
 	assert.Contains(t, ps[1].stderr.String(), "shared", "member 1 logs its regions as shared")
 }
+
+// --max-feedback caps the residuals of a session: a keyed lossy all_reduce
+// whose residual would pass it is refused (status 1, naming the cap), and
+// the feed goes on.
+func TestServeFeedbackCap(t *testing.T) {
+	ps := startPair(t, newCluster(t), "--max-feedback", "1K")
+	cls := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
+	defer cancel()
+	for i, cl := range cls {
+		assert.Equal(t, uint16(feed.Version), cl.Welcome().Version)
+		reg, err := cl.Map(ctx, 4096)
+		require.NoError(t, err)
+		key := uint64(9)
+		_, err = cl.AllReduceCodec(ctx, reg.Span(0, 4096), reduce.Float32, reduce.Sum, 2, &key)
+		var re *feedtest.RequestError
+		require.ErrorAs(t, err, &re, "member %d", i)
+		assert.Equal(t, feed.StatusBadRequest, re.Status)
+		assert.Contains(t, re.Msg, "feedback key 9: a residual of 1024 float32 values takes 4096 bytes")
+		assert.Contains(t, re.Msg, "over the cap of 1024 bytes (gbbridge serve --max-feedback)")
+	}
+	// The bridge is fine: a barrier meets.
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for i, cl := range cls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = cl.Barrier(ctx)
+		}()
+	}
+	wg.Wait()
+	for i, cl := range cls {
+		require.NoError(t, errs[i], "member %d", i)
+		require.NoError(t, cl.Close(ctx))
+		assert.Equal(t, 0, ps[i].wait(t), "stderr:\n%s", ps[i].stderr.String())
+	}
+}
