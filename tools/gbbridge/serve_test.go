@@ -25,6 +25,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/discover"
 	"github.com/gpubridge/gpubridge/lib/feed"
@@ -631,6 +632,83 @@ func TestServeFeedbackCap(t *testing.T) {
 	wg.Wait()
 	for i, cl := range cls {
 		require.NoError(t, errs[i], "member %d", i)
+		require.NoError(t, cl.Close(ctx))
+		assert.Equal(t, 0, ps[i].wait(t), "stderr:\n%s", ps[i].stderr.String())
+	}
+}
+
+// TestServeCompressed: two gbbridge serve processes run fp8 all_reduces
+// with a feedback key, twice, and a zstd one: the results are bit for bit
+// collective.ReferenceAllReduceCodec's (the second call's depends on the
+// residual the first left in each serve), and DONE counts packed bytes.
+func TestServeCompressed(t *testing.T) {
+	ps := startPair(t, newCluster(t))
+	cls := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
+	defer cancel()
+	const E = 1<<20 + 3 // values: 4 MiB and 12 bytes, more than one chunk
+	n := 4 * E
+	regs := make([]*feedtest.Region, 2)
+	for i, cl := range cls {
+		assert.Equal(t, uint16(3), cl.Welcome().Version)
+		reg, err := cl.Map(ctx, n)
+		require.NoError(t, err)
+		regs[i] = reg
+	}
+	r := rand.New(rand.NewPCG(13, 2))
+	resid := [][]byte{make([]byte, 4*E), make([]byte, 4*E)}
+	run := func(id uint8, op reduce.Op, key *uint64) []feed.DoneMsg {
+		dones := make([]feed.DoneMsg, 2)
+		errs := make([]error, 2)
+		var wg sync.WaitGroup
+		for i, cl := range cls {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				dones[i], errs[i] = cl.AllReduceCodec(ctx, regs[i].All(), reduce.Float32, op, id, key)
+			}()
+		}
+		wg.Wait()
+		for i := range cls {
+			require.NoError(t, errs[i], "member %d; stderr:\n%s", i, ps[i].stderr.String())
+		}
+		return dones
+	}
+	key := uint64(7)
+	for call, op := range []reduce.Op{reduce.Sum, reduce.Avg} {
+		inputs := make([][]byte, 2)
+		for i, reg := range regs {
+			for k := 0; k < n; k += 4 {
+				binary.LittleEndian.PutUint32(reg.Mem[k:], math.Float32bits(float32(r.NormFloat64())))
+			}
+			inputs[i] = slices.Clone(reg.Mem)
+		}
+		want, res := collective.ReferenceAllReduceCodec(codec.MXFP8, op, reduce.Float32, inputs, resid, 2)
+		resid = res
+		dones := run(uint8(codec.MXFP8), op, &key)
+		for i := range regs {
+			require.True(t, bytes.Equal(want, regs[i].Mem), "call %d, member %d: result differs from the reference", call, i)
+			require.Len(t, dones[i].Ext, 1)
+			var b feed.BridgeStats
+			require.NoError(t, feed.DecodeBridgeStats(dones[i].Ext[0].Value, &b))
+			assert.Equal(t, uint64(codec.MXFP8Len(E)), b.BytesSent, "member %d sends its packing once", i)
+			assert.NotZero(t, b.CodecNS)
+		}
+	}
+	// zstd: raw's bits.
+	inputs := make([][]byte, 2)
+	for i, reg := range regs {
+		for k := 0; k < n; k += 4 {
+			binary.LittleEndian.PutUint32(reg.Mem[k:], math.Float32bits(float32(r.IntN(4))))
+		}
+		inputs[i] = slices.Clone(reg.Mem)
+	}
+	want := collective.ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 2)
+	run(uint8(codec.Zstd), reduce.Sum, nil)
+	for i := range regs {
+		require.True(t, bytes.Equal(want, regs[i].Mem), "zstd, member %d", i)
+	}
+	for i, cl := range cls {
 		require.NoError(t, cl.Close(ctx))
 		assert.Equal(t, 0, ps[i].wait(t), "stderr:\n%s", ps[i].stderr.String())
 	}

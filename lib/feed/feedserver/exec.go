@@ -11,6 +11,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/reduce"
 )
 
 // worker alternates between reading the socket (while it holds the reader
@@ -215,9 +216,9 @@ func (s *Server) call(c *call) (err error) {
 	br, d := s.bridge, &c.done
 	switch {
 	case c.req.Kind == feed.MsgAllReduce && c.req.Flags&feed.FlagCallerReduces != 0:
-		// The inputs are exchanged, raw, zstd-packed or (lossy codecs)
+		// The inputs are exchanged, raw or zstd-packed, or (lossy codecs)
 		// as the packings the callers made; the caller reduces them.
-		err = br.AllGatherCodec(s.ctx, c.out, c.buf, Codec{ID: codec.ID(c.req.Codec), DType: c.req.DType}, p)
+		err = br.AllGatherCodec(s.ctx, c.out, c.buf, exchangeCodec(codec.ID(c.req.Codec), c.req.DType), p)
 		d.Bytes = uint64(len(c.out))
 	default:
 		err = s.collective(c, p)
@@ -226,6 +227,18 @@ func (s *Server) call(c *call) (err error) {
 		d.Seq = br.Seq()
 	}
 	return err
+}
+
+// exchangeCodec is the codec of a caller-reduces all_reduce's exchange.
+// A lossy codec's packings travel as the opaque bytes they are, in raw
+// frames: lib/collective's all_gather takes lossless codecs only, and
+// would have to mark the frames with the lossy codec without decoding
+// them (docs/FEED.md §3a).
+func exchangeCodec(id codec.ID, dt reduce.DType) Codec {
+	if id.Lossy() {
+		return Codec{}
+	}
+	return Codec{ID: id, DType: dt}
 }
 
 // collective runs every request but the caller-reduces all_reduce.
