@@ -31,8 +31,9 @@ type call struct {
 
 	// codec packs the call's data frames (every frame carries it); cdt
 	// is the dtype of its values (a lossless codec's planes; 0: bytes).
-	codec codec.ID
-	cdt   reduce.DType
+	codec  codec.ID
+	cdt    reduce.DType
+	packed bool // the bytes are packed already (args.packed): sent as they are
 
 	readyFn func(context.Context, int) error
 	readyTo atomic.Int64

@@ -93,8 +93,12 @@ func (c *Comm) BroadcastCodec(ctx context.Context, buf []byte, root int, cd Code
 	})
 }
 
-// AllGatherCodec is AllGather with what it sends packed by cd (lossless
-// codecs only; cd.DType, when set, must divide in into whole elements).
+// AllGatherCodec is AllGather with what it sends packed by cd: lossless
+// codecs (cd.DType, when set, must divide in into whole elements), or a
+// lossy id marking bytes the caller packed already (the GPU leaders'
+// caller-reduces exchange, docs/FEED.md §3a): then the frames carry the id,
+// so members that packed differently fail naming it, and nothing is
+// packed or decoded here.
 func (c *Comm) AllGatherCodec(ctx context.Context, out, in []byte, cd Codec, p *Progress) error {
 	L := len(in)
 	a := args{kind: kAllGather, desc: fmt.Sprintf("%s per member%s", fmtBytes(L), codecDesc(cd.ID)), n: L, codec: cd.ID}
@@ -106,11 +110,18 @@ func (c *Comm) AllGatherCodec(ctx context.Context, out, in []byte, cd Codec, p *
 	if !alias && overlap(in, out) {
 		return a.refuse("the input overlaps the output other than as this member's own slot")
 	}
-	if err := a.checkBytesCodec(cd, L); err != nil {
-		return err
+	if cd.ID.Lossy() {
+		if cd.Residual != nil {
+			return a.refuse("a residual (error feedback) is for a lossy all_reduce, not all_gather")
+		}
+		a.chunk, a.packed = c.chunkFor(1), true
+	} else {
+		if err := a.checkBytesCodec(cd, L); err != nil {
+			return err
+		}
+		a.dt, a.cdt = a.planes(cd), a.planes(cd)
+		a.chunk = c.codecChunk(max(a.cdt.Size(), 1), cd.ID, a.cdt)
 	}
-	a.dt, a.cdt = a.planes(cd), a.planes(cd)
-	a.chunk = c.codecChunk(max(a.cdt.Size(), 1), cd.ID, a.cdt)
 	return c.collect(ctx, a, p, func() error { copy(slot, in); return nil }, func(cl *call) error {
 		if cd.ID == codec.Raw {
 			descs, err := c.describe(cl, in)

@@ -343,7 +343,9 @@ func TestCodecInvalid(t *testing.T) {
 		{"residual raw", ar(reduce.Float32, reduce.Sum, Codec{Residual: res}), "a residual (error feedback) is for the lossy codecs (bf16, fp8), not raw"},
 		{"residual zstd", ar(reduce.Float32, reduce.Sum, Codec{ID: codec.Zstd, Residual: res}), "not zstd/v1"},
 		{"fp8 broadcast", func() error { return c.BroadcastCodec(ctx, b, 0, fp8, nil) }, "codec fp8/v1 is lossy: broadcast stays exact"},
-		{"bf16 all_gather", func() error { return c.AllGatherCodec(ctx, make([]byte, 2*len(b)), b, bf16, nil) }, "all_gather stays exact"},
+		{"residual on a packed all_gather", func() error {
+			return c.AllGatherCodec(ctx, make([]byte, 2*len(b)), b, Codec{ID: codec.BF16, Residual: res}, nil)
+		}, "a residual (error feedback) is for a lossy all_reduce, not all_gather"},
 		{"fp8 reduce_scatter", func() error {
 			return c.ReduceScatterCodec(ctx, b[:1024], b[2048:], reduce.Float32, reduce.Sum, fp8, nil)
 		}, "reduce_scatter stays exact"},
@@ -695,4 +697,37 @@ func TestCodecScratchReused(t *testing.T) {
 	run(Codec{ID: codec.Zstd})
 	assert.Equal(t, send, at(c.zstd[0].send))
 	assert.Equal(t, recv, at(c.zstd[0].recv))
+}
+
+// A lossy id on all_gather marks bytes the caller packed (the GPU leaders'
+// caller-reduces exchange): they arrive unchanged, and a member that packed
+// with another codec (or not at all) fails every member, naming both.
+func TestPackedAllGather(t *testing.T) {
+	ctx := context.Background()
+	const L = 1000 // not a whole packing of anything: the bytes are opaque here
+	t.Run("same codec", func(t *testing.T) {
+		cl := newCluster(t, 2, 2, Options{ChunkBytes: 256, Timeout: testenv.Scale(10 * time.Second)})
+		ins, outs := make([][]byte, 2), make([][]byte, 2)
+		for m := range ins {
+			ins[m], outs[m] = randBytes(rand.New(rand.NewPCG(61, uint64(m))), L), make([]byte, 2*L)
+		}
+		requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+			return c.AllGatherCodec(ctx, outs[m], ins[m], Codec{ID: codec.MXFP8, DType: reduce.Float32}, nil)
+		}))
+		want := append(append([]byte{}, ins[0]...), ins[1]...)
+		for m := range outs {
+			assert.Equal(t, want, outs[m], "member %d", m)
+		}
+	})
+	t.Run("packed vs raw", func(t *testing.T) {
+		cl := newCluster(t, 2, 2, Options{ChunkBytes: 256, Timeout: testenv.Scale(10 * time.Second)})
+		ids := []codec.ID{codec.MXFP8, codec.Raw}
+		errs := cl.each(func(m int, c *Comm) error {
+			return c.AllGatherCodec(ctx, make([]byte, 2*L), make([]byte, L), Codec{ID: ids[m]}, nil)
+		})
+		for m, err := range errs {
+			require.Error(t, err, "member %d", m)
+			assert.ErrorContains(t, err, "every member must compress alike", "member %d", m)
+		}
+	})
 }

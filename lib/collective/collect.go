@@ -41,6 +41,9 @@ type args struct {
 	// (what a lossless codec splits into planes; 0: bytes).
 	codec codec.ID
 	cdt   reduce.DType
+	// packed: the caller packed the bytes with codec already (a lossy id
+	// on all_gather): the frames carry the id and the bytes as they are.
+	packed bool
 }
 
 // refuse is a misuse found before the call started (ErrInvalid).
@@ -69,7 +72,7 @@ func (c *Comm) collect(ctx context.Context, a args, p *Progress, alone func() er
 	if err != nil {
 		return err
 	}
-	cl.codec, cl.cdt = a.codec, a.cdt
+	cl.codec, cl.cdt, cl.packed = a.codec, a.cdt, a.packed
 	return c.run(cl, func() error {
 		switch {
 		case a.n == 0:

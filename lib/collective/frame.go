@@ -113,6 +113,8 @@ func (cl *call) check(peer int, h wire.Header, step, chunk, n int) error {
 // most (zstd).
 func (cl *call) frameLen(n int) (want, most int) {
 	switch {
+	case cl.packed:
+		return n, 0
 	case cl.codec.Lossy():
 		return cl.packedLen(n), 0
 	case cl.codec == codec.Zstd:

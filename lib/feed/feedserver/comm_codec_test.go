@@ -204,7 +204,9 @@ func TestZstdThroughTheFeed(t *testing.T) {
 		func(m int) []byte { return regs[m].Mem[:n] }, func(m int) []byte { return regs[m].Mem[n : 3*n] })
 	check("reduce_scatter float32 sum", func(m int) feed.Request {
 		return feed.Request{Kind: feed.MsgReduceScatter, Codec: zstd, DType: reduce.Float32, Op: reduce.Sum, Buf: regs[m].Span(0, 2*n), Out: regs[m].Span(2*n, n), Peer: -1}
-	}, func(in [][]byte) [][]byte { return collective.ReferenceReduceScatter(reduce.Sum, reduce.Float32, in, members) },
+	}, func(in [][]byte) [][]byte {
+		return collective.ReferenceReduceScatter(reduce.Sum, reduce.Float32, in, members)
+	},
 		func(m int) []byte { return regs[m].Mem[:2*n] }, func(m int) []byte { return regs[m].Mem[2*n : 3*n] })
 	check("caller-reduces int32 sum", func(m int) feed.Request {
 		return feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagCallerReduces, Codec: zstd, DType: reduce.Int32, Op: reduce.Sum,

@@ -229,15 +229,11 @@ func (s *Server) call(c *call) (err error) {
 	return err
 }
 
-// exchangeCodec is the codec of a caller-reduces all_reduce's exchange.
-// A lossy codec's packings travel as the opaque bytes they are, in raw
-// frames: lib/collective's all_gather takes lossless codecs only, and
-// would have to mark the frames with the lossy codec without decoding
-// them (docs/FEED.md §3a).
+// exchangeCodec is the codec of a caller-reduces all_reduce's exchange:
+// the request's, with its dtype. A lossy codec's packings travel as the
+// caller packed them, in frames marked with the codec (lib/collective's
+// AllGatherCodec decodes nothing then).
 func exchangeCodec(id codec.ID, dt reduce.DType) Codec {
-	if id.Lossy() {
-		return Codec{}
-	}
 	return Codec{ID: id, DType: dt}
 }
 

@@ -45,7 +45,7 @@ func TestCodecsReachTheBridge(t *testing.T) {
 		{"fp8 caller-reduces", func(i int) feed.Request {
 			return feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagCallerReduces, Codec: uint8(codec.MXFP8), DType: reduce.BFloat16, Op: reduce.Sum,
 				Buf: sp(i, 1000+19*i, 19), Out: sp(i, 1000, 38)}
-		}, "all_gather", Codec{}}, // the packings as raw bytes (exchangeCodec)
+		}, "all_gather", Codec{ID: codec.MXFP8, DType: reduce.BFloat16}}, // the packings, marked
 		{"zstd caller-reduces", func(i int) feed.Request {
 			return feed.Request{Kind: feed.MsgAllReduce, Flags: feed.FlagCallerReduces, Codec: uint8(codec.Zstd), DType: reduce.Float32, Op: reduce.Sum,
 				Buf: sp(i, 100, 8), Out: sp(i, 200, 16)}
