@@ -18,6 +18,10 @@ rank in the simulated island VENDOR-NAME). Writes OUTDIR/rank<R>.json:
 - ``native``: set-up failures (GPUBRIDGE_COMPRESSION differing between
   ranks, and a value that is no compression) on groups made in turn, then
   the native API's per-call override with a feedback key.
+- ``accuracy`` (2+2): one model trained four times with DDP (see
+  :func:`accuracy`): exact, fp8 with error feedback (in gbbridge, and on
+  the leaders' GPU path), fp8 without; the loss curves, the weights'
+  digests and the bytes that crossed the bridge.
 """
 
 from __future__ import annotations
@@ -197,12 +201,12 @@ def exchange() -> dict[str, Any]:
     dist.all_gather_into_tensor(g, data(3 + rank, torch.float32, 100))
     want = torch.cat([data(3 + r, torch.float32, 100) for r in range(world)])
     same_bits(g, want, "all_gather")
-    # zstd (a per-call override): the exact sum, on both paths.
+    # zstd (a per-call override): raw's bits, on both paths.
     for how in ("caller", "host"):
         set_mode(pg, how)
         x = data(11 + rank, torch.float32)
         want = x.clone()
-        dist.all_reduce(want, group=flat)
+        pg.allreduce_compressed(want, dist.ReduceOp.SUM, "none").wait()
         pg.allreduce_compressed(x, dist.ReduceOp.SUM, "zstd").wait()
         same_bits(x, want, f"zstd {how}")
         checks += 1
@@ -241,7 +245,10 @@ def ring() -> dict[str, Any]:
             "abs": torch.stack([i.double().abs() for i in inputs]).sum(0).tolist(),
         }
     dist.destroy_process_group()
-    return {"hashes": hashes, "errors": errors if rank == 0 else {}, "members": len(pg.topology["islands"])}
+    return {
+        "hashes": hashes, "errors": errors if rank == 0 else {}, "members": len(pg.topology["islands"]),
+        "role": pg.topology["self"]["role"], "bridge_exit": pg.bridge_exit,
+    }  # fmt: skip
 
 
 def native() -> dict[str, Any]:
@@ -287,9 +294,102 @@ def native() -> dict[str, Any]:
     }  # fmt: skip
 
 
+# The accuracy model: a linear regression on D = 32 x BLOCKS inputs, trained
+# on a fixed shard of SAMPLES per rank (the whole shard every step) with SGD
+# and a cosine learning rate. In each 32-value block of the weight, one
+# entry is frozen (a fine-tuning mask zeroes its update after the
+# all_reduce) and slightly off; its input is LOUD times larger than the
+# others, so its gradient is about 1e6 times the trainable entries' every
+# step and sets the block's fp8 scale: their gradients are below half the
+# smallest E4M3 step and fp8 without error feedback flushes them to zero,
+# every step, while error feedback carries them on until they get through.
+BLOCKS, SAMPLES, LOUD, NOISE = 16, 512, 1e6, 0.01
+TRAIN_STEPS, LR, LOG_EVERY = 300, 0.05, 10
+# The frozen entries' offset: their gradient over 2 ranks of an island,
+# about 4 LOUD^2 OFFSET, puts the block's flush threshold (at least 2^-10
+# of its scale, which is at least amax / 448) at about 10 while the
+# trainable entries' island sums stay below about 5.
+OFFSET = 1.2 * 2 / (LOUD**2 * 2.2e-6)
+
+
+def accuracy_problem(r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank r's inputs and targets, the frozen mask and the starting weights
+    (every rank makes every rank's from the same seeds)."""
+    d = 32 * BLOCKS
+    g = torch.Generator().manual_seed(1234)
+    frozen = torch.zeros(d, dtype=torch.bool)
+    frozen[::32] = True
+    target = torch.where(frozen, 0.0, torch.sign(torch.randn(d, generator=g)))
+    w0 = torch.where(frozen, OFFSET * torch.sign(torch.randn(d, generator=g)), 0.0)
+    scale = torch.where(frozen, LOUD, 1.0)
+    gr = torch.Generator().manual_seed(100 + r)
+    x = torch.randn(SAMPLES, d, generator=gr) * scale
+    y = x @ target + NOISE * torch.randn(SAMPLES, generator=gr)
+    return x, y, frozen, w0
+
+
+def accuracy() -> dict[str, Any]:
+    """Trains the model four times in this job: "exact" (gpubridge's
+    ddp_comm_hook), "fp8-ef" (compressed_hook, fp8 with error feedback, in
+    gbbridge: CPU tensors take the host path), "fp8-ef-gpu-path" (the same
+    with the leaders quantizing and decoding themselves: their endpoints'
+    reduce_mode "caller"), "fp8" (no error feedback). Returns per variant
+    the loss every LOG_EVERY steps (the mean over every rank's shard),
+    the final weights' digest, and the bytes this rank sent over the
+    bridge for the gradients."""
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    dist.init_process_group(backend="gpubridge")
+    pg = dist.distributed_c10d._get_default_group()
+    assert isinstance(pg, GpubridgeProcessGroup)
+    flat = dist.new_group(backend="gloo")
+    x, y, frozen, w0 = accuracy_problem(rank)
+    out: dict[str, Any] = {}
+    for variant in ("exact", "fp8-ef", "fp8-ef-gpu-path", "fp8"):
+        set_mode(pg, "caller" if variant == "fp8-ef-gpu-path" else "host")
+        model = torch.nn.Linear(32 * BLOCKS, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(w0)
+        ddp = DDP(model)
+        if variant == "exact":
+            ddp.register_comm_hook(None, gpubridge.ddp_comm_hook)
+        else:
+            state = gpubridge.CompressionState(codec="fp8", error_feedback=variant != "fp8")
+            ddp.register_comm_hook(state, gpubridge.compressed_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, TRAIN_STEPS)
+        obs = Codecs()
+        gpubridge.add_observer(obs)
+        losses = []
+        for step in range(TRAIN_STEPS + 1):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x).squeeze(1), y)
+            if step % LOG_EVERY == 0 or step == TRAIN_STEPS:
+                mean = loss.detach().clone()
+                dist.all_reduce(mean, group=flat)
+                losses.append([step, mean.item() / world])
+            if step == TRAIN_STEPS:
+                break
+            loss.backward()
+            model.weight.grad[0, frozen] = 0.0  # the mask: frozen entries keep their values
+            opt.step()
+            sched.step()
+        gpubridge.remove_observer(obs)
+        sent = sum(b for call, _, b in obs.seen if call.startswith("allreduce") and b is not None)
+        codecs = sorted({c for call, c, _ in obs.seen if call.startswith("allreduce")})
+        out[variant] = {
+            "losses": losses, "digest": digest(model.weight.detach()), "bytes_sent": sent,
+            "codecs": codecs, "steps": TRAIN_STEPS,
+        }  # fmt: skip
+    dist.destroy_process_group(flat)
+    dist.destroy_process_group()
+    return {"variants": out, "role": pg.topology["self"]["role"], "bridge_exit": pg.bridge_exit}
+
+
 if __name__ == "__main__":
     try:
-        res = {"ok": True, **{"exchange": exchange, "ring": ring, "native": native}[mode]()}
+        modes = {"exchange": exchange, "ring": ring, "native": native, "accuracy": accuracy}
+        res = {"ok": True, **modes[mode]()}
     except Exception:
         res = {"error": traceback.format_exc()}
     (outdir / f"rank{rank}.json").write_text(json.dumps(res))
