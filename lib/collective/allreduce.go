@@ -2,7 +2,6 @@ package collective
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
 )
@@ -14,25 +13,7 @@ import (
 // (allreduce_ring.go); over shared memory, when every member's buffer is
 // shared, the members reduce straight from each other's buffers instead
 // (allreduce_direct.go). Algorithm names the one the call ran.
+// AllReduceCodec (codec.go) is the same with compressed frames.
 func (c *Comm) AllReduce(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, p *Progress) error {
-	a := args{kind: kAllReduce, desc: fmt.Sprintf("%s %s, %s", dt, op, fmtBytes(len(buf))), n: len(buf), dt: dt, op: op}
-	if err := a.checkReduce("length", len(buf)); err != nil {
-		return err
-	}
-	a.chunk = c.chunkFor(dt.Size())
-	return c.collect(ctx, a, p, func() error { return reduce.Finish(op, dt, buf, 1) }, func(cl *call) error {
-		descs, err := c.describe(cl, buf)
-		switch {
-		case err != nil:
-			return err
-		case descs != nil:
-			c.ran(AlgoDirect)
-			return c.directAllReduce(cl, buf, dt, op, descs)
-		case c.size == 2:
-			c.ran(AlgoExchange)
-			return c.exchange(cl, buf, dt, op, a.chunk)
-		}
-		c.ran(AlgoRing)
-		return c.ringAllReduce(cl, buf, dt, op, a.chunk)
-	})
+	return c.AllReduceCodec(ctx, buf, dt, op, Codec{}, p)
 }

@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/codec"
+	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/transport"
 	"github.com/gpubridge/gpubridge/lib/wire"
 )
@@ -26,6 +28,11 @@ type call struct {
 	heard  []atomic.Bool // a frame of this call came from that member
 	st     *callStats
 	pre    error // found before the call started: it fails at once
+
+	// codec packs the call's data frames (every frame carries it); cdt
+	// is the dtype of its values (a lossless codec's planes; 0: bytes).
+	codec codec.ID
+	cdt   reduce.DType
 
 	readyFn func(context.Context, int) error
 	readyTo atomic.Int64
@@ -211,7 +218,7 @@ func (cl *call) send(st transport.Stream, peer, step, chunk int, payload []byte)
 // sendProgress is send, telling progress how much of the payload is out
 // as it goes when the stream can say (transport.ProgressSender).
 func (cl *call) sendProgress(st transport.Stream, peer, step, chunk int, payload []byte, progress func(int)) error {
-	h := wire.Header{Kind: wire.KindData, Seq: cl.seq, Step: encodeStep(cl.kind, step, cl.fp), Chunk: uint32(chunk)}
+	h := wire.Header{Kind: wire.KindData, Codec: uint8(cl.codec), Seq: cl.seq, Step: encodeStep(cl.kind, step, cl.fp), Chunk: uint32(chunk)}
 	var err error
 	if ps, ok := st.(transport.ProgressSender); ok && progress != nil {
 		err = ps.SendProgress(cl.ctx, h, payload, progress)
@@ -235,7 +242,7 @@ func (cl *call) recv(st transport.Stream, s, peer, step, chunk, n int, primary b
 		if err := cl.check(peer, h, step, chunk, n); err != nil {
 			return &localError{err}
 		}
-		cl.frameIn(peer, s, asked, n)
+		cl.frameIn(peer, s, asked, len(p))
 		cl.heard[peer].Store(true)
 		if err := fn(p); err != nil {
 			return &localError{err}
@@ -261,7 +268,7 @@ func (cl *call) recvHold(st transport.Holder, s, peer, step, chunk, n int, prima
 		release()
 		return nil, nil, cl.recvErr(&localError{err}, peer, primary)
 	}
-	cl.frameIn(peer, s, asked, n)
+	cl.frameIn(peer, s, asked, len(p))
 	cl.heard[peer].Store(true)
 	return p, release, nil
 }
@@ -276,7 +283,7 @@ func (cl *call) recvPieces(st transport.PieceReceiver, s, peer, step, chunk, n i
 		if err := cl.check(peer, h, step, chunk, n); err != nil {
 			return &localError{err}
 		}
-		cl.frameIn(peer, s, asked, n)
+		cl.frameIn(peer, s, asked, int(h.Len))
 		cl.heard[peer].Store(true)
 		return nil
 	}, func(off int, p []byte) error {

@@ -3,6 +3,7 @@ package collective
 import (
 	"context"
 
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 )
 
@@ -36,6 +37,10 @@ type args struct {
 	op    reduce.Op
 	root  int
 	chunk int
+	// codec packs the frames; cdt is the dtype of the values they carry
+	// (what a lossless codec splits into planes; 0: bytes).
+	codec codec.ID
+	cdt   reduce.DType
 }
 
 // refuse is a misuse found before the call started (ErrInvalid).
@@ -60,10 +65,11 @@ func (a *args) checkReduce(what string, n int) error {
 // input read once ready, the result reported whole) with one member, and
 // the algorithm otherwise.
 func (c *Comm) collect(ctx context.Context, a args, p *Progress, alone func() error, algorithm func(cl *call) error) error {
-	cl, err := c.begin(ctx, a.kind, a.desc, fingerprint(a.kind, a.n, a.dt, a.op, a.root, a.chunk), p)
+	cl, err := c.begin(ctx, a.kind, a.desc, fingerprint(a.kind, a.n, a.dt, a.op, a.root, a.chunk, a.codec), p)
 	if err != nil {
 		return err
 	}
+	cl.codec, cl.cdt = a.codec, a.cdt
 	return c.run(cl, func() error {
 		switch {
 		case a.n == 0:

@@ -103,8 +103,10 @@ type Comm struct {
 
 	collMu  sync.Mutex // serialises collectives
 	seq     atomic.Uint64
-	algo    atomic.Int32 // the algorithm of the last collective, an index of algoNames
-	scratch []byte       // reduce_scatter partials, reused (under collMu)
+	algo    atomic.Int32  // the algorithm of the last collective, an index of algoNames
+	scratch []byte        // reduce_scatter partials, reused (under collMu)
+	packed  []byte        // a lossy all_reduce's packing of the buffer, reused (under collMu)
+	zstd    []zstdScratch // per data stream, a lossless call's frames, reused (under collMu)
 
 	mu       sync.Mutex
 	cur      *call  // the collective in progress

@@ -154,6 +154,53 @@
 //
 // Buffers of 0 bytes send nothing (and check nothing).
 //
+// # Compression
+//
+// The *Codec variants (AllReduceCodec, BroadcastCodec, AllGatherCodec,
+// ReduceScatterCodec) pack what they send with a Codec
+// (docs/COMPRESSION.md): every data frame carries the codec's id in its
+// header, and the codec is part of the argument fingerprint. A member that
+// receives a frame of another codec than its call's fails with
+//
+//	member 1 sent fp8/v1 frames in all_reduce #12, this member's call uses raw: every member must compress alike
+//
+// (an id this build does not know: codec.UnknownError's text). A
+// compressed call never takes the direct path; its frames are received
+// whole (not in a stream's pieces).
+//
+// zstd (lossless, every collective): the sender packs each chunk into one
+// zstd/v1 chunk (chunks are capped so that one fits a frame), the receiver
+// unpacks it into exactly the chunk's bytes and hands that to the
+// collective's own consumer, so the results are raw's bit for bit. A
+// frame that does not unpack so is corrupt (an error naming the peer that
+// matches wire.ErrCorrupt). Broadcast and all_gather pack byte planes of
+// Codec.DType (0: plain bytes).
+//
+// bf16 and fp8 (lossy: floating sum and avg all_reduce, dtypes the codec
+// takes; anything else is refused with ErrInvalid): chunks are multiples
+// of codec.ChunkAlign values, so packed chunks are consecutive pieces of
+// the buffer's packing, and a frame's payload is exactly the chunk's
+// packed length. Two members run the compressed exchange: each packs its
+// chunk Q(x + r) and both compute dec(q0) + dec(q1) in float32 (member
+// 0's first), Finish for 2, then the dtype. Three or more run the
+// low-precision ring on ringAllReduce's schedule over segments of
+// multiples of 1024 values: the first hop packs the input, each later hop
+// packs dec(received) + x in float32 (the received partial first), the
+// owner applies Finish once and packs the sum once more, and the
+// all-gather forwards those final bytes unchanged; every member, the
+// owner included, sets its result to their decoding. Each member
+// quantizes each value once per call, so Codec.Residual (float32 per
+// value, nil: none) carries one error-feedback residual per value:
+// u = x + r, r' = u - dec(Q(u)), or +0 where either is not finite. Every
+// member ends with the same bits, ReferenceAllReduceCodec's. Packing and
+// unpacking run inside the pipe, chunk by chunk, in cache-sized blocks on
+// the streams' goroutines (large chunks over up to Workers/Streams of
+// them), so the codec overlaps the wire; Stats.Codec counts their time,
+// BytesSent and BytesReceived the packed bytes. In the ring a result range
+// is reported Done once it is decoded (the owner's after its last
+// reduce-scatter step). The packing of the buffer is kept by the Comm and
+// reused by the next lossy call; with one member nothing is quantized.
+//
 // # Barrier
 //
 // Barrier runs on the control streams: a dissemination barrier, in round k

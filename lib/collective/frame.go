@@ -9,6 +9,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/wire"
 )
@@ -57,21 +58,26 @@ func decodeStep(s uint32) (k kind, step int, fp uint16) {
 }
 
 // fingerprint digests what every member must pass identically to a
-// collective: the sizes, dtype, op, root and the chunk size.
-func fingerprint(k kind, n int, dt reduce.DType, op reduce.Op, root, chunk int) uint16 {
-	var b [26]byte
+// collective: the sizes, dtype, op, root, the chunk size and the codec.
+func fingerprint(k kind, n int, dt reduce.DType, op reduce.Op, root, chunk int, cd codec.ID) uint16 {
+	var b [27]byte
 	b[0] = byte(k)
 	binary.LittleEndian.PutUint64(b[1:], uint64(n))
 	b[9] = byte(dt)
 	b[10] = byte(op)
 	binary.LittleEndian.PutUint64(b[11:], uint64(root))
 	binary.LittleEndian.PutUint64(b[18:], uint64(chunk))
+	b[26] = byte(cd)
 	s := crc32.ChecksumIEEE(b[:])
 	return uint16(s) ^ uint16(s>>16)
 }
 
 // check validates the header of a data frame from peer against what this
-// member expects at (step, chunk), n payload bytes.
+// member expects at (step, chunk): n bytes of values, as many payload bytes
+// for a raw call, their packing for a compressed one (exactly its length
+// for a lossy codec, at most codec.LosslessMaxLen for zstd). The codec
+// comes first: a member that compresses otherwise sends other lengths and
+// another fingerprint, and the codec is what it must be told.
 func (cl *call) check(peer int, h wire.Header, step, chunk, n int) error {
 	c := cl.c
 	who := c.mesh.Peer(peer)
@@ -79,16 +85,40 @@ func (cl *call) check(peer int, h wire.Header, step, chunk, n int) error {
 		return fmt.Errorf("%s sent a %s frame on a data stream during %s #%d: protocol error", who, h.Kind, cl.kind, cl.seq)
 	}
 	k, st, fp := decodeStep(h.Step)
+	if got := codec.ID(h.Codec); got != cl.codec {
+		if err := codec.Check(got); err != nil {
+			return fmt.Errorf("%s: %w", who, err)
+		}
+		return fmt.Errorf("%s sent %s frames in %s #%d, this member's call uses %s: every member must compress alike", who, got.Versioned(), k, h.Seq, cl.codec.Versioned())
+	}
 	if k != cl.kind || h.Seq != cl.seq {
 		return fmt.Errorf("%s sent %s #%d, this member is in %s #%d: members called collectives in different orders", who, k, h.Seq, cl.kind, cl.seq)
 	}
 	if fp != cl.fp {
 		return fmt.Errorf("%s called %s #%d with other arguments than this member's (%s, %s chunks): every member must pass the same sizes, dtype, op and root, and use the same ChunkBytes", who, cl.kind, cl.seq, cl.desc, fmtBytes(c.chunk))
 	}
-	if st != step || int(h.Chunk) != chunk || int(h.Len) != n {
-		return fmt.Errorf("%s sent %s #%d step %d chunk %d (%d bytes), this member expected step %d chunk %d (%d bytes): protocol error", who, cl.kind, cl.seq, st, h.Chunk, h.Len, step, chunk, n)
+	want, most := cl.frameLen(n)
+	if st != step || int(h.Chunk) != chunk || int(h.Len) != want && (most == 0 || int(h.Len) > most) {
+		expect := fmt.Sprintf("%d bytes", want)
+		if most > 0 {
+			expect = fmt.Sprintf("at most %d bytes", most)
+		}
+		return fmt.Errorf("%s sent %s #%d step %d chunk %d (%d bytes), this member expected step %d chunk %d (%s): protocol error", who, cl.kind, cl.seq, st, h.Chunk, h.Len, step, chunk, expect)
 	}
 	return nil
+}
+
+// frameLen is the payload length of a frame that carries n bytes of
+// values in this call: exactly want, or, when most > 0, any length up to
+// most (zstd).
+func (cl *call) frameLen(n int) (want, most int) {
+	switch {
+	case cl.codec.Lossy():
+		return cl.packedLen(n), 0
+	case cl.codec == codec.Zstd:
+		return -1, codec.LosslessMaxLen(cl.cdt, n)
+	}
+	return n, 0
 }
 
 // corruptHint adds to a corrupt frame's error what its header says, read

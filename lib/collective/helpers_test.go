@@ -164,6 +164,10 @@ func runCore(t *testing.T) {
 	t.Run("Mismatch", TestMismatch)
 	t.Run("StalledMember", TestStalledMember)
 	t.Run("PeerClosed", TestPeerClosed)
+	// Compressed frames are received whole over every stream.
+	t.Run("CodecLossless", TestCodecLossless)
+	t.Run("AllReduceCodecSpecials", TestAllReduceCodecSpecials)
+	t.Run("CodecReady", TestCodecReady)
 }
 
 func newClusterMesh(t testing.TB, meshes []transport.Mesh, o Options, maxUnexpected int64) *cluster {

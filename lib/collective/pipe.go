@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
@@ -36,6 +37,12 @@ import (
 // while the previous chunk is reduced, without copying it.
 //
 // Both require the chunk lists of the paired segments to agree; run checks.
+//
+// A compressed call's frames are received whole (Holder, else Recv). Under
+// zstd the pipe packs what payload returns and unpacks what arrives
+// before recv sees it (codec_zstd.go), so the collectives' callbacks are
+// raw's; a lossy call's callbacks make and take the packed bytes
+// themselves (codec_lossy.go).
 type pipe struct {
 	cl         *call
 	next, prev int
@@ -90,6 +97,9 @@ func (pp *pipe) run() error {
 		}
 	}
 	S := pp.cl.c.streams
+	if pp.cl.codec == codec.Zstd && pp.cl.c.zstd == nil {
+		pp.cl.c.zstd = make([]zstdScratch, S)
+	}
 	for s := range S {
 		var nsend, nrecv int
 		for t := range pp.steps {
@@ -111,7 +121,9 @@ func (pp *pipe) run() error {
 		if nrecv > 0 {
 			st = pp.cl.c.mesh.Stream(pp.prev, s)
 			pr, pieces = st.(transport.PieceReceiver)
-			pieces = pieces && pr.PieceSize() > 0
+			// A compressed frame is unpacked whole: fp8's groups and
+			// zstd's planes do not fall on the stream's pieces.
+			pieces = pieces && pr.PieceSize() > 0 && pp.cl.codec == codec.Raw
 		}
 		if nsend > 0 && pieces && pp.recvFrom <= pp.recvTo {
 			if _, ok := pp.cl.c.mesh.Stream(pp.next, s).(transport.ProgressSender); ok {
@@ -127,7 +139,7 @@ func (pp *pipe) run() error {
 			} else if h, ok := st.(transport.Holder); ok {
 				held := make(chan heldChunk, 1)
 				pp.cl.spawn(func() error { return pp.holdReceiver(s, h, held) })
-				pp.cl.spawn(func() error { return pp.consumer(held, recvTok, sendTok) })
+				pp.cl.spawn(func() error { return pp.consumer(s, held, recvTok, sendTok) })
 			} else {
 				pp.cl.spawn(func() error { return pp.receiver(s, recvTok, sendTok) })
 			}
@@ -150,6 +162,9 @@ func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}, 
 			}
 			off, n := pp.span(j, c)
 			p, err := pp.payload(t, j, c, off, n)
+			if err == nil && cl.codec == codec.Zstd {
+				p, err = pp.zpack(s, p)
+			}
 			if err != nil {
 				return err
 			}
@@ -190,7 +205,7 @@ func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}
 					return err
 				}
 			}
-			return pp.recv(k.t, k.j, k.c, k.off, k.n, p)
+			return pp.consume(s, k, p)
 		})
 		if err != nil {
 			return err
@@ -201,6 +216,19 @@ func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}
 		}
 		return nil
 	})
+}
+
+// consume hands the payload p of chunk k, received whole on data stream
+// s, to pp.recv: as it is, or unpacked first when the call is lossless
+// compressed (a lossy call's recv takes the packed bytes itself).
+func (pp *pipe) consume(s int, k chunkAt, p []byte) error {
+	if pp.cl.codec == codec.Zstd {
+		var err error
+		if p, err = pp.zunpack(s, k, p); err != nil {
+			return err
+		}
+	}
+	return pp.recv(k.t, k.j, k.c, k.off, k.n, p)
 }
 
 // consumed runs the received hook of chunk k.
@@ -410,9 +438,10 @@ func (pp *pipe) holdReceiver(s int, st transport.Holder, held chan<- heldChunk) 
 	})
 }
 
-// consumer consumes the chunks holdReceiver hands it, in order: it waits
-// for the send each depends on, passes it to pp.recv and releases it.
-func (pp *pipe) consumer(held <-chan heldChunk, recvTok chan<- struct{}, sendTok <-chan struct{}) (err error) {
+// consumer consumes the chunks holdReceiver hands it (from data stream
+// s), in order: it waits for the send each depends on, passes it to
+// pp.consume and releases it.
+func (pp *pipe) consumer(s int, held <-chan heldChunk, recvTok chan<- struct{}, sendTok <-chan struct{}) (err error) {
 	cl := pp.cl
 	defer func() {
 		// On an error, release what the receiver still hands over: it
@@ -432,7 +461,7 @@ func (pp *pipe) consumer(held <-chan heldChunk, recvTok chan<- struct{}, sendTok
 				return err
 			}
 		}
-		err := pp.recv(h.t, h.j, h.c, h.off, h.n, h.p)
+		err := pp.consume(s, h.chunkAt, h.p)
 		h.release()
 		if err != nil {
 			return cl.recvErr(&localError{err}, pp.prev, pp.primary)

@@ -2,7 +2,6 @@ package collective
 
 import (
 	"context"
-	"fmt"
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
@@ -12,24 +11,9 @@ import (
 // result (bytes [m*len(out), (m+1)*len(out))) in member m's out: len(in) =
 // Size*len(out). out may be this member's own segment of in and must not
 // overlap in otherwise. in is not modified (except through that alias).
+// ReduceScatterCodec (codec.go) is the same with compressed frames.
 func (c *Comm) ReduceScatter(ctx context.Context, out, in []byte, dt reduce.DType, op reduce.Op, p *Progress) error {
-	L := len(out)
-	a := args{kind: kReduceScatter, desc: fmt.Sprintf("%s %s, %s per member", dt, op, fmtBytes(L)), n: L, dt: dt, op: op}
-	if err := a.checkReduce("output length", L); err != nil {
-		return err
-	}
-	if len(in) != c.size*L {
-		return a.refuse("input of %d bytes, want %d members × %d bytes = %d", len(in), c.size, L, c.size*L)
-	}
-	own := in[c.self*L : (c.self+1)*L]
-	if !sameSlice(out, own) && overlap(out, in) {
-		return a.refuse("the output overlaps the input other than as this member's own segment")
-	}
-	a.chunk = c.chunkFor(dt.Size())
-	return c.collect(ctx, a, p, func() error { copy(out, in); return reduce.Finish(op, dt, out, 1) }, func(cl *call) error {
-		c.ran(AlgoRing)
-		return c.ringReduceScatter(cl, out, in, dt, op, a.chunk)
-	})
+	return c.ReduceScatterCodec(ctx, out, in, dt, op, Codec{}, p)
 }
 
 // ringReduceScatter is the first half of ringAllReduce over segments of

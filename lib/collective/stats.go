@@ -18,14 +18,19 @@ type Stats struct {
 	// from every peer it heard from (Start when it heard from none: a
 	// broadcast root).
 	AllArrived time.Time
-	// BytesSent and BytesReceived count the payloads of the frames (the
-	// direct path's descriptors included) and, on the direct path, where
+	// BytesSent and BytesReceived count the payloads of the frames as
+	// they travel (packed, for a compressed call; the direct path's
+	// descriptors included) and, on the direct path, where
 	// members read each other's buffers in place, the bytes this member
 	// read of its peers' buffers (received) and they of its (sent).
 	BytesSent, BytesReceived uint64
 	// Reduce is the time spent in lib/reduce's kernels, summed over the
 	// goroutines that ran them.
 	Reduce time.Duration
+	// Codec is the time spent packing and unpacking frames (lib/codec's
+	// encoders and decoders, decode-and-add included), summed over the
+	// goroutines that ran them; 0 for a raw call.
+	Codec time.Duration
 	// Streams is the data streams per peer.
 	Streams int
 	// Peers holds every other member, in member order.
@@ -57,6 +62,7 @@ type callStats struct {
 	first    []atomic.Int64 // per member: ns after start of its first frame + 1; 0: none
 	blocked  []atomic.Int64 // per member × stream, ns
 	reduce   []paddedInt64  // per stream, ns
+	codec    []paddedInt64  // per stream, ns
 	sent     atomic.Int64
 	received atomic.Int64
 }
@@ -73,6 +79,7 @@ func (c *Comm) newCallStats() *callStats {
 		first:   make([]atomic.Int64, c.size),
 		blocked: make([]atomic.Int64, c.size*c.streams),
 		reduce:  make([]paddedInt64, c.streams),
+		codec:   make([]paddedInt64, c.streams),
 	}
 }
 
@@ -93,6 +100,11 @@ func (cl *call) reduced(s int, t0 time.Time) {
 	cl.st.reduce[s%len(cl.st.reduce)].Add(int64(time.Since(t0)))
 }
 
+// coded adds the time since t0 to stream s's codec time.
+func (cl *call) coded(s int, t0 time.Time) {
+	cl.st.codec[s%len(cl.st.codec)].Add(int64(time.Since(t0)))
+}
+
 // snapshot writes the call's stats into out, reusing out's slices.
 func (cl *call) snapshot(out *Stats, end time.Time) {
 	st, c := cl.st, cl.c
@@ -100,6 +112,7 @@ func (cl *call) snapshot(out *Stats, end time.Time) {
 		BytesSent: uint64(st.sent.Load()), BytesReceived: uint64(st.received.Load())}, c.size-1)
 	for i := range st.reduce {
 		out.Reduce += time.Duration(st.reduce[i].Load())
+		out.Codec += time.Duration(st.codec[i].Load())
 	}
 	i := 0
 	for m := range c.size {

@@ -34,6 +34,13 @@ func (e *enc) str(s string) *enc {
 	e.b = append(e.b, s...)
 	return e
 }
+func (e *enc) feedbackKey(has bool, key uint64) *enc {
+	if has {
+		e.u16(ExtFeedbackKey).u16(FeedbackKeySize)
+		e.b = AppendFeedbackKey(e.b, key)
+	}
+	return e
+}
 func (e *enc) exts(x []Ext) *enc {
 	for _, t := range x {
 		e.u16(t.Tag).u16(uint16(len(t.Value)))
@@ -101,14 +108,20 @@ func (d *dec) str() string {
 }
 
 // exts decodes the extension records that fill the rest of the body. With
-// keep false nothing is allocated: the records are only checked.
-func (d *dec) exts(keep bool) []Ext {
+// keep false nothing is allocated: the records are only checked. With r (a
+// request's body) the extensions the request codec knows go into r's
+// fields instead of the list.
+func (d *dec) exts(keep bool, r *Request) []Ext {
 	var out []Ext
 	for d.err == nil && len(d.b) > 0 {
 		tag := d.u16()
 		n := int(d.u16())
 		if !d.need(n) {
 			return nil
+		}
+		if r != nil && tag&^ExtCritical == ExtFeedbackKey&^ExtCritical {
+			d.feedbackKey(tag, d.take(n), r)
+			continue
 		}
 		if tag&ExtCritical != 0 {
 			d.err = malformed("%s: unknown critical extension %#04x", d.t, tag)

@@ -3,8 +3,9 @@ package feed
 import "github.com/gpubridge/gpubridge/lib/reduce"
 
 // DecodeRequest decodes a request body (after the header) into r without
-// allocating: extensions are checked but not kept. It fails only when the
-// body is malformed; whether the request makes sense is checked elsewhere.
+// allocating: ExtFeedbackKey goes into r.FeedbackKey, other extensions are
+// checked but not kept. It fails only when the body is malformed; whether
+// the request makes sense is checked elsewhere.
 // On failure r.ID holds the request id when the body had one.
 func DecodeRequest(t MsgType, body []byte, r *Request) error {
 	return decodeRequest(t, body, r, false)
@@ -29,7 +30,7 @@ func decodeRequest(t MsgType, body []byte, r *Request, keep bool) error {
 	r.Out.Len = d.u64()
 	r.Peer = int32(d.u32())
 	r.Tag = d.u32()
-	r.Ext = d.exts(keep)
+	r.Ext = d.exts(keep, r)
 	return d.done()
 }
 
@@ -62,7 +63,7 @@ func DecodeDone(body []byte, m *DoneMsg) error {
 	m.QueueUS = d.u64()
 	m.TotalUS = d.u64()
 	m.Error = d.str()
-	m.Ext = d.exts(true)
+	m.Ext = d.exts(true, nil)
 	return d.done()
 }
 
@@ -93,7 +94,7 @@ func DecodeBody(t MsgType, body []byte) (Message, error) {
 			return nil, malformed("hello: bad magic %#08x (not a gpubridge feed client)", magic)
 		}
 		m := &HelloMsg{MinVersion: d.u16(), MaxVersion: d.u16(), PID: d.u32(), Name: d.str()}
-		m.Ext = d.exts(true)
+		m.Ext = d.exts(true, nil)
 		if d.err == nil && m.MinVersion > m.MaxVersion {
 			d.err = malformed("hello: version range %d..%d is empty", m.MinVersion, m.MaxVersion)
 		}
@@ -107,7 +108,7 @@ func DecodeBody(t MsgType, body []byte) (Message, error) {
 		m.MaxMessage, m.MaxRegions, m.MaxInflight = d.u32(), d.u32(), d.u32()
 		m.MaxRegionBytes = d.u64()
 		m.Transport = d.str()
-		m.Ext = d.exts(true)
+		m.Ext = d.exts(true, nil)
 		return m, d.done()
 	case MsgError:
 		m := &ErrorMsg{Code: d.u32(), Text: d.str()}
@@ -120,7 +121,7 @@ func DecodeBody(t MsgType, body []byte) (Message, error) {
 			d.err = malformed("region: flags %#x are not zero", f)
 		}
 		m.Size = d.u64()
-		m.Ext = d.exts(true)
+		m.Ext = d.exts(true, nil)
 		return m, d.done()
 	case MsgRelease:
 		m := &ReleaseMsg{ID: d.u64(), Region: d.u32()}

@@ -168,7 +168,7 @@ func (m *DoneMsg) Append(b []byte) []byte {
 //	 0   8   request id: strictly increasing on a feed
 //	 8   1   dtype (reduce.DType numbering; 0: bytes, no element type)
 //	 9   1   op (reduce.Op numbering; 0: none)
-//	10   1   codec (0: raw)
+//	10   1   codec (a lib/codec id, version 3; 0: raw)
 //	11   1   zero
 //	12   4   flags (FlagStreamed)
 //	16   4   buf region (0: none)
@@ -179,19 +179,24 @@ func (m *DoneMsg) Append(b []byte) []byte {
 //	48   8   out length in bytes
 //	56   4   root (broadcast) or peer (send, recv) as a member index; -1: none
 //	60   4   tag (send, recv)
-//	64   …   extensions
+//	64   …   extensions (ExtFeedbackKey first when there is one)
 type Request struct {
 	Kind  MsgType
 	ID    uint64
 	DType reduce.DType
 	Op    reduce.Op
-	Codec uint8
+	Codec uint8 // a lib/codec id from CodecVersion on; CodecRaw before
 	Flags uint32
 	Buf   Span
 	Out   Span
 	Peer  int32
 	Tag   uint32
-	Ext   []Ext
+	// FeedbackKey is the ExtFeedbackKey extension's key, when
+	// HasFeedbackKey: encoded before Ext, decoded from wherever it is.
+	FeedbackKey    uint64
+	HasFeedbackKey bool
+	// Ext holds the other extensions (decoded by Decode only).
+	Ext []Ext
 }
 
 // Span is a byte range of a region.
@@ -207,6 +212,6 @@ func (m *Request) Append(b []byte) []byte {
 		e.u64(m.ID).u8(uint8(m.DType)).u8(uint8(m.Op)).u8(m.Codec).u8(0).u32(m.Flags).
 			u32(m.Buf.Region).u32(m.Out.Region).
 			u64(m.Buf.Off).u64(m.Buf.Len).u64(m.Out.Off).u64(m.Out.Len).
-			u32(uint32(m.Peer)).u32(m.Tag).exts(m.Ext)
+			u32(uint32(m.Peer)).u32(m.Tag).feedbackKey(m.HasFeedbackKey, m.FeedbackKey).exts(m.Ext)
 	})
 }

@@ -9,9 +9,10 @@ import (
 
 // Version is the newest feed protocol version this package speaks; MinVersion
 // the oldest. HELLO offers a range, WELCOME picks one. Version 2 adds
-// FlagCallerReduces.
+// FlagCallerReduces; version 3 the request's codec byte (CodecVersion) and
+// the FEEDBACK_KEY extension (ExtFeedbackKey).
 const (
-	Version    = 2
+	Version    = 3
 	MinVersion = 1
 )
 
@@ -103,10 +104,14 @@ func FlagVersion(f uint32) uint16 {
 	return 1
 }
 
-// Codecs of a request's bridge step. Only CodecRaw exists in versions 1
-// and 2; the field is there so compression can be asked for per request
-// later (with FlagCallerReduces: how the inputs travel).
+// CodecRaw is the request codec byte of versions 1 and 2: the bridge moves
+// the bytes as they are. From CodecVersion on the byte is a lib/codec id
+// (docs/FEED.md §3a), which the server checks: this package only carries it.
 const CodecRaw uint8 = 0
+
+// CodecVersion is the feed protocol version that gave the request's codec
+// byte its meaning; an older session refuses any codec but CodecRaw.
+const CodecVersion uint16 = 3
 
 // Status of a DONE.
 type Status uint32

@@ -3,6 +3,7 @@ package feed
 import (
 	"bytes"
 	"encoding/binary"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -36,6 +37,13 @@ func sampleMessages() []Message {
 		})
 	}
 	msgs = append(msgs, &Request{Kind: MsgSend, ID: 1, Peer: 1, Tag: 0xffffffff, Buf: Span{Region: 1, Len: 4}, Ext: ext})
+	// Version 3: a codec, and the feedback key (before other extensions).
+	msgs = append(msgs,
+		&Request{Kind: MsgAllReduce, ID: 200, DType: reduce.Float32, Op: reduce.Avg, Codec: 2, Buf: Span{Region: 1, Len: 4096}, Peer: -1,
+			FeedbackKey: 0x0102030405060708, HasFeedbackKey: true},
+		&Request{Kind: MsgAllReduce, ID: 201, DType: reduce.BFloat16, Op: reduce.Sum, Codec: 1, Buf: Span{Region: 1, Len: 4096}, Peer: -1,
+			HasFeedbackKey: true, Ext: ext},
+		&Request{Kind: MsgAllGather, ID: 202, DType: reduce.Int64, Codec: 3, Buf: Span{Region: 1, Len: 8}, Out: Span{Region: 2, Len: 16}, Peer: -1})
 	return msgs
 }
 
@@ -89,6 +97,99 @@ func TestRequestLayout(t *testing.T) {
 	assert.Equal(t, uint64(64), le.Uint64(body[48:]))
 	assert.Equal(t, uint32(0xffffffff), le.Uint32(body[56:]))
 	assert.Equal(t, uint32(9), le.Uint32(body[60:]))
+
+	// Version 3: the codec byte, and FEEDBACK_KEY as the first extension.
+	r.Codec, r.HasFeedbackKey, r.FeedbackKey = 2, true, 0x1122334455667788
+	r.Ext = []Ext{{Tag: 0x7f00, Value: []byte{9}}}
+	b = r.Append(nil)
+	require.Len(t, b, HeaderSize+RequestSize+4+8+4+1)
+	body = b[HeaderSize:]
+	assert.Equal(t, byte(2), body[10])
+	assert.Equal(t, uint16(0x8002), le.Uint16(body[64:]), "tag 2, critical")
+	assert.Equal(t, uint16(8), le.Uint16(body[66:]))
+	assert.Equal(t, uint64(0x1122334455667788), le.Uint64(body[68:]))
+	assert.Equal(t, uint16(0x7f00), le.Uint16(body[76:]))
+}
+
+// The feedback key is found wherever it is among the extensions; it is
+// exactly 8 bytes, critical, and at most one.
+func TestRequestFeedbackKey(t *testing.T) {
+	le := binary.LittleEndian
+	base := (&Request{Kind: MsgAllReduce, ID: 3, DType: reduce.Float32, Op: reduce.Sum, Codec: 2, Peer: -1}).Append(nil)
+	with := func(exts ...[]byte) []byte {
+		b := bytes.Clone(base)
+		for _, x := range exts {
+			b = append(b, x...)
+		}
+		le.PutUint32(b, uint32(len(b)))
+		return b
+	}
+	ext := func(tag uint16, v []byte) []byte {
+		return append(le.AppendUint16(le.AppendUint16(nil, tag), uint16(len(v))), v...)
+	}
+	key := func(k uint64) []byte { return ext(0x8002, AppendFeedbackKey(nil, k)) }
+	other := ext(9, []byte("x"))
+
+	for name, b := range map[string][]byte{"alone": with(key(42)), "after another": with(other, key(42)), "before another": with(key(42), other)} {
+		t.Run(name, func(t *testing.T) {
+			var r Request
+			require.NoError(t, DecodeRequest(MsgAllReduce, b[HeaderSize:], &r))
+			assert.True(t, r.HasFeedbackKey)
+			assert.Equal(t, uint64(42), r.FeedbackKey)
+			m, _, err := Decode(b)
+			require.NoError(t, err)
+			got := m.(*Request)
+			assert.Equal(t, uint64(42), got.FeedbackKey)
+			assert.True(t, got.HasFeedbackKey)
+			if name == "alone" {
+				assert.Empty(t, got.Ext, "the key is not an Ext")
+			} else {
+				assert.Equal(t, []Ext{{Tag: 9, Value: []byte("x")}}, got.Ext)
+			}
+		})
+	}
+	var r Request
+	require.NoError(t, DecodeRequest(MsgAllReduce, base[HeaderSize:], &r))
+	assert.False(t, r.HasFeedbackKey)
+
+	bad := []struct {
+		name string
+		b    []byte
+		want string
+	}{
+		{"short value", with(ext(0x8002, make([]byte, 7))), "feedback key: value of 7 bytes, want 8"},
+		{"long value", with(ext(0x8002, make([]byte, 9))), "value of 9 bytes, want 8"},
+		{"not critical", with(ext(0x0002, make([]byte, 8))), "without the critical bit (0x0002, want 0x8002)"},
+		{"twice", with(key(1), key(2)), "two feedback key extensions"},
+		{"cut", with(key(1))[:HeaderSize+RequestSize+4+5], "too short"},
+	}
+	for _, tc := range bad {
+		t.Run(tc.name, func(t *testing.T) {
+			b := tc.b
+			le.PutUint32(b, uint32(len(b)))
+			var r Request
+			err := DecodeRequest(MsgAllReduce, b[HeaderSize:], &r)
+			assert.ErrorIs(t, err, ErrMalformed)
+			assert.ErrorContains(t, err, tc.want)
+			assert.Equal(t, uint64(3), r.ID, "the id is there for the refusal")
+			_, _, err = Decode(b)
+			assert.ErrorContains(t, err, tc.want)
+		})
+	}
+	// Other messages do not know it: it is an unknown critical extension.
+	b := (&RegionMsg{ID: 1, Region: 1, Size: 8}).Append(nil)
+	b = append(b, key(1)...)
+	le.PutUint32(b, uint32(len(b)))
+	_, _, err := Decode(b)
+	assert.ErrorContains(t, err, "unknown critical extension 0x8002")
+
+	v, err := DecodeFeedbackKey(AppendFeedbackKey(nil, 7))
+	require.NoError(t, err)
+	assert.Equal(t, uint64(7), v)
+	_, err = DecodeFeedbackKey(nil)
+	assert.ErrorIs(t, err, ErrMalformed)
+	assert.Equal(t, uint16(3), ExtVersion(ExtFeedbackKey))
+	assert.Equal(t, uint16(1), ExtVersion(ExtBridgeStats))
 }
 
 func TestDecodeLimits(t *testing.T) {
@@ -185,7 +286,8 @@ func TestDecodeLimits(t *testing.T) {
 }
 
 func TestTypedDecodersDoNotAllocate(t *testing.T) {
-	req := (&Request{Kind: MsgAllReduce, ID: 5, DType: reduce.Float32, Op: reduce.Sum, Buf: Span{Region: 1, Len: 4}, Peer: -1}).Append(nil)
+	req := (&Request{Kind: MsgAllReduce, ID: 5, DType: reduce.Float32, Op: reduce.Sum, Codec: 2, Buf: Span{Region: 1, Len: 4}, Peer: -1,
+		FeedbackKey: 9, HasFeedbackKey: true, Ext: []Ext{{Tag: 5, Value: []byte{1}}}}).Append(nil)
 	done := (&DoneMsg{ID: 5, Seq: 3}).Append(nil)
 	ready := (&ReadyMsg{ID: 5, End: 4}).Append(nil)
 	var r Request
@@ -200,6 +302,9 @@ func TestTypedDecodersDoNotAllocate(t *testing.T) {
 		}
 		if _, err := DecodeReady(ready[HeaderSize:]); err != nil {
 			t.Fatal(err)
+		}
+		if !r.HasFeedbackKey || r.FeedbackKey != 9 {
+			t.Fatal("feedback key lost")
 		}
 		buf = r.Append(buf[:0])
 		buf = d.Append(buf[:0])
@@ -223,13 +328,35 @@ func FuzzFeedDecode(f *testing.F) {
 		}
 		again := m.Append(nil)
 		if !bytes.Equal(again, b[:n]) {
-			t.Fatalf("%s: re-encoded %x, decoded from %x", m.Type(), again, b[:n])
+			// A request's feedback key is encoded first, wherever it
+			// was: the same message, the same length.
+			m2, n2, err := Decode(again)
+			if r, ok := m.(*Request); !ok || !r.HasFeedbackKey || err != nil || n2 != n || !reflect.DeepEqual(m, m2) {
+				t.Fatalf("%s: re-encoded %x, decoded from %x", m.Type(), again, b[:n])
+			}
 		}
 		if r, ok := m.(*Request); ok {
 			var r2 Request
 			if err := DecodeRequest(r.Kind, b[HeaderSize:n], &r2); err != nil {
 				t.Fatalf("typed decoder refused what Decode accepted: %v", err)
 			}
+		}
+	})
+}
+
+// FuzzFeedbackKey feeds arbitrary values to the FEEDBACK_KEY decoder: it
+// accepts exactly the 8-byte ones, and re-encodes them to the same bytes.
+func FuzzFeedbackKey(f *testing.F) {
+	f.Add(AppendFeedbackKey(nil, 0))
+	f.Add(AppendFeedbackKey(nil, 1<<63|5))
+	f.Add([]byte{1, 2, 3})
+	f.Fuzz(func(t *testing.T, v []byte) {
+		k, err := DecodeFeedbackKey(v)
+		if (err == nil) != (len(v) == FeedbackKeySize) {
+			t.Fatalf("%d bytes: %v", len(v), err)
+		}
+		if err == nil && !bytes.Equal(AppendFeedbackKey(nil, k), v) {
+			t.Fatalf("re-encoded %x, decoded from %x", AppendFeedbackKey(nil, k), v)
 		}
 	})
 }

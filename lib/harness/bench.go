@@ -6,9 +6,12 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"slices"
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/bridge"
+	"github.com/gpubridge/gpubridge/lib/codec"
+	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 )
 
@@ -40,6 +43,21 @@ type BenchRow struct {
 	// exchange, ring, chain, direct); the exchange and memcpy rows name
 	// themselves. Rows of older versions lack it.
 	Algorithm string `json:"algorithm,omitempty"`
+	// Codec packs the collective's frames: raw, bf16/v1, fp8/v1, zstd/v1
+	// (the exchange and memcpy anchors: raw). Rows of older versions lack
+	// it (raw).
+	Codec string `json:"codec,omitempty"`
+	// Feedback says that each member kept an error-feedback residual
+	// across the calls (a lossy all_reduce).
+	Feedback bool `json:"feedback,omitempty"`
+	// Data is what the buffers held: "pattern" (small integers, exact in
+	// every dtype) or "random" (random values in [-8, 8), random bits for
+	// integers). Rows of older versions lack it (pattern).
+	Data string `json:"data,omitempty"`
+	// SentBytes is what member 0 sent in one call, as it travelled
+	// (collective.Stats.BytesSent: packed, for a compressed call; the
+	// exchange: the buffer); 0 for memcpy.
+	SentBytes int64 `json:"sent_bytes,omitempty"`
 }
 
 // SweepOptions choose what a bench times.
@@ -54,6 +72,18 @@ type SweepOptions struct {
 	ChunkB int
 	// Row, if set, receives each row as soon as it is measured (member 0).
 	Row func(BenchRow)
+	// Codec packs the collective's frames (docs/COMPRESSION.md; the
+	// exchange and memcpy anchors stay raw). A lossy all_reduce is checked
+	// against collective.ReferenceAllReduceCodec.
+	Codec codec.ID
+	// Feedback keeps an error-feedback residual per member across the
+	// calls (a lossy all_reduce); the checked call starts from zero
+	// residuals.
+	Feedback bool
+	// Random fills the buffers with random values (fillValues) instead of
+	// the pattern; the results are checked against the references computed
+	// from every member's input.
+	Random bool
 }
 
 // BusFactor is nccl-tests' factor from algorithm to bus bandwidth.
@@ -101,6 +131,9 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 		return BenchRow{}, err
 	}
 	defer b.free()
+	if o.Feedback && o.Codec.Lossy() && o.Coll == "all_reduce" {
+		b.res = make([]byte, 4*(size/sz))
+	}
 	fillBench(o, m.Self, b.buf, b.in)
 	// What the timed calls ran (the time's all_reduce runs after them).
 	algo := o.Coll
@@ -117,12 +150,24 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 	// The exchange keeps what arrives this time, to compare it with what
 	// the peer sent.
 	fillBench(o, m.Self, b.buf, b.in)
+	clear(b.res)
 	var got []byte
 	if o.Coll == "exchange" {
 		got = make([]byte, len(b.buf))
 	}
 	if err := b.run(ctx, m, o, got); err != nil {
 		return BenchRow{}, err
+	}
+	sent := int64(0)
+	var st collective.Stats
+	switch o.Coll {
+	case "exchange":
+		sent = size
+	case "memcpy":
+	default:
+		if m.Comm.LastStats(&st) {
+			sent = int64(st.BytesSent)
+		}
 	}
 	wrong, err := checkBench(o, n, m.Self, b.buf, b.in, got)
 	if err != nil {
@@ -137,7 +182,7 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 		Schema: BenchSchema, Collective: o.Coll, Members: n, Transport: m.Mesh.Describe(),
 		Size: size, Count: size / sz, Type: o.DType.String(), Redop: o.Op.String(),
 		TimeUS: slowest * 1e6, AlgBW: algbw, BusBW: algbw * BusFactor(o.Coll, n), Wrong: totalWrong, Checked: true,
-		Algorithm: algo,
+		Algorithm: algo, Codec: o.codecFor().Versioned(), Feedback: b.res != nil, Data: o.data(), SentBytes: sent,
 	}
 	switch o.Coll {
 	case "memcpy":
@@ -146,6 +191,23 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 		row.Redop = "none"
 	}
 	return row, nil
+}
+
+// codecFor is the codec the timed collective runs with: the anchors are
+// raw.
+func (o SweepOptions) codecFor() codec.ID {
+	if o.Coll == "exchange" || o.Coll == "memcpy" {
+		return codec.Raw
+	}
+	return o.Codec
+}
+
+// data names what the buffers hold (BenchRow.Data).
+func (o SweepOptions) data() string {
+	if o.Random {
+		return "random"
+	}
+	return "pattern"
 }
 
 // timeCalls runs call o.Warmup times, meets the other members, times
@@ -174,6 +236,7 @@ func timeCalls(ctx context.Context, m *bridge.Member, o SweepOptions, call func(
 // the exchange's and memcpy's are not (they do not use it).
 type benchBufs struct {
 	buf, in []byte
+	res     []byte // this member's residual (Feedback), or nil
 	frees   []func()
 }
 
@@ -224,15 +287,16 @@ func (b *benchBufs) free() {
 // run calls the collective once; the exchange copies what arrives into
 // got when it is not nil.
 func (b *benchBufs) run(ctx context.Context, m *bridge.Member, o SweepOptions, got []byte) error {
+	cd := collective.Codec{ID: o.Codec, DType: o.DType, Residual: b.res}
 	switch o.Coll {
 	case "all_reduce":
-		return m.Comm.AllReduce(ctx, b.buf, o.DType, o.Op, nil)
+		return m.Comm.AllReduceCodec(ctx, b.buf, o.DType, o.Op, cd, nil)
 	case "broadcast":
-		return m.Comm.Broadcast(ctx, b.buf, 0, nil)
+		return m.Comm.BroadcastCodec(ctx, b.buf, 0, cd, nil)
 	case "all_gather":
-		return m.Comm.AllGather(ctx, b.buf, b.in, nil)
+		return m.Comm.AllGatherCodec(ctx, b.buf, b.in, cd, nil)
 	case "reduce_scatter":
-		return m.Comm.ReduceScatter(ctx, b.buf, b.in, o.DType, o.Op, nil)
+		return m.Comm.ReduceScatterCodec(ctx, b.buf, b.in, o.DType, o.Op, cd, nil)
 	case "exchange":
 		return exchange(ctx, m, b.buf, o.ChunkB, got)
 	case "memcpy":
@@ -242,25 +306,44 @@ func (b *benchBufs) run(ctx context.Context, m *bridge.Member, o SweepOptions, g
 	return fmt.Errorf("bench: unknown collective %q", o.Coll)
 }
 
-// fillBench fills this member's input with its pattern: buf for the
-// in-place collectives (of a broadcast only the root's survives), in for
-// all_gather and reduce_scatter.
+// fillBench fills this member's input with its pattern (or random
+// values): buf for the in-place collectives (of a broadcast only the
+// root's survives), in for all_gather and reduce_scatter.
 func fillBench(o SweepOptions, me int, buf, in []byte) {
 	if o.Coll == "all_gather" || o.Coll == "reduce_scatter" {
 		buf = in
 	}
-	fillPattern(buf, o.DType, me, o.Op)
+	fillMember(o, me, buf)
+}
+
+// fillMember fills b with member m's input.
+func fillMember(o SweepOptions, m int, b []byte) {
+	if o.Random {
+		fillValues(b, o.DType, seedFor(0xbe4c, uint64(m)))
+		return
+	}
+	fillPattern(b, o.DType, m, o.Op)
 }
 
 // checkBench counts wrong elements of this member's result: buf (in for
-// memcpy, got for the exchange: what arrived from the peer).
+// memcpy, got for the exchange: what arrived from the peer). A lossy
+// all_reduce and random data are checked against the references computed
+// from every member's input; the pattern's exact results element by
+// element.
 func checkBench(o SweepOptions, n, me int, buf, in, got []byte) (int, error) {
 	sz := o.DType.Size()
 	switch o.Coll {
 	case "exchange":
-		return countSentWrong(got, o.DType, 1-me, o.Op), nil
+		want := make([]byte, len(got))
+		fillMember(o, 1-me, want)
+		return countWrong(got, want, sz), nil
 	case "memcpy":
 		return countWrong(in, buf, sz), nil
+	}
+	if o.Random || o.Codec.Lossy() && o.Coll == "all_reduce" {
+		return countWrong(buf, referenceBench(o, n, me, len(buf)), sz), nil
+	}
+	switch o.Coll {
 	case "all_reduce":
 		return countPatternWrong(buf, o.DType, o.Op, n, 0)
 	case "broadcast":
@@ -281,6 +364,41 @@ func checkBench(o SweepOptions, n, me int, buf, in, got []byte) (int, error) {
 	return 0, fmt.Errorf("bench: unknown collective %q", o.Coll)
 }
 
+// referenceBench is member me's expected result of L bytes: the
+// reference of the collective (and codec; zero residuals) over every
+// member's input.
+func referenceBench(o SweepOptions, n, me, L int) []byte {
+	inLen := L
+	switch o.Coll {
+	case "all_gather":
+		inLen = L / n
+	case "reduce_scatter":
+		inLen = L * n
+	}
+	ins := make([][]byte, n)
+	for r := range ins {
+		ins[r] = make([]byte, inLen)
+		fillMember(o, r, ins[r])
+	}
+	switch o.Coll {
+	case "all_reduce":
+		var res [][]byte
+		if o.Feedback && o.Codec.Lossy() {
+			res = make([][]byte, n)
+			for r := range res {
+				res[r] = make([]byte, 4*(L/o.DType.Size()))
+			}
+		}
+		want, _ := collective.ReferenceAllReduceCodec(o.Codec, o.Op, o.DType, ins, res, n)
+		return want
+	case "reduce_scatter":
+		return collective.ReferenceReduceScatter(o.Op, o.DType, ins, n)[me]
+	case "broadcast":
+		return ins[0]
+	}
+	return slices.Concat(ins...)
+}
+
 // maxAcross all-reduces one float64 with max over the bridge.
 func maxAcross(ctx context.Context, m *bridge.Member, v float64) (float64, error) {
 	b := make([]byte, 8)
@@ -291,13 +409,23 @@ func maxAcross(ctx context.Context, m *bridge.Member, v float64) (float64, error
 	return math.Float64frombits(binary.LittleEndian.Uint64(b)), nil
 }
 
-// WriteRowText writes a row in nccl-tests' layout, with the algorithm.
+// WriteRowText writes a row in nccl-tests' layout, with the algorithm
+// (and, for a compressed row, the codec and the bytes member 0 sent).
 func WriteRowText(w io.Writer, r BenchRow) {
-	fmt.Fprintf(w, "%12d %12d %9s %7s %12.1f %8.3f %8.3f %6d  %s\n", r.Size, r.Count, r.Type, r.Redop, r.TimeUS, r.AlgBW, r.BusBW, r.Wrong, r.Algorithm)
+	extra := ""
+	if r.Codec != "" && r.Codec != "raw" {
+		extra = fmt.Sprintf(" %s, %d B sent", r.Codec, r.SentBytes)
+	}
+	fmt.Fprintf(w, "%12d %12d %9s %7s %12.1f %8.3f %8.3f %6d  %s%s\n", r.Size, r.Count, r.Type, r.Redop, r.TimeUS, r.AlgBW, r.BusBW, r.Wrong, r.Algorithm, extra)
 }
 
-// WriteHeaderText writes the column titles of WriteRowText.
-func WriteHeaderText(w io.Writer, coll string, n int, transport string) {
+// WriteHeaderText writes the column titles of WriteRowText; desc says
+// what the rows ran (the codec, the data), when it is not the plain
+// default.
+func WriteHeaderText(w io.Writer, coll string, n int, transport string, desc string) {
+	if desc != "" {
+		transport += ", " + desc
+	}
 	fmt.Fprintf(w, "# gbbridge bench: %s, %d members, %s\n", coll, n, transport)
 	fmt.Fprintf(w, "# %10s %12s %9s %7s %12s %8s %8s %6s  %s\n", "size", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong", "algorithm")
 	fmt.Fprintf(w, "# %10s %12s %9s %7s %12s %8s %8s %6s\n", "(B)", "(elements)", "", "", "", "(GB/s)", "(GB/s)", "")

@@ -59,6 +59,22 @@ func fillRandom(b []byte, dt reduce.DType, r rng) {
 	}
 }
 
+// fillValues fills b with dt values for a bench: random bits for
+// integers; for floats random values in [-8, 8), no special ones (a NaN in
+// every other block of a bench's buffers would time the kernels' rare
+// paths, which gradients do not take).
+func fillValues(b []byte, dt reduce.DType, r rng) {
+	sz := dt.Size()
+	for i := 0; i+sz <= len(b); i += sz {
+		x := r.next()
+		if !dt.IsFloat() {
+			putBits(b[i:], dt, x)
+			continue
+		}
+		putBits(b[i:], dt, floatBits(dt, float64(int64(x>>11)-(1<<52))/(1<<49)))
+	}
+}
+
 // putFloat stores f as dt. For a NaN it uses bits of payload, so NaN
 // payloads differ between members.
 func putFloat(b []byte, dt reduce.DType, f float64, payload uint64) {
@@ -168,21 +184,6 @@ func countPatternWrong(b []byte, dt reduce.DType, op reduce.Op, n, first int) (i
 		}
 	}
 	return wrong, nil
-}
-
-// countSentWrong counts the elements of got that differ bit for bit from
-// member m's pattern: what m sends in an exchange.
-func countSentWrong(got []byte, dt reduce.DType, m int, op reduce.Op) int {
-	sz := dt.Size()
-	want := make([]byte, sz)
-	wrong := 0
-	for i := 0; i*sz+sz <= len(got); i++ {
-		putInt(want, dt, patternValue(m, i, op))
-		if string(want) != string(got[i*sz:i*sz+sz]) {
-			wrong++
-		}
-	}
-	return wrong
 }
 
 // countWrong counts the elements where got and want differ bit for bit.

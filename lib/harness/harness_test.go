@@ -12,6 +12,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/gpubridge/gpubridge/lib/bridge"
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/testenv"
@@ -137,6 +138,75 @@ func TestSweepRowsAreExact(t *testing.T) {
 			assert.Equal(t, BenchSchema, r.Schema)
 		}
 	}
+}
+
+// Compressed rows are checked too: the lossy all_reduce against the
+// codec's reference (with and without error feedback, pattern and random
+// data), zstd on every collective against the exact results.
+func TestSweepRowsCodecs(t *testing.T) {
+	for _, tt := range []struct {
+		coll     string
+		id       codec.ID
+		dt       reduce.DType
+		op       reduce.Op
+		feedback bool
+		random   bool
+	}{
+		{"all_reduce", codec.MXFP8, reduce.Float32, reduce.Sum, false, false},
+		{"all_reduce", codec.MXFP8, reduce.BFloat16, reduce.Avg, true, true},
+		{"all_reduce", codec.BF16, reduce.Float32, reduce.Avg, true, false},
+		{"all_reduce", codec.Zstd, reduce.Float16, reduce.Max, false, true},
+		{"broadcast", codec.Zstd, reduce.Float32, reduce.Sum, false, true},
+		{"all_gather", codec.Zstd, reduce.Int32, reduce.Sum, false, false},
+		{"reduce_scatter", codec.Zstd, reduce.BFloat16, reduce.Sum, false, true},
+	} {
+		for _, n := range []int{2, 3} {
+			ms := memMembers(t, n)
+			rows := make([][]BenchRow, n)
+			errs := each(ms, func(m *bridge.Member) error {
+				r, err := Sweep(context.Background(), m, SweepOptions{Coll: tt.coll, DType: tt.dt, Op: tt.op,
+					Sizes: []int64{8, 100000}, Iters: 2, Warmup: 1, Codec: tt.id, Feedback: tt.feedback, Random: tt.random})
+				rows[m.Self] = r
+				return err
+			})
+			for i, err := range errs {
+				require.NoError(t, err, "%+v, %d members, member %d", tt, n, i)
+			}
+			require.Len(t, rows[0], 2)
+			for _, r := range rows[0] {
+				assert.Zero(t, r.Wrong, "%+v", r)
+				assert.True(t, r.Checked)
+				assert.Equal(t, tt.id.Versioned(), r.Codec)
+				assert.Equal(t, tt.feedback, r.Feedback)
+				assert.Equal(t, map[bool]string{true: "random", false: "pattern"}[tt.random], r.Data)
+				assert.Positive(t, r.SentBytes)
+			}
+			if tt.id == codec.MXFP8 && n == 2 {
+				big := rows[0][1]
+				assert.Equal(t, int64(codec.MXFP8Len(int(big.Count))), big.SentBytes, "fp8 sends the packing")
+			}
+		}
+	}
+}
+
+// The lossy check compares with the codec's reference: an exact result is
+// wrong there.
+func TestCheckBenchLossy(t *testing.T) {
+	o := SweepOptions{Coll: "all_reduce", DType: reduce.Float32, Op: reduce.Sum, Codec: codec.MXFP8, Random: true}
+	const n, E = 2, 4096
+	ins := make([][]byte, n)
+	for r := range ins {
+		ins[r] = make([]byte, 4*E)
+		fillMember(o, r, ins[r])
+	}
+	exact := collective.ReferenceAllReduce(o.Op, o.DType, ins, n)
+	want, _ := collective.ReferenceAllReduceCodec(o.Codec, o.Op, o.DType, ins, nil, n)
+	w, err := checkBench(o, n, 0, want, nil, nil)
+	require.NoError(t, err)
+	assert.Zero(t, w)
+	w, err = checkBench(o, n, 0, exact, nil, nil)
+	require.NoError(t, err)
+	assert.Greater(t, w, E/2, "an exact sum is not what fp8 gives")
 }
 
 // corruptMesh flips the first byte of every data frame a member sends.

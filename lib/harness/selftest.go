@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/bridge"
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/transport"
@@ -22,18 +23,35 @@ type Case struct {
 	Op    reduce.Op    `json:"-"`
 	Elems int          `json:"elements"`
 	Root  int          `json:"root,omitempty"`
+	// Codec packs the collective's frames (docs/COMPRESSION.md): a lossy
+	// all_reduce is checked against collective.ReferenceAllReduceCodec,
+	// zstd against the raw references.
+	Codec codec.ID `json:"-"`
+	// Feedback is how many consecutive lossy all_reduces the check runs
+	// with a residual per member (error feedback), each result and every
+	// residual checked; 0: one call without.
+	Feedback int `json:"-"`
 }
 
 func (c Case) String() string {
+	var s string
 	switch c.Coll {
 	case "broadcast":
-		return fmt.Sprintf("broadcast %s root %d, %d elements", c.DType, c.Root, c.Elems)
+		s = fmt.Sprintf("broadcast %s root %d, %d elements", c.DType, c.Root, c.Elems)
 	case "all_gather":
-		return fmt.Sprintf("all_gather %s, %d elements per member", c.DType, c.Elems)
+		s = fmt.Sprintf("all_gather %s, %d elements per member", c.DType, c.Elems)
 	case "barrier", "p2p":
 		return c.Coll
+	default:
+		s = fmt.Sprintf("%s %s %s, %d elements", c.Coll, c.DType, c.Op, c.Elems)
 	}
-	return fmt.Sprintf("%s %s %s, %d elements", c.Coll, c.DType, c.Op, c.Elems)
+	if c.Codec != codec.Raw {
+		s += ", " + c.Codec.Versioned()
+	}
+	if c.Feedback > 0 {
+		s += fmt.Sprintf(" with error feedback over %d calls", c.Feedback)
+	}
+	return s
 }
 
 // selftestSizes are the element counts every collective × dtype × op runs
@@ -49,10 +67,21 @@ const SelftestLargeBytes = 64 << 20
 // elements; every collective on every dtype at odd sizes (broadcast also
 // at one element); several chunks over every stream (float32 and float64
 // all_reduce, int64 reduce_scatter, uint8 all_gather at 1048579
-// elements); barrier and p2p.
+// elements); barrier and p2p; and compressed: the lossy all_reduce of
+// every codec and dtype it takes (sum and avg, with and without error
+// feedback, over several chunks for fp8 float32), and zstd on every
+// collective.
 func QuickCases(n int) []Case {
 	big := selftestSizes[len(selftestSizes)-1]
 	quick := func(c Case) bool {
+		switch {
+		case c.Codec.Lossy():
+			return quickLossy[fmt.Sprint(c.Codec, c.DType, c.Op, c.Elems, c.Feedback)]
+		case c.Codec == codec.Zstd:
+			return c.Elems == 65537 && (c.Coll == "all_reduce" && c.DType == reduce.Float32 ||
+				c.Coll == "reduce_scatter" && c.DType == reduce.BFloat16 || c.Coll == "broadcast" && c.DType == reduce.Float16 ||
+				c.Coll == "all_gather" && c.DType == reduce.Uint8) || c.Elems == 7 && c.Coll == "all_reduce" && c.DType == reduce.Int64
+		}
 		switch c.Coll {
 		case "all_reduce":
 			return c.Elems == 7 || c.Elems == 65537 && c.Op == reduce.Sum ||
@@ -73,6 +102,17 @@ func QuickCases(n int) []Case {
 		}
 	}
 	return cs
+}
+
+// quickLossy are the lossy checks of QuickCases: codec, dtype, op,
+// elements, calls with error feedback.
+var quickLossy = map[string]bool{
+	fmt.Sprint(codec.MXFP8, reduce.Float32, reduce.Avg, 65537, 3):   true,
+	fmt.Sprint(codec.MXFP8, reduce.Float32, reduce.Sum, 1<<20+3, 0): true,
+	fmt.Sprint(codec.MXFP8, reduce.BFloat16, reduce.Sum, 1021, 3):   true,
+	fmt.Sprint(codec.MXFP8, reduce.Float16, reduce.Sum, 7, 0):       true,
+	fmt.Sprint(codec.BF16, reduce.Float32, reduce.Sum, 65537, 3):    true,
+	fmt.Sprint(codec.BF16, reduce.BFloat16, reduce.Avg, 1021, 0):    true,
 }
 
 // Cases lists every check of a selftest of n members.
@@ -96,7 +136,38 @@ func Cases(n int) []Case {
 			cs = append(cs, Case{Coll: "all_gather", DType: dt, Elems: elems})
 		}
 	}
-	return append(cs, Case{Coll: "barrier"}, Case{Coll: "p2p"})
+	cs = append(cs, Case{Coll: "barrier"}, Case{Coll: "p2p"})
+	return append(cs, codecCases(n)...)
+}
+
+// codecCases are the compressed checks of Cases(n): the lossy all_reduce
+// of every codec and dtype it takes, sum and avg, at every selftest size,
+// once without and over 3 calls with error feedback; zstd on every
+// collective and dtype at 7 and 65537 elements.
+func codecCases(n int) []Case {
+	var cs []Case
+	for _, id := range []codec.ID{codec.MXFP8, codec.BF16} {
+		for _, dt := range reduce.AllDTypes() {
+			if codec.Supports(id, dt) != nil {
+				continue
+			}
+			for _, elems := range selftestSizes {
+				for _, op := range []reduce.Op{reduce.Sum, reduce.Avg} {
+					for _, fb := range []int{0, 3} {
+						cs = append(cs, Case{Coll: "all_reduce", DType: dt, Op: op, Elems: elems, Codec: id, Feedback: fb})
+					}
+				}
+			}
+		}
+	}
+	for _, dt := range reduce.AllDTypes() {
+		for _, elems := range []int{7, 65537} {
+			for _, coll := range []string{"all_reduce", "reduce_scatter", "broadcast", "all_gather"} {
+				cs = append(cs, Case{Coll: coll, DType: dt, Op: reduce.Sum, Elems: elems, Root: (elems + len(cs)) % n, Codec: codec.Zstd})
+			}
+		}
+	}
+	return cs
 }
 
 // Failure is a check that failed.
@@ -264,12 +335,16 @@ func runCase(ctx context.Context, m *bridge.Member, c Case, id uint64) (int, err
 		return runP2P(ctx, m, id)
 	}
 	sz := c.DType.Size()
+	cd := collective.Codec{ID: c.Codec, DType: c.DType}
 	switch c.Coll {
 	case "all_reduce":
+		if c.Codec.Lossy() {
+			return runLossy(ctx, m, c, id)
+		}
 		in := inputs(c, n, c.Elems*sz, id)
 		want := collective.ReferenceAllReduce(c.Op, c.DType, in, n)
 		buf := append([]byte(nil), in[me]...)
-		if err := m.Comm.AllReduce(ctx, buf, c.DType, c.Op, nil); err != nil {
+		if err := m.Comm.AllReduceCodec(ctx, buf, c.DType, c.Op, cd, nil); err != nil {
 			return 0, err
 		}
 		return countWrong(buf, want, sz), nil
@@ -277,7 +352,7 @@ func runCase(ctx context.Context, m *bridge.Member, c Case, id uint64) (int, err
 		in := inputs(c, n, n*c.Elems*sz, id)
 		want := collective.ReferenceReduceScatter(c.Op, c.DType, in, n)[me]
 		out := make([]byte, c.Elems*sz)
-		if err := m.Comm.ReduceScatter(ctx, out, in[me], c.DType, c.Op, nil); err != nil {
+		if err := m.Comm.ReduceScatterCodec(ctx, out, in[me], c.DType, c.Op, cd, nil); err != nil {
 			return 0, err
 		}
 		return countWrong(out, want, sz), nil
@@ -288,7 +363,7 @@ func runCase(ctx context.Context, m *bridge.Member, c Case, id uint64) (int, err
 		if me == c.Root {
 			copy(buf, want)
 		}
-		if err := m.Comm.Broadcast(ctx, buf, c.Root, nil); err != nil {
+		if err := m.Comm.BroadcastCodec(ctx, buf, c.Root, cd, nil); err != nil {
 			return 0, err
 		}
 		return countWrong(buf, want, sz), nil
@@ -299,12 +374,44 @@ func runCase(ctx context.Context, m *bridge.Member, c Case, id uint64) (int, err
 			want = append(want, p...)
 		}
 		out := make([]byte, len(want))
-		if err := m.Comm.AllGather(ctx, out, in[me], nil); err != nil {
+		if err := m.Comm.AllGatherCodec(ctx, out, in[me], cd, nil); err != nil {
 			return 0, err
 		}
 		return countWrong(out, want, sz), nil
 	}
 	return 0, fmt.Errorf("unknown collective %q", c.Coll)
+}
+
+// runLossy runs a lossy all_reduce case: one call, or c.Feedback
+// consecutive calls on fresh inputs with a residual per member, and counts
+// the wrong elements of this member's results and residuals against
+// collective.ReferenceAllReduceCodec, which keeps every member's residual.
+func runLossy(ctx context.Context, m *bridge.Member, c Case, id uint64) (int, error) {
+	n, me, sz := m.Size, m.Self, c.DType.Size()
+	var mine []byte
+	var refRes [][]byte
+	if c.Feedback > 0 {
+		mine = make([]byte, 4*c.Elems)
+		refRes = make([][]byte, n)
+		for r := range refRes {
+			refRes[r] = make([]byte, 4*c.Elems)
+		}
+	}
+	wrong := 0
+	for k := range max(1, c.Feedback) {
+		in := inputs(c, n, c.Elems*sz, id<<8|uint64(k))
+		var want []byte
+		want, refRes = collective.ReferenceAllReduceCodec(c.Codec, c.Op, c.DType, in, refRes, n)
+		buf := append([]byte(nil), in[me]...)
+		if err := m.Comm.AllReduceCodec(ctx, buf, c.DType, c.Op, collective.Codec{ID: c.Codec, Residual: mine}, nil); err != nil {
+			return 0, err
+		}
+		wrong += countWrong(buf, want, sz)
+		if mine != nil {
+			wrong += countWrong(mine, refRes[me], 4)
+		}
+	}
+	return wrong, nil
 }
 
 // runP2P sends 8 tagged messages of different sizes to the next member and

@@ -9,7 +9,9 @@
 //	 2   1   version (ProtocolVersion)
 //	 3   1   kind (Data, P2P, Barrier, Close, Abort)
 //	 4   1   flags (FlagCRC: crc holds CRC32C of the payload)
-//	 5   1   codec (0: raw; room for compressed payloads)
+//	 5   1   codec: how the payload is packed, a lib/codec ID (0 raw, 1
+//	         bf16/v1, 2 fp8/v1, 3 zstd/v1; lib/collective sets it on every
+//	         data frame of a call and refuses frames of another codec)
 //	 6   2   reserved, zero
 //	 8   8   seq: the collective's sequence number, or the P2P message number
 //	16   4   step: the algorithm step, or the P2P tag
@@ -77,7 +79,7 @@ const (
 type Header struct {
 	Kind  Kind
 	Flags uint8
-	Codec uint8
+	Codec uint8 // a lib/codec ID; not checked here (this layer knows no codecs)
 	Seq   uint64
 	Step  uint32
 	Chunk uint32

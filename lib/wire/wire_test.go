@@ -11,10 +11,11 @@ import (
 
 func TestRoundTrip(t *testing.T) {
 	payload := []byte("some chunk of floats")
-	h := Header{Kind: KindData, Seq: 1 << 40, Step: 3, Chunk: 17}
+	h := Header{Kind: KindData, Codec: 2, Seq: 1 << 40, Step: 3, Chunk: 17}
 	h.Seal(payload, true)
 	var b [HeaderSize]byte
 	h.Put(b[:])
+	assert.Equal(t, byte(2), b[5], "the codec byte is at offset 5")
 	got, err := Parse(b[:])
 	require.NoError(t, err)
 	assert.Equal(t, h, got)

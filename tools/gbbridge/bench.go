@@ -13,6 +13,7 @@ import (
 
 	"github.com/gpubridge/gpubridge/lib/bridge"
 	"github.com/gpubridge/gpubridge/lib/cli"
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/harness"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 )
@@ -27,6 +28,9 @@ type benchCmd struct {
 	Iters      int    `help:"Timed calls per size." default:"5"`
 	Warmup     int    `help:"Untimed calls per size before timing." default:"1"`
 	JSON       bool   `help:"JSON lines (schema gpubridge.bench/v1) instead of nccl-tests columns."`
+	Codec      string `help:"Compression of the collective's frames (docs/COMPRESSION.md): raw, bf16 or fp8 (lossy: a floating sum or avg all_reduce, checked against the codec's reference), zstd (lossless, every collective). The exchange and memcpy anchors stay raw." default:"raw"`
+	Feedback   bool   `help:"With bf16 or fp8: each member keeps an error-feedback residual (4 bytes per value) across the calls."`
+	Data       string `help:"What the buffers hold: pattern (small integers, exact in every dtype) or random (random values in [-8, 8), random bits for integers: zstd packs them about as well as float32 gradients). Every result is checked either way." enum:"pattern,random" default:"pattern"`
 }
 
 // Run is `gbbridge bench`: with no store over --members processes on this
@@ -45,7 +49,8 @@ func (c *benchCmd) Run(env *cli.Env) error {
 	err = harness.Launch(env.Ctx, c.Members, func(rank int, addr string) []string {
 		return append(c.memberArgs("bench", rank, c.Members, addr, ns),
 			"--op", sweep.Op.String(), "--dtype", sweep.DType.String(), "--collective", c.Collective, "--sizes", sizesArg(sweep.Sizes),
-			"--iters", strconv.Itoa(c.Iters), "--warmup", strconv.Itoa(c.Warmup), "--json="+strconv.FormatBool(c.JSON))
+			"--iters", strconv.Itoa(c.Iters), "--warmup", strconv.Itoa(c.Warmup), "--json="+strconv.FormatBool(c.JSON),
+			"--codec", sweep.Codec.String(), "--feedback="+strconv.FormatBool(c.Feedback), "--data", c.Data)
 	}, env.Stdout, env.Stderr, env.Log)
 	var me *harness.MemberExit
 	if errors.As(err, &me) {
@@ -82,8 +87,41 @@ func (c *benchCmd) sweep() (harness.SweepOptions, error) {
 	if err := reduce.Supported(op, dt); err != nil && (c.Collective == "all_reduce" || c.Collective == "reduce_scatter") {
 		return harness.SweepOptions{}, err
 	}
+	id, err := codec.Parse(c.Codec)
+	if err != nil {
+		return harness.SweepOptions{}, fmt.Errorf("--codec: %w", err)
+	}
+	if id.Lossy() {
+		switch {
+		case c.Collective != "all_reduce" && c.Collective != "exchange" && c.Collective != "memcpy":
+			return harness.SweepOptions{}, fmt.Errorf("--codec %s is lossy: it compresses all_reduce only (%s stays exact; use raw or zstd)", id, c.Collective)
+		case op != reduce.Sum && op != reduce.Avg:
+			return harness.SweepOptions{}, fmt.Errorf("--codec %s is lossy: it compresses sum and avg only, not %s", id, op)
+		}
+		if err := codec.Supports(id, dt); err != nil {
+			return harness.SweepOptions{}, fmt.Errorf("--codec: %w", err)
+		}
+	} else if c.Feedback {
+		return harness.SweepOptions{}, fmt.Errorf("--feedback is for the lossy codecs (bf16, fp8), not %s", id)
+	}
 	return harness.SweepOptions{Coll: c.Collective, DType: dt, Op: op, Sizes: sizes, Iters: c.Iters,
-		Warmup: c.Warmup, ChunkB: int(c.Chunk)}, nil
+		Warmup: c.Warmup, ChunkB: int(c.Chunk), Codec: id, Feedback: c.Feedback, Random: c.Data == "random"}, nil
+}
+
+// describe says, for the header, what the rows run beside the transport:
+// the codec, error feedback, random data ("" for the plain default).
+func describe(o harness.SweepOptions) string {
+	var parts []string
+	if o.Codec != codec.Raw && o.Coll != "exchange" && o.Coll != "memcpy" {
+		parts = append(parts, "codec "+o.Codec.Versioned())
+	}
+	if o.Feedback {
+		parts = append(parts, "error feedback")
+	}
+	if o.Random {
+		parts = append(parts, "random data")
+	}
+	return strings.Join(parts, ", ")
 }
 
 // member times the sweep as one joined member; member 0 prints the rows.
@@ -94,7 +132,7 @@ func (c *benchCmd) member(ctx context.Context, env *cli.Env, m *bridge.Member, o
 	}
 	defer stop()
 	if m.Self == 0 && !c.JSON {
-		harness.WriteHeaderText(env.Stdout, o.Coll, m.Size, m.Mesh.Describe())
+		harness.WriteHeaderText(env.Stdout, o.Coll, m.Size, m.Mesh.Describe(), describe(o))
 	}
 	wrong := int64(0)
 	o.Row = func(r harness.BenchRow) {

@@ -20,7 +20,7 @@ import (
 type selftestCmd struct {
 	memberFlags
 	Members  []int `help:"Member counts to run on this host, one run each." default:"2,4"`
-	Full     bool  `help:"The exhaustive sweep: every collective × dtype × op at 1, 7, 1021, 65537 and 1048579 elements and at 64 MiB (474 checks on 2 members, minutes), the all_reduce sweep to 64 MiB, and the perftest-style rows from 2 B to 8 MiB in every run. Default: a representative subset (every collective, dtype and op; 82 checks on 2 members) and short sweeps, seconds on 2 cores."`
+	Full     bool  `help:"The exhaustive sweep: every collective × dtype × op at 1, 7, 1021, 65537 and 1048579 elements and at 64 MiB, the compressed all_reduce (fp8, bf16: every dtype they take, sum and avg, at those sizes, with and without error feedback) and zstd on every collective and dtype (638 checks on 2 members, minutes), the all_reduce sweep to 64 MiB, and the perftest-style rows from 2 B to 8 MiB in every run. Default: a representative subset (every collective, dtype and op, and every codec; 93 checks on 2 members) and short sweeps, seconds on 2 cores."`
 	JSON     bool  `help:"Print one JSON object (schema gpubridge.selftest/v1) instead of the perftest-style tables and the verdict line."`
 	Perf     bool  `help:"Measure the link in perftest's style (ib_write_bw, ib_write_lat columns); default: in the first run only, every run with --full." negatable:"" default:"true"`
 	Progress bool  `help:"A line per check on stderr as they run (default: when stderr is a terminal)." hidden:""`

@@ -33,6 +33,7 @@ type serveCmd struct {
 	Interface     string        `help:"Network interface to listen on and advertise. Default: the one that routes to the store's host." env:"GPUBRIDGE_IFNAME" placeholder:"NAME"`
 	ListenHost    string        `help:"IP address (or host name) to listen on and advertise; wins over --interface." placeholder:"ADDR"`
 	ShmRing       byteSize      `help:"Size of each shared-memory ring (shm transport)." default:"8M" placeholder:"BYTES"`
+	MaxFeedback   byteSize      `help:"Cap on the error-feedback residuals the feed keeps (4 bytes per value of each keyed buffer a lossy all_reduce compresses); a request that would pass it is refused (docs/FEED.md §3a)." default:"64G" placeholder:"SIZE"`
 	DieWithParent bool          `help:"Exit when the parent process (the rank) dies (PR_SET_PDEATHSIG)." default:"true" negatable:""`
 }
 
@@ -146,7 +147,7 @@ func (s *serving) run(env *cli.Env) error {
 		return cli.CannotRun(fmt.Errorf("%s: %w", s.who, err))
 	}
 	srv := feedserver.NewServer(conn, s.member.Comm, feedserver.ServerOptions{
-		Member: s.ms.Member, Members: len(s.ms.Members), Transport: mesh.Describe(), Log: s.log})
+		Member: s.ms.Member, Members: len(s.ms.Members), Transport: mesh.Describe(), MaxFeedbackBytes: uint64(s.c.MaxFeedback), Log: s.log})
 	err = srv.Serve(ctx)
 	switch {
 	case err != nil && ctx.Err() != nil:

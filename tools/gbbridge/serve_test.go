@@ -25,6 +25,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/discover"
 	"github.com/gpubridge/gpubridge/lib/feed"
@@ -596,4 +597,119 @@ func TestServeKilledDirect(t *testing.T) {
 	require.NoError(t, cls[1].Close(ctx))
 	assert.Equal(t, 1, ps[1].wait(t), "a bridge failure during the session is exit 1")
 	assert.Contains(t, ps[1].stderr.String(), "shared", "member 1 logs its regions as shared")
+}
+
+// --max-feedback caps the residuals of a session: a keyed lossy all_reduce
+// whose residual would pass it is refused (status 1, naming the cap), and
+// the feed goes on.
+func TestServeFeedbackCap(t *testing.T) {
+	ps := startPair(t, newCluster(t), "--max-feedback", "1K")
+	cls := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
+	defer cancel()
+	for i, cl := range cls {
+		assert.Equal(t, uint16(feed.Version), cl.Welcome().Version)
+		reg, err := cl.Map(ctx, 4096)
+		require.NoError(t, err)
+		key := uint64(9)
+		_, err = cl.AllReduceCodec(ctx, reg.Span(0, 4096), reduce.Float32, reduce.Sum, 2, &key)
+		var re *feedtest.RequestError
+		require.ErrorAs(t, err, &re, "member %d", i)
+		assert.Equal(t, feed.StatusBadRequest, re.Status)
+		assert.Contains(t, re.Msg, "feedback key 9: a residual of 1024 float32 values takes 4096 bytes")
+		assert.Contains(t, re.Msg, "over the cap of 1024 bytes (gbbridge serve --max-feedback)")
+	}
+	// The bridge is fine: a barrier meets.
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for i, cl := range cls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = cl.Barrier(ctx)
+		}()
+	}
+	wg.Wait()
+	for i, cl := range cls {
+		require.NoError(t, errs[i], "member %d", i)
+		require.NoError(t, cl.Close(ctx))
+		assert.Equal(t, 0, ps[i].wait(t), "stderr:\n%s", ps[i].stderr.String())
+	}
+}
+
+// TestServeCompressed: two gbbridge serve processes run fp8 all_reduces
+// with a feedback key, twice, and a zstd one: the results are bit for bit
+// collective.ReferenceAllReduceCodec's (the second call's depends on the
+// residual the first left in each serve), and DONE counts packed bytes.
+func TestServeCompressed(t *testing.T) {
+	ps := startPair(t, newCluster(t))
+	cls := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(60*time.Second))
+	defer cancel()
+	const E = 1<<20 + 3 // values: 4 MiB and 12 bytes, more than one chunk
+	n := 4 * E
+	regs := make([]*feedtest.Region, 2)
+	for i, cl := range cls {
+		assert.Equal(t, uint16(3), cl.Welcome().Version)
+		reg, err := cl.Map(ctx, n)
+		require.NoError(t, err)
+		regs[i] = reg
+	}
+	r := rand.New(rand.NewPCG(13, 2))
+	resid := [][]byte{make([]byte, 4*E), make([]byte, 4*E)}
+	run := func(id uint8, op reduce.Op, key *uint64) []feed.DoneMsg {
+		dones := make([]feed.DoneMsg, 2)
+		errs := make([]error, 2)
+		var wg sync.WaitGroup
+		for i, cl := range cls {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				dones[i], errs[i] = cl.AllReduceCodec(ctx, regs[i].All(), reduce.Float32, op, id, key)
+			}()
+		}
+		wg.Wait()
+		for i := range cls {
+			require.NoError(t, errs[i], "member %d; stderr:\n%s", i, ps[i].stderr.String())
+		}
+		return dones
+	}
+	key := uint64(7)
+	for call, op := range []reduce.Op{reduce.Sum, reduce.Avg} {
+		inputs := make([][]byte, 2)
+		for i, reg := range regs {
+			for k := 0; k < n; k += 4 {
+				binary.LittleEndian.PutUint32(reg.Mem[k:], math.Float32bits(float32(r.NormFloat64())))
+			}
+			inputs[i] = slices.Clone(reg.Mem)
+		}
+		want, res := collective.ReferenceAllReduceCodec(codec.MXFP8, op, reduce.Float32, inputs, resid, 2)
+		resid = res
+		dones := run(uint8(codec.MXFP8), op, &key)
+		for i := range regs {
+			require.True(t, bytes.Equal(want, regs[i].Mem), "call %d, member %d: result differs from the reference", call, i)
+			require.Len(t, dones[i].Ext, 1)
+			var b feed.BridgeStats
+			require.NoError(t, feed.DecodeBridgeStats(dones[i].Ext[0].Value, &b))
+			assert.Equal(t, uint64(codec.MXFP8Len(E)), b.BytesSent, "member %d sends its packing once", i)
+			assert.NotZero(t, b.CodecNS)
+		}
+	}
+	// zstd: raw's bits.
+	inputs := make([][]byte, 2)
+	for i, reg := range regs {
+		for k := 0; k < n; k += 4 {
+			binary.LittleEndian.PutUint32(reg.Mem[k:], math.Float32bits(float32(r.IntN(4))))
+		}
+		inputs[i] = slices.Clone(reg.Mem)
+	}
+	want := collective.ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 2)
+	run(uint8(codec.Zstd), reduce.Sum, nil)
+	for i := range regs {
+		require.True(t, bytes.Equal(want, regs[i].Mem), "zstd, member %d", i)
+	}
+	for i, cl := range cls {
+		require.NoError(t, cl.Close(ctx))
+		assert.Equal(t, 0, ps[i].wait(t), "stderr:\n%s", ps[i].stderr.String())
+	}
 }

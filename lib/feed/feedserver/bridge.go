@@ -13,16 +13,22 @@ import (
 // goroutines). It is collective.Progress.
 type Progress = collective.Progress
 
+// Codec is how a collective packs what it sends (collective.Codec): the
+// request's codec id, the dtype whose byte planes a lossless codec packs,
+// and a lossy all_reduce's error-feedback residual.
+type Codec = collective.Codec
+
 // Bridge is what the feed server drives: the collectives and point-to-point
-// operations of one bridge member. *collective.Comm implements it.
-// Collectives are called from one goroutine, in request order; Send and Recv
-// from other goroutines at the same time. p is nil for requests that are not
-// streamed.
+// operations of one bridge member, each collective with the request's
+// codec (the zero Codec: raw). *collective.Comm implements it.
+// Collectives are called from one goroutine, in request order; Send and
+// Recv from other goroutines at the same time. p is nil for requests that
+// are not streamed.
 type Bridge interface {
-	AllReduce(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, p *Progress) error
-	Broadcast(ctx context.Context, buf []byte, root int, p *Progress) error
-	AllGather(ctx context.Context, out, in []byte, p *Progress) error
-	ReduceScatter(ctx context.Context, out, in []byte, dt reduce.DType, op reduce.Op, p *Progress) error
+	AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, cd Codec, p *Progress) error
+	BroadcastCodec(ctx context.Context, buf []byte, root int, cd Codec, p *Progress) error
+	AllGatherCodec(ctx context.Context, out, in []byte, cd Codec, p *Progress) error
+	ReduceScatterCodec(ctx context.Context, out, in []byte, dt reduce.DType, op reduce.Op, cd Codec, p *Progress) error
 	Barrier(ctx context.Context) error
 	Send(ctx context.Context, peer int, tag uint32, buf []byte) error
 	Recv(ctx context.Context, peer int, tag uint32, buf []byte) (int, error)

@@ -8,8 +8,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/feed"
+	"github.com/gpubridge/gpubridge/lib/reduce"
 )
 
 // worker alternates between reading the socket (while it holds the reader
@@ -98,6 +100,7 @@ type call struct {
 	arrived time.Time
 	started time.Time
 	inLen   uint64
+	res     *residual // a lossy all_reduce's error feedback (FEEDBACK_KEY)
 	done    feed.DoneMsg
 
 	// streaming
@@ -151,8 +154,18 @@ func (s *Server) accept(r *feed.Request, arrived time.Time) (exec bool, err erro
 		s.refuse(r, feed.StatusBadRequest, err.Error(), arrived)
 		return false, nil
 	}
+	// Last, as it may replace a key's residual: nothing may refuse after.
+	var res *residual
+	if r.HasFeedbackKey {
+		if res, err = s.fb.take(r.FeedbackKey, r.DType, r.Buf.Len/uint64(r.DType.Size())); err != nil {
+			s.unref(rb)
+			s.unref(ro)
+			s.refuse(r, feed.StatusBadRequest, err.Error(), arrived)
+			return false, nil
+		}
+	}
 	c := s.callPool.Get().(*call)
-	c.req, c.buf, c.out, c.regs, c.arrived = *r, buf, out, [2]*region{rb, ro}, arrived
+	c.req, c.buf, c.out, c.regs, c.arrived, c.res = *r, buf, out, [2]*region{rb, ro}, arrived, res
 	c.inLen = r.Buf.Len
 	s.inflight.Add(1)
 	if r.Flags&feed.FlagStreamed != 0 {
@@ -203,8 +216,9 @@ func (s *Server) call(c *call) (err error) {
 	br, d := s.bridge, &c.done
 	switch {
 	case c.req.Kind == feed.MsgAllReduce && c.req.Flags&feed.FlagCallerReduces != 0:
-		// The inputs are exchanged; the caller reduces them.
-		err = br.AllGather(s.ctx, c.out, c.buf, p)
+		// The inputs are exchanged, raw or zstd-packed, or (lossy codecs)
+		// as the packings the callers made; the caller reduces them.
+		err = br.AllGatherCodec(s.ctx, c.out, c.buf, exchangeCodec(codec.ID(c.req.Codec), c.req.DType), p)
 		d.Bytes = uint64(len(c.out))
 	default:
 		err = s.collective(c, p)
@@ -215,21 +229,40 @@ func (s *Server) call(c *call) (err error) {
 	return err
 }
 
+// exchangeCodec is the codec of a caller-reduces all_reduce's exchange.
+// A lossy codec's packings travel as the opaque bytes they are, in raw
+// frames: lib/collective's all_gather takes lossless codecs only, and
+// would have to mark the frames with the lossy codec without decoding
+// them (docs/FEED.md §3a).
+func exchangeCodec(id codec.ID, dt reduce.DType) Codec {
+	if id.Lossy() {
+		return Codec{}
+	}
+	return Codec{ID: id, DType: dt}
+}
+
 // collective runs every request but the caller-reduces all_reduce.
 func (s *Server) collective(c *call, p *Progress) (err error) {
 	br, d := s.bridge, &c.done
+	// Collectives without a dtype of their own pack the request's dtype's
+	// byte planes (zstd); all_reduce and reduce_scatter use theirs.
+	id := codec.ID(c.req.Codec)
 	switch c.req.Kind {
 	case feed.MsgAllReduce:
-		err = br.AllReduce(s.ctx, c.buf, c.req.DType, c.req.Op, p)
+		cd := Codec{ID: id}
+		if c.res != nil {
+			cd.Residual = s.fb.memory(c.res)
+		}
+		err = br.AllReduceCodec(s.ctx, c.buf, c.req.DType, c.req.Op, cd, p)
 		d.Bytes = uint64(len(c.buf))
 	case feed.MsgBroadcast:
-		err = br.Broadcast(s.ctx, c.buf, int(c.req.Peer), p)
+		err = br.BroadcastCodec(s.ctx, c.buf, int(c.req.Peer), Codec{ID: id, DType: c.req.DType}, p)
 		d.Bytes = uint64(len(c.buf))
 	case feed.MsgAllGather:
-		err = br.AllGather(s.ctx, c.out, c.buf, p)
+		err = br.AllGatherCodec(s.ctx, c.out, c.buf, Codec{ID: id, DType: c.req.DType}, p)
 		d.Bytes = uint64(len(c.out))
 	case feed.MsgReduceScatter:
-		err = br.ReduceScatter(s.ctx, c.out, c.buf, c.req.DType, c.req.Op, p)
+		err = br.ReduceScatterCodec(s.ctx, c.out, c.buf, c.req.DType, c.req.Op, Codec{ID: id}, p)
 		d.Bytes = uint64(len(c.out))
 	case feed.MsgBarrier:
 		err = br.Barrier(s.ctx)
@@ -277,6 +310,7 @@ func (s *Server) finish(c *call) {
 	}
 	s.unref(c.regs[0])
 	s.unref(c.regs[1])
+	s.fb.release(c.res)
 	d := &c.done
 	d.QueueUS = uint64(c.started.Sub(c.arrived).Microseconds())
 	d.TotalUS = uint64(time.Since(c.arrived).Microseconds())
@@ -285,7 +319,7 @@ func (s *Server) finish(c *call) {
 	c.mu.Lock()
 	c.wake, c.readyEnd = nil, 0
 	c.mu.Unlock()
-	c.buf, c.out, c.regs, c.prog, c.done.Error = nil, nil, [2]*region{}, Progress{}, ""
+	c.buf, c.out, c.regs, c.prog, c.done.Error, c.res = nil, nil, [2]*region{}, Progress{}, "", nil
 	s.callPool.Put(c)
 }
 
@@ -309,4 +343,6 @@ func (s *Server) breakBridge(err error) {
 		s.o.Log.Error("bridge broken", "err", err)
 	}
 	s.bmu.Unlock()
+	// No call runs again: their residuals are of no use.
+	s.fb.dropAll()
 }

@@ -3,8 +3,10 @@ package feedserver
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 
@@ -42,6 +44,50 @@ type fakeMember struct {
 	g    *fakeGroup
 	self int
 	seq  atomic.Uint64
+
+	mu    sync.Mutex
+	calls []fakeCall // the collectives' codecs, in order
+}
+
+// fakeCall is what the fake saw of one collective's codec. The fake does
+// not pack anything (compression is lib/collective's, tested there and
+// here end to end over Comms): it reduces exactly, and adds 1 to every
+// value of a residual, so that a test sees which calls shared it.
+type fakeCall struct {
+	kind     string
+	cd       Codec
+	residual float32 // the residual's first value before the call; -1: none
+}
+
+func (m *fakeMember) record(kind string, cd Codec) {
+	fc := fakeCall{kind: kind, cd: cd, residual: -1}
+	if len(cd.Residual) >= 4 {
+		fc.residual = math.Float32frombits(binary.LittleEndian.Uint32(cd.Residual))
+		for i := 0; i+4 <= len(cd.Residual); i += 4 {
+			v := math.Float32frombits(binary.LittleEndian.Uint32(cd.Residual[i:]))
+			binary.LittleEndian.PutUint32(cd.Residual[i:], math.Float32bits(v+1))
+		}
+	}
+	m.mu.Lock()
+	m.calls = append(m.calls, fc)
+	m.mu.Unlock()
+}
+
+// recorded returns what the fake saw of every collective so far.
+func (m *fakeMember) recorded() []fakeCall {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return append([]fakeCall(nil), m.calls...)
+}
+
+// lastCall returns the last collective's codec.
+func (m *fakeMember) lastCall() fakeCall {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.calls) == 0 {
+		return fakeCall{}
+	}
+	return m.calls[len(m.calls)-1]
 }
 
 func newFakeGroup(n, chunk int) []*fakeMember {
@@ -151,7 +197,8 @@ func (m *fakeMember) round(ctx context.Context, buf []byte, p *Progress, give bo
 	return m.exchange(ctx, seq, in)
 }
 
-func (m *fakeMember) AllReduce(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, p *Progress) error {
+func (m *fakeMember) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, cd Codec, p *Progress) error {
+	m.record("all_reduce", cd)
 	all, err := m.round(ctx, buf, p, true)
 	if err != nil {
 		return err
@@ -164,7 +211,8 @@ func (m *fakeMember) AllReduce(ctx context.Context, buf []byte, dt reduce.DType,
 	return nil
 }
 
-func (m *fakeMember) Broadcast(ctx context.Context, buf []byte, root int, p *Progress) error {
+func (m *fakeMember) BroadcastCodec(ctx context.Context, buf []byte, root int, cd Codec, p *Progress) error {
+	m.record("broadcast", cd)
 	all, err := m.round(ctx, buf, p, m.self == root)
 	if err != nil {
 		return err
@@ -173,7 +221,8 @@ func (m *fakeMember) Broadcast(ctx context.Context, buf []byte, root int, p *Pro
 	return nil
 }
 
-func (m *fakeMember) AllGather(ctx context.Context, out, in []byte, p *Progress) error {
+func (m *fakeMember) AllGatherCodec(ctx context.Context, out, in []byte, cd Codec, p *Progress) error {
+	m.record("all_gather", cd)
 	all, err := m.round(ctx, in, p, true)
 	if err != nil {
 		return err
@@ -182,7 +231,8 @@ func (m *fakeMember) AllGather(ctx context.Context, out, in []byte, p *Progress)
 	return nil
 }
 
-func (m *fakeMember) ReduceScatter(ctx context.Context, out, in []byte, dt reduce.DType, op reduce.Op, p *Progress) error {
+func (m *fakeMember) ReduceScatterCodec(ctx context.Context, out, in []byte, dt reduce.DType, op reduce.Op, cd Codec, p *Progress) error {
+	m.record("reduce_scatter", cd)
 	all, err := m.round(ctx, in, p, true)
 	if err != nil {
 		return err

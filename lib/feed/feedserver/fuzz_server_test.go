@@ -32,8 +32,8 @@ func socketPair(t testing.TB) (*net.UnixConn, *net.UnixConn) {
 	return conn(fds[0]), conn(fds[1])
 }
 
-// FuzzServerInput sends HELLO and then arbitrary bytes to a server over a
-// one-member fake bridge, then closes the feed: the server must answer
+// FuzzServerInput sends HELLO (the newest version) and then arbitrary
+// bytes to a server over a one-member fake bridge, then closes the feed: the server must answer
 // what it can, never panic or touch memory out of bounds, and stop.
 func FuzzServerInput(f *testing.F) {
 	f.Add((&feed.RegionMsg{ID: 1, Region: 1, Size: 8}).Append(nil))
@@ -46,6 +46,17 @@ func FuzzServerInput(f *testing.F) {
 	seq = (&feed.ReadyMsg{ID: 2, End: 4}).Append(seq)
 	seq = (&feed.ReleaseMsg{ID: 3, Region: 1}).Append(seq)
 	seq = (&feed.ByeMsg{}).Append(seq)
+	f.Add(seq)
+	// Version 3: codecs, feedback keys (empty buffers: no region needed;
+	// the second changes the key's dtype), a lossy caller-reduces exchange
+	// (refused: one member).
+	seq = (&feed.Request{Kind: feed.MsgAllReduce, ID: 1, Codec: 2, DType: reduce.Float32, Op: reduce.Sum, Peer: -1,
+		FeedbackKey: 1, HasFeedbackKey: true}).Append(nil)
+	seq = (&feed.Request{Kind: feed.MsgAllReduce, ID: 2, Codec: 1, DType: reduce.BFloat16, Op: reduce.Avg, Peer: -1,
+		FeedbackKey: 1, HasFeedbackKey: true}).Append(seq)
+	seq = (&feed.Request{Kind: feed.MsgAllReduce, ID: 3, Codec: 2, Flags: feed.FlagCallerReduces, DType: reduce.Float32, Op: reduce.Sum,
+		Buf: feed.Span{Region: 1, Len: 2}, Out: feed.Span{Region: 1, Off: 2, Len: 2}, Peer: -1}).Append(seq)
+	seq = (&feed.Request{Kind: feed.MsgAllGather, ID: 4, Codec: 3, Buf: feed.Span{Region: 1, Len: 4}, Out: feed.Span{Region: 1, Off: 4, Len: 4}, Peer: -1}).Append(seq)
 	f.Add(seq)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		a, z := socketPair(t)
@@ -65,7 +76,7 @@ func FuzzServerInput(f *testing.F) {
 				}
 			}
 		}()
-		_, _ = a.Write((&feed.HelloMsg{MinVersion: 1, MaxVersion: 1}).Append(nil))
+		_, _ = a.Write((&feed.HelloMsg{MinVersion: 1, MaxVersion: feed.Version}).Append(nil))
 		_, _ = a.Write(b)
 		_ = a.CloseWrite()
 		select {

@@ -39,6 +39,11 @@ type ServerOptions struct {
 	MaxRegions     int
 	MaxRegionBytes uint64
 	MaxInflight    int
+	// MaxFeedbackBytes caps the error-feedback residuals the feed keeps
+	// (FEEDBACK_KEY: 4 bytes per value of each key's buffer); a request
+	// whose new residual would pass it is refused. Default
+	// DefaultMaxFeedbackBytes.
+	MaxFeedbackBytes uint64
 	// HandshakeTimeout bounds the wait for HELLO; WriteTimeout one write to
 	// a client that does not read.
 	HandshakeTimeout time.Duration
@@ -71,6 +76,7 @@ func (o *ServerOptions) defaults() {
 	orDefault(&o.MaxRegions, DefaultMaxRegions)
 	orDefault(&o.MaxRegionBytes, DefaultMaxRegionBytes)
 	orDefault(&o.MaxInflight, DefaultMaxInflight)
+	orDefault(&o.MaxFeedbackBytes, DefaultMaxFeedbackBytes)
 	orDefault(&o.HandshakeTimeout, DefaultHandshakeTimeout)
 	orDefault(&o.WriteTimeout, DefaultWriteTimeout)
 	if o.HandoffDelay == 0 { // negative: at once
@@ -140,6 +146,7 @@ type Server struct {
 	lastID   uint64
 	fds      []int
 	version  uint16
+	fb       *feedback // error-feedback residuals, by key
 
 	bmu    sync.Mutex
 	broken error
@@ -172,6 +179,7 @@ func NewServer(conn *net.UnixConn, b Bridge, o ServerOptions) *Server {
 		streams:  map[uint64]*call{},
 		role:     make(chan struct{}, 1),
 		wbuf:     make([]byte, 0, 512),
+		fb:       newFeedback(o.MaxFeedbackBytes),
 	}
 	s.callPool.New = func() any { return &call{s: s} }
 	return s
@@ -202,6 +210,7 @@ func (s *Server) Serve(ctx context.Context) (err error) {
 		s.cancel(err)
 		_ = s.conn.Close()
 		s.unmapAll()
+		s.fb.dropAll()
 	}()
 
 	r := &reader{conn: s.conn, buf: make([]byte, 2*feed.MaxMessage), oob: make([]byte, unix.CmsgSpace(4*maxPendingFDs)), s: s}

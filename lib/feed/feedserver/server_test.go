@@ -48,6 +48,13 @@ type feedEnv struct {
 
 func startFeeds(t testing.TB, bs []Bridge, tune func(*ServerOptions)) *feedEnv {
 	t.Helper()
+	return startFeedsVersion(t, bs, tune, feed.Version)
+}
+
+// startFeedsVersion is startFeeds with clients that speak feed protocol
+// versions up to max.
+func startFeedsVersion(t testing.TB, bs []Bridge, tune func(*ServerOptions), max uint16) *feedEnv {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	e := &feedEnv{t: t, cancel: cancel, servers: make([]*Server, len(bs))}
 	dir := sockDir(t)
@@ -74,7 +81,7 @@ func startFeeds(t testing.TB, bs []Bridge, tune func(*ServerOptions)) *feedEnv {
 			ready.Done()
 			errc <- e.servers[i].Serve(ctx)
 		}()
-		c, err := feedtest.Dial(ctx, path)
+		c, err := feedtest.DialVersion(ctx, path, max)
 		require.NoError(t, err)
 		e.clients = append(e.clients, c)
 	}
@@ -436,7 +443,7 @@ func TestBadRequests(t *testing.T) {
 		{"offset overflow", f32(feed.Span{Region: reg.ID, Off: math.MaxUint64 - 1, Len: 8}), "outside region"},
 		{"unknown region", f32(feed.Span{Region: 99, Len: 4}), "region 99 is not mapped"},
 		{"no region but bytes", f32(feed.Span{Off: 4, Len: 4}), "no region"},
-		{"unknown codec", func() feed.Request { r := f32(reg.Span(0, 4)); r.Codec = 3; return r }(), "codec 3 is not supported"},
+		{"unknown codec", func() feed.Request { r := f32(reg.Span(0, 4)); r.Codec = 7; return r }(), "codec 7 is unknown to this gpubridge (it knows 0 raw, 1 bf16/v1, 2 fp8/v1, 3 zstd/v1)"},
 		{"dtype length mismatch", f32(reg.Span(0, 6)), "not a whole number of float32"},
 		{"unknown dtype", func() feed.Request { r := f32(reg.Span(0, 4)); r.DType = 42; return r }(), "unknown dtype 42"},
 		{"no dtype", func() feed.Request { r := f32(reg.Span(0, 4)); r.DType = 0; return r }(), "needs a dtype"},
@@ -763,11 +770,11 @@ func TestHandshake(t *testing.T) {
 		return readMsg(t, conn), errc
 	}
 	t.Run("version mismatch", func(t *testing.T) {
-		m, errc := answer(t, 3, 5)
+		m, errc := answer(t, 4, 5)
 		em, ok := m.(*feed.ErrorMsg)
 		require.True(t, ok)
 		assert.Equal(t, feed.ErrCodeVersion, em.Code)
-		assert.Contains(t, em.Text, "client speaks feed protocol 3..5, this gbbridge speaks 1..2")
+		assert.Contains(t, em.Text, "client speaks feed protocol 4..5, this gbbridge speaks 1..3")
 		var pe *ProtocolError
 		require.ErrorAs(t, waitErr(t, errc), &pe)
 	})
@@ -775,7 +782,19 @@ func TestHandshake(t *testing.T) {
 		m, _ := answer(t, 1, 9)
 		w, ok := m.(*feed.WelcomeMsg)
 		require.True(t, ok)
-		assert.Equal(t, uint16(2), w.Version)
+		assert.Equal(t, uint16(3), w.Version)
+	})
+	t.Run("version 3 client", func(t *testing.T) {
+		m, _ := answer(t, 3, 3)
+		w, ok := m.(*feed.WelcomeMsg)
+		require.True(t, ok)
+		assert.Equal(t, uint16(3), w.Version)
+	})
+	t.Run("version 2 client", func(t *testing.T) {
+		m, _ := answer(t, 1, 2)
+		w, ok := m.(*feed.WelcomeMsg)
+		require.True(t, ok)
+		assert.Equal(t, uint16(2), w.Version, "a version 2 client still gets version 2")
 	})
 	t.Run("version 1 client", func(t *testing.T) {
 		m, _ := answer(t, 1, 1)

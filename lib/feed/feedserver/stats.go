@@ -47,7 +47,7 @@ func (s *Server) addStats(c *call, d *feed.DoneMsg) {
 	peers := b.Peers[:0]
 	*b = feed.BridgeStats{
 		Streams: st.Streams, StartNS: monoNS(st.Start), AllArrivedNS: monoNS(st.AllArrived), EndNS: monoNS(st.End),
-		BytesSent: st.BytesSent, BytesReceived: st.BytesReceived, ReduceNS: uint64(st.Reduce),
+		BytesSent: st.BytesSent, BytesReceived: st.BytesReceived, CodecNS: uint64(st.Codec), ReduceNS: uint64(st.Reduce),
 	}
 	blocked := c.blocked[:0]
 	for _, p := range st.Peers {

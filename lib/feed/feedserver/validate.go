@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/feed"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 )
@@ -15,6 +16,9 @@ func (s *Server) validate(r *feed.Request) error {
 	if err := checkFields(r, s.version); err != nil {
 		return err
 	}
+	if err := checkCodec(r, s.o.Members); err != nil {
+		return err
+	}
 	if err := checkKind(r, s.o.Member, s.o.Members); err != nil {
 		return err
 	}
@@ -24,11 +28,17 @@ func (s *Server) validate(r *feed.Request) error {
 	return checkOverlap(r, s.o.Member)
 }
 
-// checkFields checks codec, flags (against the session's version), dtype
-// and op.
+// checkFields checks flags, codec id and extensions (against the
+// session's version), dtype and op.
 func checkFields(r *feed.Request, version uint16) error {
-	if r.Codec != feed.CodecRaw {
-		return fmt.Errorf("codec %d is not supported (this gbbridge knows only 0, raw)", r.Codec)
+	if err := codec.Check(codec.ID(r.Codec)); err != nil {
+		return err
+	}
+	if r.Codec != feed.CodecRaw && version < feed.CodecVersion {
+		return fmt.Errorf("codec %d (%s) is feed protocol %d; this feed speaks version %d", r.Codec, codec.ID(r.Codec).Versioned(), feed.CodecVersion, version)
+	}
+	if v := feed.ExtVersion(feed.ExtFeedbackKey); r.HasFeedbackKey && version < v {
+		return fmt.Errorf("extension feedback-key (%#04x) is feed protocol %d; this feed speaks version %d", feed.ExtFeedbackKey, v, version)
 	}
 	if r.Flags&^feed.KnownFlags != 0 {
 		return fmt.Errorf("unknown flags %#x (this gbbridge speaks feed protocol %d..%d)", r.Flags&^feed.KnownFlags, feed.MinVersion, feed.Version)
@@ -144,10 +154,11 @@ func noPeer(r *feed.Request) error {
 	return nil
 }
 
-// checkElements checks that both spans hold whole elements of the dtype.
+// checkElements checks that both spans hold whole elements of the dtype
+// (a lossy caller-reduces all_reduce's hold packed bytes: checkCodec).
 func checkElements(r *feed.Request) error {
 	sz := uint64(r.DType.Size())
-	if sz <= 1 {
+	if sz <= 1 || packedSlots(r) {
 		return nil
 	}
 	if r.Buf.Len%sz != 0 {

@@ -425,6 +425,21 @@ func (c *Client) AllReduce(ctx context.Context, buf feed.Span, dt reduce.DType, 
 	return err
 }
 
+// AllReduceCodec is AllReduce with the bridged transfers packed by codec (a
+// lib/codec id, feed protocol 3: docs/FEED.md §3a) and, with key, the
+// buffer's error-feedback key (FEEDBACK_KEY; lossy codecs). A session of
+// an older version refuses it here, as the plugin does, before sending.
+func (c *Client) AllReduceCodec(ctx context.Context, buf feed.Span, dt reduce.DType, op reduce.Op, codec uint8, key *uint64) (feed.DoneMsg, error) {
+	r := feed.Request{Kind: feed.MsgAllReduce, Buf: buf, DType: dt, Op: op, Codec: codec}
+	if key != nil {
+		r.FeedbackKey, r.HasFeedbackKey = *key, true
+	}
+	if v := c.welcome.Version; v < feed.CodecVersion && (codec != feed.CodecRaw || key != nil) {
+		return feed.DoneMsg{}, fmt.Errorf("feed: codec %d and feedback keys need feed protocol %d; the server chose %d", codec, feed.CodecVersion, v)
+	}
+	return c.do(ctx, r)
+}
+
 // Broadcast copies root's buf into every member's buf.
 func (c *Client) Broadcast(ctx context.Context, buf feed.Span, root int) error {
 	_, err := c.do(ctx, feed.Request{Kind: feed.MsgBroadcast, Buf: buf, Peer: int32(root)})
