@@ -4,6 +4,7 @@ refuses to read."""
 
 from __future__ import annotations
 
+import ast
 import json
 import struct
 from pathlib import Path
@@ -236,3 +237,32 @@ def test_malformed_bridge_stats_are_refused(value: bytes, want: str) -> None:
     assert want in str(e.value), e.value
     with pytest.raises(ProtocolError, match=want):
         decode_done(ok_done(BRIDGE_STATS_TAG, value))
+
+
+# Go's fuzz seeds of the feed decoder (lib/feed/testdata/fuzz/FuzzFeedDecode):
+# whole messages, which Go's decoder takes and re-encodes to the same bytes.
+FUZZ_SEEDS = Path(__file__).resolve().parents[2] / "lib" / "feed" / "testdata" / "fuzz" / "FuzzFeedDecode"
+
+
+def go_seed(name: str) -> bytes:
+    """The []byte of a `go test fuzz v1` file."""
+    lines = (FUZZ_SEEDS / name).read_text().splitlines()
+    assert lines[0] == "go test fuzz v1" and lines[1].startswith("[]byte(") and lines[1].endswith(")")
+    lit = ast.literal_eval("b" + lines[1][len("[]byte(") : -1])
+    assert isinstance(lit, bytes)
+    return lit
+
+
+def test_version_3_requests_are_gos() -> None:
+    """The requests of Go's version-3 seeds, made here from their fields:
+    an fp8 all_reduce with a FEEDBACK_KEY, and a streamed zstd
+    caller-reduces all_reduce."""
+    fp8 = encode_request(
+        Kind.ALL_REDUCE, 7, DType.FLOAT32, Op.SUM, 0, Span(1, 0, 4096), Span(), -1, 0, Codec.FP8, 77
+    )
+    assert fp8 == go_seed("v3-fp8-feedback-key")
+    zstd = encode_request(
+        Kind.ALL_REDUCE, 9, DType.INT32, Op.MAX, FLAG_STREAMED | FLAG_CALLER_REDUCES,
+        Span(1, 0, 8), Span(1, 0, 16), -1, 0, Codec.ZSTD,
+    )  # fmt: skip
+    assert zstd == go_seed("v3-zstd-caller-reduces")
