@@ -16,7 +16,13 @@ random teacher). Rank 0 logs the loss (averaged over the ranks) and the
 throughput on stderr; ``--json`` also writes them as JSON lines (schema
 ``gpubridge.demo/v1``) on stdout, with the topology gpubridge found. At the
 end every rank checks that its parameters are identical, bit for bit, to
-every other rank's (exit status 1 otherwise).
+every other rank's (exit status 1 otherwise), and the result says how many
+bytes the island leaders sent over the bridge.
+
+``--compression fp8`` (or bf16, zstd) all-reduces the gradients with
+gpubridge's compressed DDP hook (error feedback on; ``--no-error-feedback``
+turns it off): the bridge carries the codec's packing instead of float32
+(docs/COMPRESSION.md).
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--json", action="store_true", help="rank 0 writes JSON lines on stdout")
+    p.add_argument(
+        "--compression", default="none", help="codec of the gradients on the bridge: none, fp8, bf16, zstd"
+    )
+    p.add_argument("--no-error-feedback", action="store_true", help="with a lossy --compression")
     return p.parse_args()
 
 
@@ -104,6 +114,18 @@ def report_topology(as_json: bool) -> None:
     log(f"bridge: leaders {bridge['members']} over {bridge['transport']} ({bridge['reason']})")
 
 
+class BridgeBytes(gpubridge.CollectiveObserver):
+    """The bytes this rank sent over the bridge (island leaders only: what
+    gbbridge reported for each collective)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def on_collective(self, record: Any) -> None:
+        if record.bridge is not None:
+            self.sent += record.bridge.bytes_sent
+
+
 def emit(record: dict[str, Any], enabled: bool) -> None:
     if enabled:
         print(json.dumps({"schema": SCHEMA, **record}), flush=True)
@@ -142,11 +164,19 @@ def main(args: argparse.Namespace) -> int:
         nn.Linear(args.hidden, args.classes),
     ).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    feedback = False
+    if args.compression != "none":  # gpubridge: gradients compressed on the bridge, with error feedback
+        state = gpubridge.CompressionState(codec=args.compression, error_feedback=not args.no_error_feedback)
+        ddp.register_comm_hook(state, gpubridge.compressed_hook)
+        feedback = state.error_feedback and state.codec in ("fp8", "bf16")
+    sent = BridgeBytes()
+    gpubridge.add_observer(sent)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     n_params = sum(p.numel() for p in model.parameters())
     if lead:
-        log(f"training: {n_params} parameters, {world} ranks x batch {args.batch_size} on {device}")
+        how = "" if args.compression == "none" else f", gradients {args.compression} on the bridge"
+        log(f"training: {n_params} parameters, {world} ranks x batch {args.batch_size} on {device}{how}")
 
     step, t_start, timed_samples, loss_avg = 0, 0.0, 0, float("nan")
     done = False
@@ -181,6 +211,10 @@ def main(args: argparse.Namespace) -> int:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t_start
 
+    # The bytes every leader sent over the bridge during training.
+    gpubridge.remove_observer(sent)
+    total = torch.tensor([sent.sent], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
     # Every rank must hold the same parameters: gather each rank's digest.
     mine = param_digest(model)
     every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
@@ -190,7 +224,10 @@ def main(args: argparse.Namespace) -> int:
     if lead:
         rate = timed_samples / max(seconds, 1e-9)
         verdict = f"parameters DIFFER on ranks {differ}" if differ else "parameters identical on every rank"
-        log(f"done: {step} steps, {rate:.0f} samples/s, final loss {loss_avg:.4f}; {verdict}")
+        log(
+            f"done: {step} steps, {rate:.0f} samples/s, final loss {loss_avg:.4f}, "
+            f"{int(total.item())} bytes over the bridge; {verdict}"
+        )
         result = {
             "kind": "result",
             "world_size": world,
@@ -199,6 +236,9 @@ def main(args: argparse.Namespace) -> int:
             "seconds": round(seconds, 3),
             "samples_per_s": round(rate, 1),
             "final_loss": round(loss_avg, 6),
+            "compression": args.compression,
+            "error_feedback": feedback,
+            "bridge_bytes_sent": int(total.item()),
             "params_identical": not differ,
             "param_sha256": bytes(mine.cpu().tolist()).hex(),
         }

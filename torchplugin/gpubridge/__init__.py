@@ -13,12 +13,16 @@ observers, and every rank keeps its last ones in a flight recorder
 :class:`RebalancingSampler` gives the faster ones more of each global
 batch and :func:`weighted_comm_hook` (:class:`SampleWeights`; FSDP:
 :func:`weighted_fsdp`) weights each rank's gradient by its share
-(docs/REBALANCING.md). The data path to gbbridge is
+(docs/REBALANCING.md). ``GPUBRIDGE_COMPRESSION`` compresses the bridged
+steps, and :func:`compressed_hook` with a :class:`CompressionState` all-
+reduces DDP's gradients compressed with error feedback
+(docs/COMPRESSION.md). The data path to gbbridge is
 :mod:`gpubridge._feed` (docs/FEED.md).
 """
 
 from gpubridge import observe
 from gpubridge._backend import register
+from gpubridge._compressed import CompressionState, compressed_hook
 from gpubridge._group import BACKEND_NAME, GpubridgeProcessGroup
 from gpubridge._hook import ddp_comm_hook
 from gpubridge._inflight import in_flight
@@ -43,6 +47,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "BACKEND_NAME",
     "CollectiveObserver",
+    "CompressionState",
     "GpubridgeProcessGroup",
     "RebalancingSampler",
     "SampleWeights",
@@ -52,6 +57,7 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "compressed_hook",
     "ddp_comm_hook",
     "destroy",
     "dump_trace",

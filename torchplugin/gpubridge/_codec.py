@@ -31,6 +31,8 @@ __all__ = [
     "mxfp8_encode",
     "mxfp8_encode_feedback",
     "mxfp8_len",
+    "mxfp8_offset",
+    "to_dtype",
 ]
 
 BLOCK = 32  # values per E8M0 scale
@@ -44,6 +46,15 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 def mxfp8_len(n: int) -> int:
     """Packed bytes of n values: n + ceil(n/32)."""
     return n + (n + BLOCK - 1) // BLOCK
+
+
+def mxfp8_offset(v: int) -> int:
+    """Where the packing of the values from v on starts in a whole buffer's
+    packing (v a multiple of GROUP): 1056 bytes per whole group
+    (lib/codec's MXFP8Offset)."""
+    if v % GROUP:
+        raise ValueError(f"fp8/v1: value {v} does not start a group of {GROUP}")
+    return v // GROUP * GROUP_BYTES
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +243,7 @@ def _feedback_input(x: torch.Tensor, residual: torch.Tensor, codec: str) -> torc
             f"a residual is a contiguous float32 tensor of the input's {x.numel()} values, "
             f"not {residual.dtype} of {residual.numel()}"
         )
-    xf = x.reshape(-1).to(torch.float32)
+    xf = _bits(x).view(torch.float32)  # widened exactly, a float16 NaN's sign kept (CPU's .float() drops it)
     r = residual.view(-1)
     return torch.where(torch.isnan(xf), xf, xf + r)
 
@@ -306,6 +317,13 @@ def bf16_encode_feedback(x: torch.Tensor, residual: torch.Tensor) -> torch.Tenso
     packed = bf16_encode(u)
     _keep_residual(residual, u, bf16_decode(packed, u.numel()))
     return packed
+
+
+def to_dtype(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 tensor (a decoded sum) as dtype: itself for float32,
+    rounded to nearest even for bfloat16 and float16 with lib/reduce's NaN
+    rule (F32ToBF16, F32ToF16): the last step of a compressed all_reduce."""
+    return f if dtype == torch.float32 else _narrow(f, dtype)
 
 
 def _narrow(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

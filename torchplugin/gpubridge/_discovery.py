@@ -151,10 +151,13 @@ def discover(
     topo_path: Path,
     timeout: float = 60.0,
     problems: list[str] | None = None,
+    settings: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Runs gbprobe --json | gbdiscover run with a deadline of timeout
     seconds; returns the topology (also written to topo_path) or raises
     RuntimeError with gbdiscover's problems, the same on every rank.
+    settings (key: value) must be equal on every rank: a rank that differs
+    fails every rank's discovery, naming it.
 
     This rank's own problems go to gbdiscover as --problem: those of
     rank_problems() (the tools are looked up once, and all those missing
@@ -188,6 +191,8 @@ def discover(
         cmd += ["--probe", os.devnull]
     for p in problems:
         cmd.append(f"--problem={p}")
+    for k, v in sorted((settings or {}).items()):
+        cmd.append(f"--setting={k}={v}")
     # LOCAL_RANK is checked above and passed as a flag; gbdiscover would
     # refuse to start on a bad value in its environment (without reporting).
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "SLURM_LOCALID")}

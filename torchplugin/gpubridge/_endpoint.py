@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 import time
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gpubridge import _gpu, _tools
+from gpubridge import _codec, _gpu, _tools
 from gpubridge import _inflight as fl
 from gpubridge._bridge_process import BridgeProcess, start_bridge
 from gpubridge._combine import can_combine, combine
 from gpubridge._dtypes import DTYPES, as_bytes
-from gpubridge._feed import Done, DType, FeedClient, FeedError, Op, Region
+from gpubridge._feed import Codec, Done, DType, FeedClient, FeedError, Op, Region
+from gpubridge._feed_protocol import CODEC_VERSION
+from gpubridge._feedback import ErrorFeedback
 from gpubridge._staging import Staging
 
 __all__ = ["BridgeEndpoint"]
@@ -32,15 +36,13 @@ _CHUNK = int(os.environ.get("GPUBRIDGE_COPY_CHUNK", str(8 << 20)))
 # GPUBRIDGE_TRACE_COPIES=1 logs the timeline of each large GPU all_reduce on
 # a leader (copies queued, input handed to the bridge, results back).
 _TRACE_COPIES = os.environ.get("GPUBRIDGE_TRACE_COPIES") == "1"
-# Where the leaders of a two-island group reduce (every rank must say the
-# same): "auto": on the GPU, for GPU tensors of at least _CALLER_MIN bytes
-# whose dtype and op gpubridge._combine does, when gbbridge speaks feed
-# protocol 2 (gbbridge only exchanges the partials); else in gbbridge.
-# "host": always in gbbridge. "caller": every all_reduce _combine can do,
-# CPU tensors and small ones too (the simulation tests of the GPU path's
-# arithmetic and order).
-_REDUCE = os.environ.get("GPUBRIDGE_BRIDGE_REDUCE", "auto")
-_REDUCE_MODES = ("auto", "host", "caller")
+# Where the leaders of a two-island group reduce (GPUBRIDGE_BRIDGE_REDUCE,
+# gpubridge._policy; every rank says the same): "auto": on the GPU, for GPU
+# tensors of at least _CALLER_MIN bytes whose dtype and op gpubridge._combine
+# does, when gbbridge speaks feed protocol 2 (gbbridge only exchanges the
+# partials); else in gbbridge. "host": always in gbbridge. "caller": every
+# all_reduce _combine can do, CPU tensors and small ones too (the simulation
+# tests of the GPU path's arithmetic and order).
 _CALLER_MIN = 1 << 20
 # The caller reduces the peer's partial in spans of this many bytes, as
 # they arrive: fewer, larger kernels (the tests make it small).
@@ -59,6 +61,8 @@ class BridgeEndpoint:
         device: torch.device,
         stream: Any,
         timeout: datetime.timedelta,
+        reduce_mode: str = "auto",
+        codec: Codec = Codec.RAW,
     ) -> None:
         self.process = process
         self._rank = rank
@@ -70,12 +74,16 @@ class BridgeEndpoint:
         self._timeout = timeout
         self._feed: FeedClient | None = None
         self._staging: Staging | None = None
-        if _REDUCE not in _REDUCE_MODES:
-            modes = ", ".join(_REDUCE_MODES)
-            raise RuntimeError(f"gpubridge: GPUBRIDGE_BRIDGE_REDUCE={_REDUCE!r}: want one of {modes}")
-        # GPUBRIDGE_BRIDGE_REDUCE; a benchmark may switch it between calls,
-        # on every leader alike.
-        self.reduce_mode = _REDUCE
+        self._codec = codec  # the group's (GPUBRIDGE_COMPRESSION)
+        # GPUBRIDGE_BRIDGE_REDUCE; a benchmark or a test may switch it
+        # between calls, on every leader alike.
+        self.reduce_mode = reduce_mode
+        # Error feedback of the calls this leader quantizes itself (the GPU
+        # path), per codec; gbbridge keeps those of the host path, by the
+        # number _wire_keys gives each key.
+        self.feedback: dict[Codec, ErrorFeedback] = {}
+        self._wire_keys: dict[Hashable, int] = {}
+        self._next_key = itertools.count(1)
         # A list: every all_reduce the caller reduced appends where its time
         # went (bench/gpu/exchange_bench.py sets it).
         self.profile: list[dict[str, float]] | None = None
@@ -92,6 +100,8 @@ class BridgeEndpoint:
         device: torch.device,
         stream: Any,
         timeout: datetime.timedelta,
+        reduce_mode: str = "auto",
+        codec: Codec = Codec.RAW,
     ) -> BridgeEndpoint:
         """Starts gbbridge serve with the topology in workdir; the job's
         store (host, port) and namespace are where it meets the other
@@ -103,10 +113,11 @@ class BridgeEndpoint:
             workdir / "topology.json", workdir / "feed.sock", gbbridge=_tools.find_tool("gbbridge"),
             env=env, args=["--timeout", f"{isecs}s"],
         )  # fmt: skip
-        return cls(process, rank, members, device, stream, timeout)
+        return cls(process, rank, members, device, stream, timeout, reduce_mode, codec)
 
     def connect(self) -> None:
-        """Waits for gbbridge serve's ready line and connects the feed."""
+        """Waits for gbbridge serve's ready line and connects the feed. A
+        group that compresses needs a gbbridge of feed protocol 3."""
         isecs = int(max(1.0, self._timeout.total_seconds()))
         try:
             self.process.wait_ready(float(min(isecs, 120)))
@@ -116,6 +127,12 @@ class BridgeEndpoint:
             )  # fmt: skip
         except FeedError as e:
             raise RuntimeError(f"gpubridge: rank {self._rank}: starting gbbridge serve: {e}") from e
+        if self._codec != Codec.RAW and not self._feed.codecs:
+            raise RuntimeError(
+                f"gpubridge: rank {self._rank}: GPUBRIDGE_COMPRESSION={self._codec} needs a gbbridge serve "
+                f"that speaks feed protocol {CODEC_VERSION}; gbbridge serve (pid {self.process.proc.pid}) "
+                f"speaks version {self._feed.version}: use the gbbridge of this gpubridge"
+            )
         self._staging = Staging(self._feed, self._device, self._stream, self._h2d, self._secs)
 
     @property
@@ -134,33 +151,60 @@ class BridgeEndpoint:
 
     # ---- the bridged steps ----
 
-    def all_reduce(self, e: fl.Entry, t: torch.Tensor, op: Op) -> None:
-        """All-reduces t in place over the bridge, through the region."""
+    def all_reduce(
+        self, e: fl.Entry, t: torch.Tensor, op: Op, codec: Codec = Codec.RAW, key: Hashable | None = None
+    ) -> None:
+        """All-reduces t in place over the bridge, through the region. codec
+        packs the bridged transfers (gpubridge._policy chose it for t and
+        op); key names the error-feedback residual of a lossy one (None:
+        none is kept)."""
         src = as_bytes(t)
         n = src.numel()
-        host = self.staging.tensor(n)
-        region = self.staging.region
-        assert region is not None
-        dt = DTYPES[t.dtype]
         try:
             if self._caller_reduces(t, op):
-                self._all_reduce_exchanged(e, t, op)
+                self._all_reduce_exchanged(e, t, op, codec, key if codec.lossy else None)
                 return
+            host = self.staging.tensor(n)
+            region = self.staging.region
+            assert region is not None
+            dt = DTYPES[t.dtype]
+            wire_key = self._wire_key(key) if codec.lossy and key is not None else None
             if self._device.type == "cuda":
-                self._all_reduce_streamed(e, src, host, region, dt, op)
+                self._all_reduce_streamed(e, src, host, region, dt, op, codec, wire_key)
                 return
             e.set_step(fl.COPY)
             host.copy_(src)
             e.set_step(fl.BRIDGE)
-            self._measured(e, self.feed.all_reduce(region, 0, n, dt, op))
+            self._measured(e, self.feed.all_reduce(region, 0, n, dt, op, codec=codec, feedback_key=wire_key))
             e.set_step(fl.COPY_BACK)
             src.copy_(host)
         except FeedError as exc:
             raise RuntimeError(f"bridge all_reduce: {exc}") from exc
 
+    def _wire_key(self, key: Hashable) -> int:
+        """The FEEDBACK_KEY gbbridge knows key's residual by: a number of
+        its own for each key this leader has used."""
+        k = self._wire_keys.get(key)
+        if k is None:
+            k = self._wire_keys[key] = next(self._next_key)
+        return k
+
+    def error_feedback(self, codec: Codec) -> ErrorFeedback:
+        """The residuals this leader keeps for codec (the GPU path's)."""
+        ef = self.feedback.get(codec)
+        if ef is None:
+            ef = self.feedback[codec] = ErrorFeedback(str(codec))
+        return ef
+
+    @property
+    def residual_bytes(self) -> int:
+        """The memory the GPU path's residuals hold here (4 bytes a value)."""
+        return sum(ef.nbytes for ef in self.feedback.values())
+
     def _all_reduce_streamed(
-        self, e: fl.Entry, src: torch.Tensor, host: torch.Tensor, region: Region, dt: DType, op: Op
-    ) -> None:
+        self, e: fl.Entry, src: torch.Tensor, host: torch.Tensor, region: Region, dt: DType, op: Op,
+        codec: Codec, wire_key: int | None,
+    ) -> None:  # fmt: skip
         """The GPU all_reduce of src (its bytes) through host (the region's
         view): chunked copies on the worker's stream; the bridge starts on
         each chunk once its copy is done and hands results back as it
@@ -196,7 +240,9 @@ class BridgeEndpoint:
             with torch.cuda.device(dev), torch.cuda.stream(self._h2d):
                 src[off : off + k].copy_(host[off : off + k], non_blocking=True)
 
-        call = feed.start_all_reduce(region, 0, n, dt, op, on_progress=back)
+        call = feed.start_all_reduce(
+            region, 0, n, dt, op, on_progress=back, codec=codec, feedback_key=wire_key
+        )
         e.set_step(fl.BRIDGE)
         for end, ev in ends:
             _gpu.wait_event(
@@ -233,21 +279,24 @@ class BridgeEndpoint:
             return True
         return self._device.type == "cuda" and t.numel() * t.element_size() >= _CALLER_MIN
 
-    def _all_reduce_exchanged(self, e: fl.Entry, t: torch.Tensor, op: Op) -> None:
+    def _all_reduce_exchanged(
+        self, e: fl.Entry, t: torch.Tensor, op: Op, codec: Codec, key: Hashable | None
+    ) -> None:
         """Two islands: the partials are exchanged through the region (slot
         m holds member m's), and each leader reduces them itself, member 0's
         value first (gpubridge._combine: lib/reduce's bits), so both end with
         what gbbridge's all_reduce would have left: chunked copies in, the
         peer's partial copied to the device as it arrives and reduced there
-        span by span, overlapping on a GPU (in order, on CPU tensors)."""
-        n = t.numel() * t.element_size()
-        host = self.staging.tensor(2 * n)
-        region = self.staging.region
-        assert region is not None
+        span by span, overlapping on a GPU (in order, on CPU tensors). With
+        a lossy codec the slots hold the partials' packings, quantized here
+        (with key's residual), and the reduction decodes and sums them."""
+        ef = self.error_feedback(codec) if key is not None else None
         self.exchanged += 1
-        _Exchange(self, e, t, op, self._members.index(self._rank), host, region).run()
+        _Exchange(self, e, t, op, self._members.index(self._rank), codec, ef, key).run()
 
-    def broadcast(self, e: fl.Entry, t: torch.Tensor, root: int, mine: bool) -> None:
+    def broadcast(
+        self, e: fl.Entry, t: torch.Tensor, root: int, mine: bool, codec: Codec = Codec.RAW
+    ) -> None:
         """Copies member root's t into every member's; mine: this member
         holds the data."""
         staging = self.staging
@@ -258,16 +307,19 @@ class BridgeEndpoint:
             staging.copy_in(e, host, src)
         e.set_step(fl.BRIDGE)
         try:
-            self._measured(e, self.feed.broadcast(staging.region, 0, src.numel(), root))
+            d = self.feed.broadcast(staging.region, 0, src.numel(), root, dtype=DTYPES[t.dtype], codec=codec)
+            self._measured(e, d)
         except FeedError as exc:
             raise RuntimeError(f"bridge broadcast: {exc}") from exc
         if not mine:
             staging.copy_out(e, src, host)
 
-    def all_gather(self, e: fl.Entry, block: torch.Tensor, slot: int) -> torch.Tensor:
-        """Every member's block (bytes, at most slot of them) in a slot of
-        its own, in member order: returns the region's members x slot bytes,
-        valid until the next step."""
+    def all_gather(
+        self, e: fl.Entry, block: torch.Tensor, slot: int, dtype: torch.dtype, codec: Codec = Codec.RAW
+    ) -> torch.Tensor:
+        """Every member's block (bytes of dtype, at most slot of them) in a
+        slot of its own, in member order: returns the region's members x
+        slot bytes, valid until the next step."""
         staging = self.staging
         me, m = self._members.index(self._rank), len(self._members)
         host = staging.tensor(m * slot)
@@ -275,7 +327,12 @@ class BridgeEndpoint:
         staging.copy_in(e, host[me * slot : me * slot + block.numel()], block)
         e.set_step(fl.BRIDGE)
         try:
-            d = self.feed.all_gather(staging.region.span(0, m * slot), staging.region.span(me * slot, slot))
+            d = self.feed.all_gather(
+                staging.region.span(0, m * slot),
+                staging.region.span(me * slot, slot),
+                DTYPES[dtype],
+                codec=codec,
+            )
             self._measured(e, d)
         except FeedError as exc:
             raise RuntimeError(f"bridge all_gather: {exc}") from exc
@@ -299,7 +356,11 @@ class BridgeEndpoint:
 
     def close(self, abort: bool) -> int:
         """Releases the region, says BYE (or aborts), and waits for gbbridge
-        serve's exit; returns its exit status (-1: killed at the deadline)."""
+        serve's exit; returns its exit status (-1: killed at the deadline).
+        The residuals go with it: this leader's now, gbbridge's as its feed
+        closes."""
+        for ef in self.feedback.values():
+            ef.clear()
         if self._staging is not None:
             with contextlib.suppress(Exception):
                 self._staging.drop()
@@ -319,6 +380,43 @@ class BridgeEndpoint:
             self.process.stderr_file.close()
 
 
+# A lossy codec on the GPU path: (encode, encode with feedback, decode,
+# decode-add) of gpubridge._codec, the bytes lib/codec writes.
+_Encode = Callable[[torch.Tensor], torch.Tensor]
+_EncodeFeedback = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_Decode = Callable[[torch.Tensor, int], torch.Tensor]
+_DecodeAdd = Callable[[torch.Tensor, torch.Tensor], None]
+_LOSSY: dict[Codec, tuple[_Encode, _EncodeFeedback, _Decode, _DecodeAdd]] = {
+    Codec.FP8: (
+        _codec.mxfp8_encode, _codec.mxfp8_encode_feedback, _codec.mxfp8_decode, _codec.mxfp8_decode_add,
+    ),
+    Codec.BF16: (_codec.bf16_encode, _codec.bf16_encode_feedback, _codec.bf16_decode, _codec.bf16_decode_add),
+}  # fmt: skip
+
+
+class _Packing:
+    """Where the values of a tensor of n values lie in its packing by a lossy
+    codec: fp8 in groups of 1024 values (1056 bytes each, the last shorter),
+    bf16 in 2 bytes a value. Cuts fall on whole groups, so the packing of
+    values [v, w) (v a multiple of 1024) is bytes [at(v), at(w)) of the whole
+    packing."""
+
+    def __init__(self, codec: Codec, n: int) -> None:
+        self.codec, self.n = codec, n
+        fp8 = codec == Codec.FP8
+        self.nbytes = _codec.mxfp8_len(n) if fp8 else 2 * n
+        self.unit = _codec.GROUP_BYTES if fp8 else 2  # bytes of a whole group (or value)
+        self.per_unit = _codec.GROUP if fp8 else 1  # its values
+
+    def at(self, v: int) -> int:
+        """The byte where value v's group starts (v: a group's first value, or n)."""
+        return self.nbytes if v == self.n else v // self.per_unit * self.unit
+
+    def value(self, b: int) -> int:
+        """The first value of the group at byte b (a multiple of unit, or the end)."""
+        return self.n if b == self.nbytes else b // self.unit * self.per_unit
+
+
 class _Exchange:
     """One all_reduce whose partials the bridge exchanges and this leader
     reduces (BridgeEndpoint._all_reduce_exchanged). On a GPU the copies in
@@ -327,18 +425,33 @@ class _Exchange:
     on the GPU and the copy in of its own bytes is done (the reduction
     overwrites them). On CPU tensors every copy is done when it returns:
     the same steps, in order, without streams or events.
+
+    With a lossy codec (fp8, bf16) the slots hold packings: each chunk of
+    the partial is quantized on the device (with the residual of ef's key,
+    when there is one) just before its packed bytes are copied in, and a
+    span of the result (whole groups) is dec(slot 0) + dec(slot 1) in
+    float32, member 0's decoding first, then the tensor's dtype: the bits
+    gbbridge's compressed exchange gives (docs/COMPRESSION.md).
     """
 
     def __init__(
         self, ep: BridgeEndpoint, e: fl.Entry, t: torch.Tensor, op: Op, me: int,
-        host: torch.Tensor, region: Region,
+        codec: Codec = Codec.RAW, ef: ErrorFeedback | None = None, key: Hashable | None = None,
     ) -> None:  # fmt: skip
         self.ep, self.e, self.t, self.op, self.me = ep, e, t, op, me
+        self.codec = codec
         self.src = as_bytes(t)
-        self.n = self.src.numel()
-        self.host, self.region = host, region
         self.es = t.element_size()
-        self.peer = ep.staging.scratch(self.n)  # the peer's partial, on the GPU
+        self.packing = _Packing(codec, t.numel()) if codec.lossy else None
+        # The bytes a slot holds: the partial's, or its packing's.
+        self.n = self.packing.nbytes if self.packing is not None else self.src.numel()
+        self.unit = self.packing.unit if self.packing is not None else self.es  # spans are cut at these
+        self.host = ep.staging.tensor(2 * self.n)
+        self.region = ep.staging.region
+        assert self.region is not None
+        self.ef, self.key = ef, key
+        self.own: torch.Tensor | None = None  # this member's packing, on the device
+        self.peer = ep.staging.scratch(self.n)  # the peer's partial (or packing), on the GPU
         # The peer bytes on the GPU and not reduced yet: off -> (end, the
         # number of the last copy that brought them, its event). Copies run
         # in order on h2d, so that event covers every earlier copy.
@@ -356,7 +469,8 @@ class _Exchange:
         ep, n, me = self.ep, self.n, self.me
         feed, stream = ep.feed, ep._stream
         self.e.set_step(fl.COPY)
-        chunk = min(_CHUNK, max(1 << 20, -(-n // 8)))
+        tbytes = self.src.numel()
+        chunk = min(_CHUNK, max(1 << 20, -(-tbytes // 8)))
         chunk = -(-chunk // 4096) * 4096
         if self.gpu:
             # The bridge writes the peer's partial into the region without
@@ -370,13 +484,17 @@ class _Exchange:
         mine = self.host[me * n : (me + 1) * n]
         t0 = time.perf_counter()
         ev0 = self._event(stream) if self.prof else None
-        for off in range(0, n, chunk):
-            end = min(n, off + chunk)
-            mine[off:end].copy_(self.src[off:end], non_blocking=self.gpu)
-            self.d2h.append((end, self._event(stream)))
+        if self.packing is not None:
+            self._pack_in(mine, chunk)
+        else:
+            for off in range(0, n, chunk):
+                end = min(n, off + chunk)
+                mine[off:end].copy_(self.src[off:end], non_blocking=self.gpu)
+                self.d2h.append((end, self._event(stream)))
+        assert self.region is not None
         call = feed.start_exchange(
             self.region.span(me * n, n), self.region.span(0, 2 * n), DTYPES[self.t.dtype], self.op,
-            on_progress=self._arrived,
+            on_progress=self._arrived, codec=self.codec,
         )  # fmt: skip
         t_start = time.perf_counter()
         self.e.set_step(fl.BRIDGE)
@@ -395,6 +513,27 @@ class _Exchange:
             stream.wait_stream(ep._add)
         if ev0 is not None:
             self._record(ev0, t0, t_start, d.total_us)
+
+    def _pack_in(self, mine: torch.Tensor, chunk: int) -> None:
+        """Quantizes the partial chunk by chunk (whole groups of about chunk
+        bytes of the tensor) into own, on the device, each chunk's packed
+        bytes copied into this member's slot right after (the bridge starts
+        on a chunk once its copy is done)."""
+        p, ep = self.packing, self.ep
+        assert p is not None
+        enc, enc_fb, _, _ = _LOSSY[self.codec]
+        x = self.t.reshape(-1)
+        r = self.ef.residual(self.key, x) if self.ef is not None else None
+        own = self.own = torch.empty(p.nbytes, dtype=torch.uint8, device=x.device)
+        if self.gpu:
+            own.record_stream(ep._add)  # read by the reduction on add
+        step = max(p.per_unit, chunk // self.es // _codec.GROUP * _codec.GROUP)
+        for v in range(0, p.n, step):
+            w = min(p.n, v + step)
+            lo, hi = p.at(v), p.at(w)
+            own[lo:hi] = enc_fb(x[v:w], r[v:w]) if r is not None else enc(x[v:w])
+            mine[lo:hi].copy_(own[lo:hi], non_blocking=self.gpu)
+            self.d2h.append((hi, self._event(ep._stream)))
 
     def _event(self, stream: Any) -> Any:
         """An event recorded on stream (None on CPU tensors)."""
@@ -430,7 +569,8 @@ class _Exchange:
 
     def _reduce(self, final: bool) -> None:
         """Reduces the peer bytes that arrived from done_to on, in spans of
-        at least _SPAN bytes (when final, whatever is there)."""
+        at least _SPAN bytes (when final, whatever is there), cut at whole
+        elements (packings: whole groups)."""
         while self.done_to in self.arrived:
             lo = end = self.done_to
             seq, ev = 0, None
@@ -441,7 +581,7 @@ class _Exchange:
             if end - lo < _SPAN and not final:
                 self.arrived[lo] = (end, seq, ev)  # not enough yet
                 return
-            cut = end if end == self.n else end - end % self.es
+            cut = end if end == self.n else end - end % self.unit
             if cut <= lo:
                 self.arrived[lo] = (end, seq, ev)
                 return
@@ -459,12 +599,29 @@ class _Exchange:
                 ep._add.wait_event(h2d_ev)
                 ep._add.wait_event(d2h)
             ev0 = self._event(ep._add) if self.prof else None
-            own = self.src[lo:hi].view(self.t.dtype)
-            other = self.peer[lo:hi].view(self.t.dtype)
-            a, b = (own, other) if self.me == 0 else (other, own)
-            combine(self.op, a, b, own)
+            if self.packing is not None:
+                self._decode_sum(lo, hi)
+            else:
+                own = self.src[lo:hi].view(self.t.dtype)
+                other = self.peer[lo:hi].view(self.t.dtype)
+                a, b = (own, other) if self.me == 0 else (other, own)
+                combine(self.op, a, b, own)
             if ev0 is not None:
                 self.add_ev.append((ev0, self._event(ep._add)))
+
+    def _decode_sum(self, lo: int, hi: int) -> None:
+        """The result's values in packed bytes [lo, hi) (whole groups):
+        dec(member 0's) + dec(member 1's) in float32, then t's dtype (the
+        op is a sum: an average is divided after the bridge)."""
+        p, own = self.packing, self.own
+        assert p is not None and own is not None
+        _, _, dec, dec_add = _LOSSY[self.codec]
+        v, w = p.value(lo), p.value(hi)
+        q_own, q_peer = own[lo:hi], self.peer[lo:hi]
+        q0, q1 = (q_own, q_peer) if self.me == 0 else (q_peer, q_own)
+        acc = dec(q0, w - v)
+        dec_add(acc, q1)
+        self.t.reshape(-1)[v:w].copy_(_codec.to_dtype(acc, self.t.dtype))
 
     def _record(self, ev0: Any, t0: float, t_start: float, server_us: int) -> None:
         """Appends where the call's time went (GPU busy times from events)."""

@@ -1,5 +1,5 @@
 """Client of the feed protocol of ``gbbridge serve`` (docs/FEED.md, versions 1
-and 2).
+to 3).
 
 The plugin puts a tensor's bytes in a shared-memory :class:`Region` (a sealed
 memfd that ``gbbridge serve`` maps too) and asks for a collective over the
@@ -34,6 +34,7 @@ import numpy.typing as npt
 
 from gpubridge._feed_protocol import (
     CALLER_REDUCES_VERSION,
+    CODEC_VERSION,
     FLAG_CALLER_REDUCES,
     FLAG_STREAMED,
     HEADER_SIZE,
@@ -41,6 +42,7 @@ from gpubridge._feed_protocol import (
     MIN_VERSION,
     VERSION,
     BridgeError,
+    Codec,
     Done,
     DType,
     FeedError,
@@ -71,6 +73,7 @@ from gpubridge._feed_protocol import (
 __all__ = [
     "BridgeError",
     "Call",
+    "Codec",
     "DType",
     "Done",
     "FeedClient",
@@ -470,20 +473,33 @@ class FeedClient:
         tag: int = 0,
         streamed: bool = False,
         caller_reduces: bool = False,
+        codec: Codec = Codec.RAW,
+        feedback_key: int | None = None,
         on_progress: ProgressFn | None = None,
     ) -> Call:
         """Sends a request and returns its :class:`Call`. With ``streamed``,
         send :meth:`Call.ready` as input becomes ready; ``on_progress(off, n)``
         gets each PROGRESS range on the thread that reads the socket (it must
         not block). ``caller_reduces`` (all_reduce, version 2) asks for the
-        inputs unreduced (see :meth:`start_exchange`)."""
+        inputs unreduced (see :meth:`start_exchange`). ``codec`` packs the
+        bridged transfers and ``feedback_key`` names the residual of a lossy
+        all_reduce (version 3, docs/FEED.md §3a); a server that speaks an
+        older version is refused here, before anything is sent."""
         if kind < Kind.ALL_REDUCE:
             raise ValueError(f"gpubridge feed: {kind} is not a request")
-        dt, o = DType.of(dtype), Op.of(op)
+        dt, o, c = DType.of(dtype), Op.of(op), Codec(codec)
+        if (c != Codec.RAW or feedback_key is not None) and not self.codecs:
+            what = f"codec {c.versioned}" if c != Codec.RAW else "an error-feedback key"
+            raise FeedError(
+                f"gpubridge feed: {what} needs feed protocol {CODEC_VERSION}; this gbbridge serve speaks "
+                f"version {self.version} (compression needs a gbbridge that speaks {CODEC_VERSION})"
+            )
         flags = (FLAG_STREAMED if streamed else 0) | (FLAG_CALLER_REDUCES if caller_reduces else 0)
 
         k = Call(self, kind, on_progress)
-        self._send(k, lambda rid: encode_request(kind, rid, dt, o, flags, buf, out, peer, tag))
+        self._send(
+            k, lambda rid: encode_request(kind, rid, dt, o, flags, buf, out, peer, tag, c, feedback_key)
+        )
         return k
 
     def request(self, kind: Kind, timeout: float | None = None, **kw: Any) -> Done:
@@ -525,64 +541,87 @@ class FeedClient:
 
     def all_reduce(
         self, region: Region, offset: int, nbytes: int, dtype: DTypeArg, op: OpArg,
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, codec: Codec = Codec.RAW, feedback_key: int | None = None,
     ) -> Done:  # fmt: skip
         """Reduces bytes [offset, offset+nbytes) of region in place across the
-        bridge members; the input must be in place."""
-        return self.request(Kind.ALL_REDUCE, timeout, buf=region.span(offset, nbytes), dtype=dtype, op=op)
+        bridge members; the input must be in place. codec, feedback_key:
+        see :meth:`start`."""
+        return self.request(
+            Kind.ALL_REDUCE, timeout, buf=region.span(offset, nbytes), dtype=dtype, op=op,
+            codec=codec, feedback_key=feedback_key,
+        )  # fmt: skip
 
     def start_all_reduce(
         self, region: Region, offset: int, nbytes: int, dtype: DTypeArg, op: OpArg,
-        on_progress: ProgressFn | None = None,
+        on_progress: ProgressFn | None = None, *, codec: Codec = Codec.RAW, feedback_key: int | None = None,
     ) -> Call:  # fmt: skip
         """Starts a streamed all_reduce: call ``ready(end)`` as input bytes
         [offset, offset+end) come in; ``on_progress(off, n)`` says which
         result bytes (relative to offset) are final; ``wait()`` ends it."""
         return self.start(
             Kind.ALL_REDUCE, region.span(offset, nbytes), dtype=dtype, op=op,
-            streamed=True, on_progress=on_progress,
+            streamed=True, on_progress=on_progress, codec=codec, feedback_key=feedback_key,
         )  # fmt: skip
+
+    @property
+    def version(self) -> int:
+        """The feed protocol version the server chose (0 before WELCOME)."""
+        return self.welcome.version if self.welcome is not None else 0
 
     @property
     def caller_reduces(self) -> bool:
         """Whether the server speaks the "exchange, reduce on the caller"
         all_reduce (feed protocol 2)."""
-        return self.welcome is not None and self.welcome.version >= CALLER_REDUCES_VERSION
+        return self.version >= CALLER_REDUCES_VERSION
+
+    @property
+    def codecs(self) -> bool:
+        """Whether the server takes codecs other than raw and error-feedback
+        keys (feed protocol 3)."""
+        return self.version >= CODEC_VERSION
 
     def start_exchange(
         self, inp: Span, out: Span, dtype: DTypeArg, op: OpArg, *,
-        streamed: bool = True, on_progress: ProgressFn | None = None,
+        streamed: bool = True, on_progress: ProgressFn | None = None, codec: Codec = Codec.RAW,
     ) -> Call:  # fmt: skip
         """Starts an all_reduce whose reduction is the caller's (feed
         protocol 2): the bridge exchanges every member's inp unreduced into
         out (members x inp.nbytes, member m's in slot m; inp may be this
         member's own slot) and the caller combines the slots in the
         documented order. Streamed: ``ready(end)`` as bytes [0, end) of inp
-        come in; ``on_progress(off, n)`` names bytes of out that arrived."""
+        come in; ``on_progress(off, n)`` names bytes of out that arrived.
+        codec (version 3): zstd packs the frames; with bf16 or fp8, inp holds
+        this member's packed values, which the caller decodes and sums."""
         return self.start(
             Kind.ALL_REDUCE, inp, out, dtype=dtype, op=op, streamed=streamed,
-            caller_reduces=True, on_progress=on_progress,
+            caller_reduces=True, on_progress=on_progress, codec=codec,
         )  # fmt: skip
 
     def broadcast(
-        self, region: Region, offset: int, nbytes: int, root: int, *, timeout: float | None = None
-    ) -> Done:
-        """Copies member root's bytes into every member's, in place."""
-        return self.request(Kind.BROADCAST, timeout, buf=region.span(offset, nbytes), peer=root)
+        self, region: Region, offset: int, nbytes: int, root: int, *,
+        timeout: float | None = None, dtype: DTypeArg | None = None, codec: Codec = Codec.RAW,
+    ) -> Done:  # fmt: skip
+        """Copies member root's bytes (of dtype, optional) into every
+        member's, in place."""
+        return self.request(
+            Kind.BROADCAST, timeout, buf=region.span(offset, nbytes), peer=root, dtype=dtype, codec=codec
+        )
 
     def all_gather(
-        self, out: Span, inp: Span, dtype: DTypeArg | None = None, *, timeout: float | None = None
-    ) -> Done:
+        self, out: Span, inp: Span, dtype: DTypeArg | None = None, *,
+        timeout: float | None = None, codec: Codec = Codec.RAW,
+    ) -> Done:  # fmt: skip
         """Concatenates every member's inp into out (members x inp.nbytes), in
         member order."""
-        return self.request(Kind.ALL_GATHER, timeout, buf=inp, out=out, dtype=dtype)
+        return self.request(Kind.ALL_GATHER, timeout, buf=inp, out=out, dtype=dtype, codec=codec)
 
     def reduce_scatter(
-        self, out: Span, inp: Span, dtype: DTypeArg, op: OpArg, *, timeout: float | None = None
-    ) -> Done:
+        self, out: Span, inp: Span, dtype: DTypeArg, op: OpArg, *,
+        timeout: float | None = None, codec: Codec = Codec.RAW,
+    ) -> Done:  # fmt: skip
         """Reduces inp (members x out.nbytes) across members and leaves this
         member's share in out."""
-        return self.request(Kind.REDUCE_SCATTER, timeout, buf=inp, out=out, dtype=dtype, op=op)
+        return self.request(Kind.REDUCE_SCATTER, timeout, buf=inp, out=out, dtype=dtype, op=op, codec=codec)
 
     def barrier(self, timeout: float | None = None) -> Done:
         return self.request(Kind.BARRIER, timeout)

@@ -1,4 +1,4 @@
-"""The feed protocol of ``gbbridge serve`` (docs/FEED.md, versions 1 and 2): its
+"""The feed protocol of ``gbbridge serve`` (docs/FEED.md, versions 1 to 3): its
 constants, numbering, errors and message codec.
 
 This mirrors ``lib/feed`` (Go), which is the reference; only the wire format
@@ -20,7 +20,9 @@ __all__ = [
     "BRIDGE_STATS_TAG",
     "BRIDGE_STATS_VERSION",
     "CALLER_REDUCES_VERSION",
+    "CODEC_VERSION",
     "EXT_CRITICAL",
+    "FEEDBACK_KEY_TAG",
     "FLAG_CALLER_REDUCES",
     "FLAG_STREAMED",
     "HEADER_SIZE",
@@ -33,6 +35,7 @@ __all__ = [
     "BridgeError",
     "BridgePeer",
     "BridgeStats",
+    "Codec",
     "DType",
     "Done",
     "FeedError",
@@ -61,10 +64,13 @@ __all__ = [
     "parse_header",
 ]
 
-VERSION: Final = 2
+VERSION: Final = 3
 MIN_VERSION: Final = 1
 # The version that brought FLAG_CALLER_REDUCES.
 CALLER_REDUCES_VERSION: Final = 2
+# The version that gave the request's codec byte its meaning and brought
+# FEEDBACK_KEY (§3a); before it every request says codec 0.
+CODEC_VERSION: Final = 3
 MAGIC: Final = 0x44464247  # "GBFD" little-endian
 HEADER_SIZE: Final = 8
 MAX_MESSAGE: Final = 64 << 10
@@ -82,6 +88,9 @@ BRIDGE_STATS_VERSION: Final = 1
 _MAX_BRIDGE_STREAMS: Final = 64
 _BRIDGE_NOT_HEARD: Final = -(1 << 63)
 _BRIDGE_PEERS_CUT: Final = 1
+# A request's extension tag 2 (version 3, critical): the u64 error-feedback
+# key of a lossy all_reduce (gbbridge keeps a residual per key).
+FEEDBACK_KEY_TAG: Final = 2
 
 _HEADER = struct.Struct("<IHH")
 _REQUEST = struct.Struct("<QBBBBIIIQQQQiI")
@@ -89,6 +98,7 @@ _DONE = struct.Struct("<QIIQQQQ")
 _WELCOME = struct.Struct("<HHIIIIIQ")
 _U32 = struct.Struct("<I")
 _EXT = struct.Struct("<HH")
+_U64 = struct.Struct("<Q")
 _U64X2 = struct.Struct("<QQ")
 _U64X3 = struct.Struct("<QQQ")
 _BRIDGE = struct.Struct("<HHHH7Q")
@@ -169,6 +179,29 @@ _DTYPE_SIZES: Final[dict[DType, int]] = {
     DType.NONE: 1, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT32: 4, DType.FLOAT64: 8,
     DType.INT8: 1, DType.UINT8: 1, DType.INT32: 4, DType.INT64: 8,
 }  # fmt: skip
+
+
+class Codec(IntEnum):
+    """How a request's bridged transfers are packed: lib/codec's ids
+    (docs/COMPRESSION.md; an id names one format version forever)."""
+
+    RAW = 0
+    BF16 = 1  # bf16/v1
+    FP8 = 2  # fp8/v1 (MXFP8)
+    ZSTD = 3  # zstd/v1, lossless
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @property
+    def versioned(self) -> str:
+        """The name with the format's version ("fp8/v1"), as gbbridge's
+        messages say it."""
+        return "raw" if self == Codec.RAW else f"{self}/v1"
+
+    @property
+    def lossy(self) -> bool:
+        return self in (Codec.BF16, Codec.FP8)
 
 
 class Op(IntEnum):
@@ -330,15 +363,18 @@ def encode_hello(pid: int, name: str) -> bytes:
 
 
 def encode_request(
-    kind: Kind, request_id: int, dtype: DType, op: Op, flags: int, buf: Span, out: Span, peer: int, tag: int
-) -> bytes:
-    return _encode(
-        kind,
-        _REQUEST.pack(
-            request_id, dtype, op, 0, 0, flags, buf.region, out.region,
-            buf.offset, buf.nbytes, out.offset, out.nbytes, peer, tag,
-        ),
+    kind: Kind, request_id: int, dtype: DType, op: Op, flags: int, buf: Span, out: Span, peer: int, tag: int,
+    codec: Codec = Codec.RAW, feedback_key: int | None = None,
+) -> bytes:  # fmt: skip
+    """A request (§3); codec is the body's byte 10 and feedback_key the
+    FEEDBACK_KEY extension (version 3, §3a)."""
+    body = _REQUEST.pack(
+        request_id, dtype, op, codec, 0, flags, buf.region, out.region,
+        buf.offset, buf.nbytes, out.offset, out.nbytes, peer, tag,
     )  # fmt: skip
+    if feedback_key is not None:
+        body += _EXT.pack(FEEDBACK_KEY_TAG | EXT_CRITICAL, _U64.size) + _U64.pack(feedback_key)
+    return _encode(kind, body)
 
 
 def encode_region(request_id: int, region_id: int, size: int) -> bytes:

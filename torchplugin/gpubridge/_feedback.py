@@ -4,8 +4,9 @@ Quantizing a gradient loses a little of it every step; error feedback adds
 what was lost to the next step's buffer before quantizing, so that nothing
 is lost for good, only late (docs/COMPRESSION.md, "Error feedback"). One
 residual is kept per buffer identity (a DDP bucket's index, a parameter's
-name) and size: a buffer whose size changed (DDP rebuilds its buckets after
-the first iteration) starts again from zero. The residuals cost 4 bytes a
+name), size and dtype: a buffer whose size changed (DDP rebuilds its
+buckets after the first iteration), or whose dtype did, starts again from
+zero, as gbbridge's residuals do. The residuals cost 4 bytes a
 value, on the buffer's device, whatever its dtype; ``clear`` frees them
 (the group does it when it is destroyed).
 """
@@ -33,21 +34,25 @@ class ErrorFeedback:
             raise ValueError(f"error feedback is for the lossy codecs fp8 and bf16, not {codec!r}")
         self.codec = codec
         self._residuals: dict[Hashable, torch.Tensor] = {}
+        self._dtypes: dict[Hashable, torch.dtype] = {}  # each residual's buffer's dtype
         self._lock = threading.Lock()
-        self.dropped = 0  # residuals dropped because their buffer changed size or device
+        self.dropped = 0  # residuals dropped because their buffer changed size, dtype or device
 
     def residual(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
         """The residual of buffer key for a buffer like x: the kept one, or
-        zeros when there is none or x's size or device differs from the
-        kept one's (which is dropped)."""
+        zeros when there is none or x's size, dtype or device differs from
+        the kept one's (which is dropped)."""
         with self._lock:
             r = self._residuals.get(key)
-            if r is not None and (r.numel() != x.numel() or r.device != x.device):
+            if r is not None and (
+                r.numel() != x.numel() or r.device != x.device or self._dtypes[key] != x.dtype
+            ):
                 self.dropped += 1
                 r = None
             if r is None:
                 r = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
                 self._residuals[key] = r
+                self._dtypes[key] = x.dtype
             return r
 
     def encode(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
@@ -64,11 +69,13 @@ class ErrorFeedback:
         """Forget buffer key's residual."""
         with self._lock:
             self._residuals.pop(key, None)
+            self._dtypes.pop(key, None)
 
     def clear(self) -> None:
         """Forget every residual (and free its memory)."""
         with self._lock:
             self._residuals.clear()
+            self._dtypes.clear()
 
     def __len__(self) -> int:
         return len(self._residuals)

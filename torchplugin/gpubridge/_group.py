@@ -22,6 +22,7 @@ import datetime
 import itertools
 import logging
 import weakref
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -38,9 +39,10 @@ from gpubridge._feed import Op
 from gpubridge._island import IslandGroup
 from gpubridge._layout import Layout
 from gpubridge._p2p import PointToPoint
+from gpubridge._policy import Policy, parse_codec
 from gpubridge._worker import Worker
 
-__all__ = ["BACKEND_NAME", "GpubridgeProcessGroup", "live_groups"]
+__all__ = ["BACKEND_NAME", "GpubridgeProcessGroup", "find_group", "live_groups"]
 
 BACKEND_NAME = "gpubridge"
 log = logging.getLogger("gpubridge")
@@ -82,8 +84,14 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self._dir = _setup.private_dir()
         self.created = next(_CREATED)
         self._group_name = group
+        # GPUBRIDGE_COMPRESSION and GPUBRIDGE_BRIDGE_REDUCE: settings every
+        # rank must share (discovery compares them), bad values problems.
+        self._policy = Policy.read()
         try:
-            topo = _setup.discover(store, rank, size, timeout, group, self._dir, problems or [])
+            topo = _setup.discover(
+                store, rank, size, timeout, group, self._dir, [*(problems or []), *self._policy.problems],
+                self._policy.settings(),
+            )  # fmt: skip
             failed: BaseException | None = None
             try:
                 self._build(topo)
@@ -97,7 +105,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             raise
         assert self._island is not None
         self._checks: Checks = Checks(size, self._device)
-        self._algo: Collectives = Collectives(self._layout, self._island, self._endpoint)
+        self._algo: Collectives = Collectives(self._layout, self._island, self._endpoint, self._policy.codec)
         self._p2p: PointToPoint = PointToPoint(
             group, self._layout, self._island, self._endpoint, self._breaker, self._device, timeout
         )
@@ -129,7 +137,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         if layout.bridged and layout.is_leader:
             self._endpoint = BridgeEndpoint.start(
                 self._dir, store_address(self._store), str(topo["namespace"]), self._rank, layout.members,
-                self._device, self._stream, self._timeout,
+                self._device, self._stream, self._timeout, self._policy.bridge_reduce, self._policy.codec,
             )  # fmt: skip
             self._endpoint.connect()
 
@@ -189,6 +197,12 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         """The device this rank's tensors must be on."""
         return self._device
 
+    @property
+    def compression(self) -> str:
+        """The group's compression (GPUBRIDGE_COMPRESSION when it was
+        created): "raw", "bf16", "fp8" or "zstd"."""
+        return str(self._policy.codec)
+
     # ---- checks ----
 
     def _one(self, op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -206,6 +220,39 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         return self._worker.submit(
             "allreduce", t.nbytes, lambda e: self._algo.all_reduce(e, t, op), [t],
             opts=opts, detail=op.name,
+        )  # fmt: skip
+
+    def allreduce_compressed(
+        self,
+        tensor: torch.Tensor,
+        op: Any = dist.ReduceOp.SUM,
+        codec: str | None = None,
+        feedback_key: Hashable | None = None,
+        async_op: bool = True,
+    ) -> Any:
+        """An all_reduce of tensor in place whose bridged step uses codec
+        (None: the group's; "none", "bf16", "fp8", "zstd") with the error
+        feedback of feedback_key (None: none is kept); returns its Work,
+        like allreduce. A lossy codec applies to floating SUM and AVG of
+        the dtypes it packs, the rest stays exact (docs/COMPRESSION.md).
+        Every rank passes the same codec; each island leader keeps one
+        float32 residual per key and buffer size, 4 bytes a value (in GPU
+        memory on the two-island GPU path, else in gbbridge), freed with
+        the group."""
+        self._breaker.refuse("allreduce_compressed")
+        self._checks.tensor("allreduce_compressed", tensor)
+        try:
+            c = self._policy.codec if codec is None else parse_codec(codec)
+        except ValueError as e:
+            raise RuntimeError(f"gpubridge: allreduce_compressed: {e}") from None
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        opts.asyncOp = async_op
+        rop = self._checks.reduce_op("allreduce_compressed", opts, tensor.dtype)
+        t = tensor
+        return self._worker.submit(
+            "allreduce_compressed", t.nbytes, lambda e: self._algo.all_reduce(e, t, rop, c, feedback_key),
+            [t], opts=opts, detail=rop.name, codec=str(c),
         )  # fmt: skip
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -463,6 +510,25 @@ _CREATED = itertools.count()
 def live_groups() -> list[GpubridgeProcessGroup]:
     """The gpubridge groups of this process that are not closed."""
     return [g for g in list(_LIVE) if not g._breaker.closed]
+
+
+def find_group(group: Any, what: str) -> GpubridgeProcessGroup:
+    """The gpubridge group torch knows as group (None: the default group);
+    RuntimeError (naming what needs it) for any other group."""
+    g = dist.group.WORLD if group is None else group
+    if isinstance(g, GpubridgeProcessGroup):
+        return g
+    name = getattr(g, "group_name", None)
+    for pg in live_groups():
+        if name is not None and name in (pg._group, pg.group_name):
+            return pg
+    if g is None:
+        raise RuntimeError(f"{what} needs a gpubridge group: torch.distributed is not initialized")
+    try:
+        backend = str(dist.get_backend(g))
+    except Exception:
+        backend = "unknown"
+    raise RuntimeError(f"{what} needs a gpubridge group, this group's backend is {backend!r}")
 
 
 @atexit.register

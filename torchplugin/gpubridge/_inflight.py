@@ -67,6 +67,9 @@ class Entry:
     dtype: Any = None
     detail: str = ""
     asynchronous: bool = False
+    # How the bridged step packed its transfers (gpubridge._policy chose it
+    # for the call: "raw", "bf16", "fp8", "zstd"), set by the algorithm.
+    codec: str = "raw"
     error: str | None = None  # set when it ended with one
     # Tracing on a GPU: called with each new step (records a CUDA event).
     mark: Callable[[str], None] | None = None

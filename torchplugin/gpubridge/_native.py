@@ -108,10 +108,30 @@ def _done(work: Any, async_op: bool) -> Any:
     return None
 
 
-def all_reduce(tensor: torch.Tensor, op: str | Any = "sum", async_op: bool = False) -> Any:
-    o = dist.AllreduceOptions()
-    o.reduceOp = _op(op)
-    return _done(_group().allreduce([tensor], o), async_op)
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str | Any = "sum",
+    async_op: bool = False,
+    compression: str | None = None,
+    feedback_key: int | str | None = None,
+) -> Any:
+    """All-reduces tensor in place. compression ("none", "bf16", "fp8",
+    "zstd") overrides GPUBRIDGE_COMPRESSION for this call (every rank must
+    pass the same); feedback_key (an int or a string) names the buffer
+    whose error-feedback residual a lossy codec keeps between calls (4
+    bytes a value on each island leader, freed by destroy()); without one
+    nothing is kept (docs/COMPRESSION.md, "Error feedback keys")."""
+    if compression is None and feedback_key is None:
+        o = dist.AllreduceOptions()
+        o.reduceOp = _op(op)
+        return _done(_group().allreduce([tensor], o), async_op)
+    if feedback_key is not None and (
+        isinstance(feedback_key, bool) or not isinstance(feedback_key, (int, str))
+    ):
+        raise RuntimeError(f"gpubridge: all_reduce: feedback_key is an int or a string, not {feedback_key!r}")
+    key = None if feedback_key is None else ("native", feedback_key)
+    work = _group().allreduce_compressed(tensor, _op(op), compression, key, async_op)
+    return _done(work, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:

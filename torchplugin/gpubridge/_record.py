@@ -29,6 +29,7 @@ SCHEMA = "gpubridge.trace/v1"
 _OPS = {
     "allreduce": "all_reduce",
     "allreduce_coalesced": "all_reduce",
+    "allreduce_compressed": "all_reduce",
     "broadcast": "broadcast",
     "barrier": "barrier",
     "allgather": "all_gather",
@@ -144,6 +145,7 @@ class CollectiveRecord:
         self.dtype = str(e.dtype).removeprefix("torch.") if e.dtype is not None else None
         self.reduce_op, self.root = _options(e.detail)
         self.asynchronous = e.asynchronous
+        self.codec = e.codec
         self.thread = e.thread or e.submitted_by
         marks: list[tuple[str, float, float | None]] = list(e.phases())
         self.step: str | None = None
@@ -193,7 +195,7 @@ class CollectiveRecord:
             "group": {"name": g.name, "rank": g.rank, "size": g.size},
             "seq": self.seq, "op": self.op, "call": self.call, "async": self.asynchronous,
             "bytes": self.nbytes, "dtype": self.dtype, "reduce_op": self.reduce_op, "root": self.root,
-            "policy": g.policy, "codec": "raw", "island": g.island, "leader": g.leader, "peers": g.peers,
+            "policy": g.policy, "codec": self.codec, "island": g.island, "leader": g.leader, "peers": g.peers,
             "device": g.device, "thread": self.thread,
             "arrived": self.arrived_ns, "start": self.start_ns, "end": self.end_ns,
             "phases": [p.to_dict() for p in self.phases], "result": self.result,

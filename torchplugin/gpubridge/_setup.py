@@ -104,15 +104,16 @@ def discover(
     group: str,
     workdir: Path,
     problems: list[str],
+    settings: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """gbprobe | gbdiscover: the topology (also in workdir), or the same
-    error on every rank."""
+    error on every rank; settings must be equal on every rank."""
     host, port = _discovery.store_address(store)
     secs = max(1.0, timeout.total_seconds())
     return _discovery.discover(
         host, port, rank, size, _discovery.namespace(group), workdir / "topology.json",
         timeout=min(secs, float(os.environ.get("GPUBRIDGE_DISCOVER_TIMEOUT_S", "300"))),
-        **({"problems": problems} if problems else {}),
+        problems=problems or None, settings=settings,
     )  # fmt: skip
 
 

@@ -154,6 +154,7 @@ class Worker:
         uses: list[torch.Tensor] | None = None,
         opts: Any = None,
         detail: str = "",
+        codec: str = "",
     ) -> Work:
         """Runs fn after every collective submitted before it; returns the
         Work the caller gets (its future's value is result). A synchronous
@@ -162,7 +163,8 @@ class Worker:
         queued to the worker. On GPUs the tensors in result and uses are
         marked as used on the worker's stream, so the caching allocator does
         not hand their memory out before the collective is done. detail: the
-        call's options, for its signature."""
+        call's options, for its signature; codec: the compression the call
+        asks for, when it names one (part of its signature too)."""
         if _trace.callbacks and _trace.in_callback():
             _trace.refuse_in_callback(op)
         gpu = self._device.type == "cuda"
@@ -177,7 +179,8 @@ class Worker:
             entry.detail, entry.asynchronous = detail, not sync
             task = Task(entry, fn, fut, result)
             if self._compare_calls is not None:
-                task.sig = _check_calls.signature(op, [*result, *(uses or [])], detail)
+                sig_detail = f"{detail}, {codec}" if codec else detail
+                task.sig = _check_calls.signature(op, [*result, *(uses or [])], sig_detail)
             if gpu:
                 if _trace.tracing():  # the steps' CUDA events (none with tracing off)
                     entry.mark = _trace_gpu.Marker(self._device, self._stream)

@@ -8,7 +8,9 @@ writes OUTDIR/rank<R>.json: {"ok": true, "checks": n} or {"error": text}.
 MODE "badbridge": rank 1 asks for another bridge transport; "mismatch-op":
 rank 1 all-reduces with MAX while the others use SUM; "mismatch-size": rank 1
 all-reduces 5 elements, the others 4 (the job runs with
-GPUBRIDGE_CHECK_CALLS=1, which must catch both).
+GPUBRIDGE_CHECK_CALLS=1, which must catch both); "zstd": the job compresses
+every bridged collective with zstd (GPUBRIDGE_COMPRESSION), every check
+still bit for bit; the result counts the records of each codec.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ if island:
     os.environ["GPUBRIDGE_SIM_ISLAND"] = island
 if mode == "badbridge" and rank == 1:
     os.environ["GPUBRIDGE_BRIDGE"] = "tcp"
+if mode == "zstd":
+    os.environ["GPUBRIDGE_COMPRESSION"] = "zstd"
 
 import gpubridge  # noqa: E402  (registers the backend)
 
@@ -217,6 +221,19 @@ def p2p(world: int) -> int:
     return n
 
 
+class Codecs(gpubridge.CollectiveObserver):
+    """Records per codec ("op codec", the leaders' with a bridged step
+    only: they carry gbbridge's stats)."""
+
+    def __init__(self) -> None:
+        self.count: dict[str, int] = {}
+
+    def on_collective(self, record: object) -> None:
+        if getattr(record, "bridge", None) is not None:
+            k = f"{record.op} {record.codec}"  # type: ignore[attr-defined]
+            self.count[k] = self.count.get(k, 0) + 1
+
+
 def refusals(world: int, pg: object) -> list[str]:
     """Refusals: before any communication, the same on every rank."""
     out = []
@@ -273,7 +290,11 @@ def main() -> int:
     else:
         raise AssertionError("gpubridge.init() next to init_process_group was not refused")
     flat = dist.new_group(backend="gloo")
+    codecs = Codecs()
+    gpubridge.add_observer(codecs)
     checks = run_checks(world, flat)
+    gpubridge.remove_observer(codecs)
+    info["codecs"] = codecs.count
     refused = refusals(world, pg)
     x = torch.full((5,), float(rank + 1))
     dist.all_reduce(x)  # still works after the refusals

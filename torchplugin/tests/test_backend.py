@@ -81,7 +81,10 @@ def job_env(tmp_path: Path) -> dict[str, str]:
         os.environ, GPUBRIDGE_BIN_DIR=str(BIN), PYTHONPATH=str(PKG), OMP_NUM_THREADS="1",
         GPUBRIDGE_TEST_TAG=str(tmp_path), GPUBRIDGE_CHECK_CALLS="1",
     )  # fmt: skip
-    for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_SIM_ISLAND", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE"):
+    for k in (
+        "GPUBRIDGE_VENDOR", "GPUBRIDGE_SIM_ISLAND", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE",
+        "GPUBRIDGE_COMPRESSION",
+    ):  # fmt: skip
         env.pop(k, None)
     env.pop("TORCHELASTIC_RUN_ID", None)
     return env

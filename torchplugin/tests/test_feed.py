@@ -150,7 +150,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             )  # fmt: skip
         for rank, b in enumerate(bridges):
             r = b.wait_ready(TIMEOUT)
-            assert r["member"] == rank and r["members"] == 2 and r["feed_version"] == 2, r
+            assert r["member"] == rank and r["members"] == 2 and r["feed_version"] == 3, r
 
         def connect(rank: int) -> FeedClient:
             return FeedClient.connect(bridges[rank].feed, timeout=TIMEOUT, request_timeout=TIMEOUT)
@@ -159,7 +159,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             clients = list(ex.map(connect, [0, 1]))
         for rank, c in enumerate(clients):
             assert c.member == rank and c.members == 2
-            assert c.welcome is not None and c.welcome.version == 2
+            assert c.welcome is not None and c.welcome.version == 3 and c.codecs
 
         yield Pair(store, bridges, clients, procs)
 

@@ -4,6 +4,7 @@ refuses to read."""
 
 from __future__ import annotations
 
+import ast
 import json
 import struct
 from pathlib import Path
@@ -13,9 +14,12 @@ import pytest
 from gpubridge._feed_protocol import (
     BRIDGE_STATS_TAG,
     CALLER_REDUCES_VERSION,
+    CODEC_VERSION,
+    FEEDBACK_KEY_TAG,
     FLAG_CALLER_REDUCES,
     FLAG_STREAMED,
     VERSION,
+    Codec,
     DType,
     Kind,
     Op,
@@ -60,7 +64,7 @@ def test_request_layout() -> None:
 def test_caller_reduces_flag() -> None:
     """Version 2's "exchange, reduce on the caller" all_reduce is flag bit 1
     of the request (docs/FEED.md §3), beside STREAMED."""
-    assert (VERSION, CALLER_REDUCES_VERSION, FLAG_STREAMED, FLAG_CALLER_REDUCES) == (2, 2, 1, 2)
+    assert (CALLER_REDUCES_VERSION, FLAG_STREAMED, FLAG_CALLER_REDUCES) == (2, 1, 2)
     msg = encode_request(
         Kind.ALL_REDUCE, 8, DType.FLOAT32, Op.SUM, FLAG_STREAMED | FLAG_CALLER_REDUCES,
         Span(1, 4096, 4096), Span(1, 0, 8192), -1, 0,
@@ -68,9 +72,35 @@ def test_caller_reduces_flag() -> None:
     assert struct.unpack_from("<I", msg, 8 + 12) == (3,)
 
 
+def test_codec_byte_and_feedback_key() -> None:
+    """Version 3 (docs/FEED.md §3a): the codec is byte 10 of the request
+    body, lib/codec's id; FEEDBACK_KEY is extension tag 2 with the critical
+    bit (0x8002), 8 bytes, the u64 key little-endian, after the 64-byte
+    body. Without a key nothing follows the body."""
+    assert (VERSION, CODEC_VERSION, FEEDBACK_KEY_TAG) == (3, 3, 2)
+    assert [(c.name, int(c), c.versioned, c.lossy) for c in Codec] == [
+        ("RAW", 0, "raw", False), ("BF16", 1, "bf16/v1", True),
+        ("FP8", 2, "fp8/v1", True), ("ZSTD", 3, "zstd/v1", False),
+    ]  # fmt: skip
+    key = 0x0102030405060708
+    msg = encode_request(
+        Kind.ALL_REDUCE, 9, DType.FLOAT32, Op.SUM, FLAG_STREAMED, Span(1, 0, 4096), Span(), -1, 0,
+        Codec.FP8, key,
+    )  # fmt: skip
+    assert parse_header(msg) == (8 + 64 + 12, Kind.ALL_REDUCE)
+    body = msg[8:]
+    assert body[8:12] == bytes([DType.FLOAT32, Op.SUM, 2, 0])
+    assert body[64:] == bytes.fromhex("028008000807060504030201")
+    plain = encode_request(
+        Kind.BROADCAST, 10, DType.BFLOAT16, Op.NONE, 0, Span(1, 0, 8), Span(), 1, 0, Codec.ZSTD
+    )
+    assert len(plain) == 8 + 64 and plain[8 + 10] == 3
+    assert encode_request(Kind.BARRIER, 11, DType.NONE, Op.NONE, 0, Span(), Span(), -1, 0)[8 + 10] == 0
+
+
 def test_session_messages() -> None:
     hello = encode_hello(1234, "rank 0")
-    assert hello == header(Kind.HELLO, struct.pack("<IHHI", 0x44464247, 1, 2, 1234) + text("rank 0"))
+    assert hello == header(Kind.HELLO, struct.pack("<IHHI", 0x44464247, 1, 3, 1234) + text("rank 0"))
     assert encode_region(5, 2, 1 << 20) == header(Kind.REGION, struct.pack("<QIIQ", 5, 2, 0, 1 << 20))
     assert encode_release(6, 2) == header(Kind.RELEASE, struct.pack("<QI", 6, 2))
     assert encode_ready(7, 4096) == header(Kind.READY, struct.pack("<QQ", 7, 4096))
@@ -207,3 +237,32 @@ def test_malformed_bridge_stats_are_refused(value: bytes, want: str) -> None:
     assert want in str(e.value), e.value
     with pytest.raises(ProtocolError, match=want):
         decode_done(ok_done(BRIDGE_STATS_TAG, value))
+
+
+# Go's fuzz seeds of the feed decoder (lib/feed/testdata/fuzz/FuzzFeedDecode):
+# whole messages, which Go's decoder takes and re-encodes to the same bytes.
+FUZZ_SEEDS = Path(__file__).resolve().parents[2] / "lib" / "feed" / "testdata" / "fuzz" / "FuzzFeedDecode"
+
+
+def go_seed(name: str) -> bytes:
+    """The []byte of a `go test fuzz v1` file."""
+    lines = (FUZZ_SEEDS / name).read_text().splitlines()
+    assert lines[0] == "go test fuzz v1" and lines[1].startswith("[]byte(") and lines[1].endswith(")")
+    lit = ast.literal_eval("b" + lines[1][len("[]byte(") : -1])
+    assert isinstance(lit, bytes)
+    return lit
+
+
+def test_version_3_requests_are_gos() -> None:
+    """The requests of Go's version-3 seeds, made here from their fields:
+    an fp8 all_reduce with a FEEDBACK_KEY, and a streamed zstd
+    caller-reduces all_reduce."""
+    fp8 = encode_request(
+        Kind.ALL_REDUCE, 7, DType.FLOAT32, Op.SUM, 0, Span(1, 0, 4096), Span(), -1, 0, Codec.FP8, 77
+    )
+    assert fp8 == go_seed("v3-fp8-feedback-key")
+    zstd = encode_request(
+        Kind.ALL_REDUCE, 9, DType.INT32, Op.MAX, FLAG_STREAMED | FLAG_CALLER_REDUCES,
+        Span(1, 0, 8), Span(1, 0, 16), -1, 0, Codec.ZSTD,
+    )  # fmt: skip
+    assert zstd == go_seed("v3-zstd-caller-reduces")

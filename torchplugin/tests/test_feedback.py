@@ -104,3 +104,18 @@ def test_refuses():
         ErrorFeedback("fp8").encode("b", torch.zeros(4, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"bf16 takes float32 or bfloat16 tensors, not torch\.float16"):
         ErrorFeedback("bf16").encode("b", torch.zeros(4, dtype=torch.float16))
+
+
+def test_feedback_keeps_a_float16_nans_sign():
+    """With a zero residual, error feedback sends what the plain encoder
+    does (for inputs without -0, which x + 0 turns into +0), NaNs of every
+    sign included: a float16 input is widened in bits (CPU torch's .float()
+    turns float16 -NaN into +NaN on short tensors, its vectorized loop
+    does not)."""
+    for n in (5, 64):
+        for dtype, neg_nan in ((torch.float16, -512), (torch.bfloat16, -64)):  # 0xFE00, 0xFFC0
+            x = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(dtype)
+            x.view(torch.int16)[3] = neg_nan
+            assert torch.equal(_codec.mxfp8_encode_feedback(x, torch.zeros(n)), _codec.mxfp8_encode(x)), dtype
+            if dtype == torch.bfloat16:
+                assert torch.equal(_codec.bf16_encode_feedback(x, torch.zeros(n)), _codec.bf16_encode(x))

@@ -48,6 +48,8 @@ TORCH = {
     "gpubridge._discovery": "the job's TCPStore",
     "gpubridge._codec": "fp8 and bf16 quantizers on tensors",
     "gpubridge._feedback": "error-feedback residuals, tensors",
+    "gpubridge._policy": "which dtypes a codec packs",
+    "gpubridge._compressed": "the compressed DDP communication hook",
 }
 
 

@@ -1,0 +1,110 @@
+"""The settings every rank of a group must agree on, read when the group is
+created: ``GPUBRIDGE_COMPRESSION`` (the codec of the bridged collectives,
+docs/COMPRESSION.md "Compression on the bridge") and
+``GPUBRIDGE_BRIDGE_REDUCE`` (where two island leaders reduce).
+
+Both go to discovery as settings (``--setting compression=fp8``), so a rank
+that says otherwise fails every rank there, naming it; a value that is no
+setting at all goes as a problem of this rank, with the same effect. Which
+codec a call then uses (:func:`for_all_reduce`, :func:`for_transfer`) is
+decided from the call alone, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Final
+
+import torch
+
+from gpubridge._feed_protocol import Codec, Op
+
+__all__ = [
+    "REDUCE_MODES",
+    "Policy",
+    "codec_takes",
+    "for_all_reduce",
+    "for_transfer",
+    "parse_codec",
+]
+
+REDUCE_MODES: Final = ("auto", "host", "caller")
+
+# The names lib/codec's Parse takes (with or without "/v1", any case).
+_NAMES: Final[dict[str, Codec]] = {
+    "raw": Codec.RAW, "none": Codec.RAW,
+    "bf16": Codec.BF16, "bfloat16": Codec.BF16,
+    "fp8": Codec.FP8, "mxfp8": Codec.FP8,
+    "zstd": Codec.ZSTD, "lossless": Codec.ZSTD,
+}  # fmt: skip
+
+# The dtypes each lossy codec packs (docs/COMPRESSION.md, "Codecs").
+_TAKES: Final[dict[Codec, tuple[torch.dtype, ...]]] = {
+    Codec.FP8: (torch.float32, torch.bfloat16, torch.float16),
+    Codec.BF16: (torch.float32, torch.bfloat16),
+}
+
+
+def parse_codec(name: str | Codec) -> Codec:
+    """The codec of a name: none or raw, bf16, fp8 or mxfp8, zstd or
+    lossless, with or without "/v1", in any case. ValueError names the
+    choices."""
+    if isinstance(name, Codec):
+        return name
+    s = str(name).strip().lower().removesuffix("/v1")
+    try:
+        return _NAMES[s]
+    except KeyError:
+        raise ValueError(f"unknown compression {name!r}: want none, bf16, fp8 or zstd") from None
+
+
+def codec_takes(codec: Codec, dtype: torch.dtype) -> bool:
+    """Whether a lossy codec packs dtype."""
+    return dtype in _TAKES.get(codec, ())
+
+
+def for_all_reduce(codec: Codec, dtype: torch.dtype, op: Op) -> Codec:
+    """The codec of a bridged all_reduce under codec: a lossy one only for
+    floating SUM and AVG of a dtype it packs, zstd for every one, raw for
+    the rest (docs/COMPRESSION.md, "What is compressed")."""
+    if codec.lossy:
+        return codec if op in (Op.SUM, Op.AVG) and codec_takes(codec, dtype) else Codec.RAW
+    return codec
+
+
+def for_transfer(codec: Codec) -> Codec:
+    """The codec of a bridged broadcast or all_gather: zstd, else raw."""
+    return Codec.ZSTD if codec == Codec.ZSTD else Codec.RAW
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One rank's settings, from its environment (:meth:`read`); problems:
+    what is wrong with them, one sentence each, for discovery."""
+
+    codec: Codec = Codec.RAW
+    bridge_reduce: str = "auto"
+    problems: list[str] = field(default_factory=list)
+
+    @classmethod
+    def read(cls) -> Policy:
+        problems = []
+        comp = os.environ.get("GPUBRIDGE_COMPRESSION", "none")
+        try:
+            codec = parse_codec(comp)
+        except ValueError:
+            codec = Codec.RAW
+            problems.append(
+                f"GPUBRIDGE_COMPRESSION={comp!r} is not a compression (want none, bf16, fp8 or zstd)"
+            )
+        mode = os.environ.get("GPUBRIDGE_BRIDGE_REDUCE", "auto")
+        if mode not in REDUCE_MODES:
+            problems.append(f"GPUBRIDGE_BRIDGE_REDUCE={mode!r} is not one of {', '.join(REDUCE_MODES)}")
+            mode = "auto"
+        return cls(codec, mode, problems)
+
+    def settings(self) -> dict[str, str]:
+        """What discovery compares between ranks (a rank with a problem is
+        left out of the comparison: its problem fails discovery already)."""
+        return {"compression": str(self.codec), "bridge_reduce": self.bridge_reduce}
