@@ -2,6 +2,9 @@
 # One GPU-host session of checks and benchmarks, from the repository root:
 #   bash bench/gpu/validate.sh STEP...      (default: every step)
 # STEP: plugin-check exchange host-bridge codec trace rebalance overhead
+# codec-compile compress compress-train (issue 13: the torch codec eager and
+# compiled; the GPU path against gbbridge's bit for bit and each codec's
+# all_reduce time; training exact, fp8 with and without error feedback)
 # one-gpu-bench (plugin_bench.py and plugin_train.py as two torchrun nodes of
 # one rank on GPU 0: every call's check and the parameters' digests on a GPU).
 # Each step runs one of bench/gpu's scripts under `timeout` (its share of
@@ -18,9 +21,9 @@ out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
 exec > >(tee -a "$out/validate.log") 2>&1
 # Pass GB_COMMIT: the device machine's copy may carry another HEAD than the tree it got.
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
-all=(plugin-check exchange host-bridge codec trace rebalance overhead one-gpu-bench)
+all=(plugin-check exchange host-bridge codec trace rebalance overhead one-gpu-bench codec-compile compress compress-train)
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=("${all[@]}")
-declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=60 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200)
+declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=60 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=150 [compress-train]=230)
 for s in "${steps[@]}"; do [ -n "${share[$s]:-}" ] || { echo "unknown step $s (steps: ${all[*]})"; exit 2; }; done
 budget=${GB_BUDGET_S:-540}; t_end=$(( $(date +%s) + budget ))
 echo "== $(date -u +%FT%TZ) validate: commit $GB_COMMIT; steps ${steps[*]}; $(nproc --all) cores"
@@ -48,6 +51,14 @@ for s in "${steps[@]}"; do
         GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=1 timeout "$lim" \
           python3 -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
           bench/gpu/plugin_overhead.py "$d/overhead.jsonl" --check-calls --rounds 6 --iters 1000 ;;
+      codec-compile)
+        PYTHONPATH=$PWD/torchplugin timeout "$lim" python3 bench/gpu/codec_compile.py "$d/codec-compile.jsonl" --values $((64 << 20)) ;;
+      compress)
+        two_nodes "$lim" "$d/compress.log" bench/gpu/compress_bench.py "$d/compress.jsonl"
+        rc=$?; tail -n 8 "$d/compress.log.0"; [ "$rc" -eq 0 ] ;;
+      compress-train)
+        two_nodes "$lim" "$d/train.log" bench/gpu/compress_train.py "$d/compress-train.jsonl"
+        rc=$?; tail -n 8 "$d/train.log.0"; [ "$rc" -eq 0 ] ;;
       one-gpu-bench)
         rc=0
         two_nodes 80 "$d/bench-gpubridge.log" bench/gpu/plugin_bench.py gpubridge "$d/bench.jsonl" --sizes 1M,256M,1G --iters 10 || rc=1
