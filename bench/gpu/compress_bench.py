@@ -74,6 +74,7 @@ class Bench:
             ngpu = torch.cuda.device_count()
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % ngpu)
             torch.cuda.set_device(self.device)
+            os.environ.setdefault("GPUBRIDGE_SPLIT_TEST", "half")
         else:
             self.device = torch.device("cpu")
             os.environ.setdefault("GPUBRIDGE_VENDOR", "nvidia" if self.rank < self.world // 2 else "amd")

@@ -16,12 +16,19 @@ GPUs by bench/gpu/codec_check.py.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
+
+from gpubridge import _codec_compile as _compile
 
 __all__ = [
     "BLOCK",
     "GROUP",
     "GROUP_BYTES",
+    "Decoder",
     "bf16_decode",
     "bf16_decode_add",
     "bf16_encode",
@@ -122,7 +129,7 @@ def _e4m3(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return code | torch.where(w < 0, 0x80, 0)
 
 
-def mxfp8_encode(x: torch.Tensor) -> torch.Tensor:
+def _e_mxfp8_encode(x: torch.Tensor) -> torch.Tensor:
     """Pack the values of x (float32, bfloat16 or float16, any shape, taken
     flat) as fp8/v1: a uint8 tensor of mxfp8_len(x.numel()) bytes on x's
     device."""
@@ -189,7 +196,7 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _TABLES[device]
 
 
-def mxfp8_decode(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _e_mxfp8_decode(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The n values of an fp8/v1 packing, exactly (±Inf past float32's
     range; NaN codes and the NaN scale the quiet NaN with the code's sign),
     as float32, or rounded to nearest even as bfloat16 or float16."""
@@ -219,11 +226,11 @@ def _add(acc: torch.Tensor, d: torch.Tensor) -> None:
     acc.copy_(torch.where(torch.isnan(total), pick.view(torch.float32), total))
 
 
-def mxfp8_decode_add(acc: torch.Tensor, packed: torch.Tensor) -> None:
+def _e_mxfp8_decode_add(acc: torch.Tensor, packed: torch.Tensor) -> None:
     """acc += the decoded values of packed: acc a contiguous float32 tensor
     of as many values (lib/codec's DecodeAddMXFP8)."""
     _check_acc(acc)
-    _add(acc.view(-1), mxfp8_decode(packed, acc.numel()))
+    _add(acc.view(-1), _e_mxfp8_decode(packed, acc.numel()))
 
 
 def _check_acc(acc: torch.Tensor) -> None:
@@ -254,13 +261,13 @@ def _keep_residual(residual: torch.Tensor, u: torch.Tensor, d: torch.Tensor) -> 
     residual.view(-1).copy_(torch.where(fin, u - d, torch.zeros_like(u)))
 
 
-def mxfp8_encode_feedback(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def _e_mxfp8_encode_feedback(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """mxfp8_encode with error feedback (lib/codec's EncodeFeedbackMXFP8):
     u = x + residual; packed = encode(u); residual = u - decode(packed)
     (+0 where either is not finite). residual is updated in place."""
     u = _feedback_input(x, residual, "fp8")
-    packed = mxfp8_encode(u)
-    _keep_residual(residual, u, mxfp8_decode(packed, u.numel()))
+    packed = _e_mxfp8_encode(u)
+    _keep_residual(residual, u, _e_mxfp8_decode(packed, u.numel()))
     return packed
 
 
@@ -285,7 +292,7 @@ def _from_u16_bytes(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.int16).to(torch.int32) & 0xFFFF
 
 
-def bf16_encode(x: torch.Tensor) -> torch.Tensor:
+def _e_bf16_encode(x: torch.Tensor) -> torch.Tensor:
     """Pack x (float32, or bfloat16 which passes unchanged) as bf16/v1: a
     uint8 tensor of 2 bytes a value."""
     if x.dtype == torch.bfloat16:
@@ -295,7 +302,7 @@ def bf16_encode(x: torch.Tensor) -> torch.Tensor:
     return _as_u16_bytes(_bf16_bits(x.reshape(-1).contiguous().view(torch.int32)))
 
 
-def bf16_decode(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _e_bf16_decode(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The n values of a bf16/v1 packing as float32 (exact) or bfloat16."""
     if packed.dtype != torch.uint8 or packed.numel() != 2 * n:
         raise ValueError(f"bf16/v1: {packed.numel()} packed bytes for {n} values (want {2 * n})")
@@ -305,21 +312,21 @@ def bf16_decode(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32
     return _signed((h & 0x7FFF) << 16, h >= 0x8000)
 
 
-def bf16_decode_add(acc: torch.Tensor, packed: torch.Tensor) -> None:
+def _e_bf16_decode_add(acc: torch.Tensor, packed: torch.Tensor) -> None:
     """acc += the decoded values of packed (lib/codec's DecodeAddBF16)."""
     _check_acc(acc)
-    _add(acc.view(-1), bf16_decode(packed, acc.numel()))
+    _add(acc.view(-1), _e_bf16_decode(packed, acc.numel()))
 
 
-def bf16_encode_feedback(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def _e_bf16_encode_feedback(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """bf16_encode with error feedback (lib/codec's EncodeFeedbackBF16)."""
     u = _feedback_input(x, residual, "bf16")
-    packed = bf16_encode(u)
-    _keep_residual(residual, u, bf16_decode(packed, u.numel()))
+    packed = _e_bf16_encode(u)
+    _keep_residual(residual, u, _e_bf16_decode(packed, u.numel()))
     return packed
 
 
-def to_dtype(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _e_to_dtype(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A float32 tensor (a decoded sum) as dtype: itself for float32,
     rounded to nearest even for bfloat16 and float16 with lib/reduce's NaN
     rule (F32ToBF16, F32ToF16): the last step of a compressed all_reduce."""
@@ -340,3 +347,112 @@ def _narrow(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     nan = torch.isnan(f)
     nan_bits = ((w >> 16) & 0x8000) | 0x7E00 | ((w >> 13) & 0x3FF)
     return _as_u16_bytes(torch.where(nan, nan_bits, h)).view(torch.float16)
+
+
+# ---- the public operations: compiled on GPUs, whole groups at a time ----
+#
+# A buffer's packing is its whole groups' packing followed by its tail's
+# (COMPRESSION.md, "The packed layout"; bf16 has no groups, the same cut is
+# used), so each operation runs the whole groups compiled
+# (gpubridge._codec_compile) and a tail of under 1024 values eagerly: the
+# same bytes as running it whole.
+
+
+def _whole(x: torch.Tensor) -> int:
+    """The values of x's whole groups when the codec runs compiled on its
+    device, else 0 (all of it runs eagerly)."""
+    k = x.numel() // GROUP * GROUP
+    return k if k and _compile.enabled(x) else 0
+
+
+def _cat(head: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
+    return head if tail is None else torch.cat([head, tail])
+
+
+def _encoder(eager: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    @functools.wraps(eager)
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        k = _whole(x)
+        if not k:
+            return eager(x)
+        flat = x.reshape(-1)
+        return _cat(_compile.run(eager, flat[:k]), eager(flat[k:]) if k < flat.numel() else None)
+
+    return encode
+
+
+def _feedback_encoder(
+    eager: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    @functools.wraps(eager)
+    def encode_feedback(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        k = _whole(x)
+        if not k or residual.numel() != x.numel() or not residual.is_contiguous():
+            return eager(x, residual)  # (a bad residual: the eager op says why)
+        flat, r = x.reshape(-1), residual.view(-1)
+        head = _compile.run(eager, flat[:k], r[:k])
+        return _cat(head, eager(flat[k:], r[k:]) if k < flat.numel() else None)
+
+    return encode_feedback
+
+
+class Decoder(Protocol):
+    def __call__(self, packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+
+def _decoder(eager: Decoder, offset: Callable[[int], int]) -> Decoder:
+    @functools.wraps(eager)
+    def decode(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        k = n // GROUP * GROUP
+        if not k or not _compile.enabled(packed) or packed.dim() != 1:
+            return eager(packed, n, dtype)
+        b = offset(k)
+        head = _compile.run(eager, packed[:b], k, dtype)
+        return _cat(head, eager(packed[b:], n - k, dtype) if k < n else None)
+
+    return decode
+
+
+def _decode_adder(
+    eager: Callable[[torch.Tensor, torch.Tensor], None], offset: Callable[[int], int]
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    @functools.wraps(eager)
+    def decode_add(acc: torch.Tensor, packed: torch.Tensor) -> None:
+        k = _whole(acc)
+        if not k or not acc.is_contiguous() or packed.dim() != 1:
+            return eager(acc, packed)
+        a, b = acc.view(-1), offset(k)
+        _compile.run(eager, a[:k], packed[:b])
+        if k < a.numel():
+            eager(a[k:], packed[b:])
+        return None
+
+    return decode_add
+
+
+def _bf16_offset(v: int) -> int:
+    return 2 * v
+
+
+mxfp8_encode = _encoder(_e_mxfp8_encode)
+mxfp8_encode_feedback = _feedback_encoder(_e_mxfp8_encode_feedback)
+mxfp8_decode = _decoder(_e_mxfp8_decode, mxfp8_offset)
+mxfp8_decode_add = _decode_adder(_e_mxfp8_decode_add, mxfp8_offset)
+bf16_encode = _encoder(_e_bf16_encode)
+bf16_encode_feedback = _feedback_encoder(_e_bf16_encode_feedback)
+bf16_decode = _decoder(_e_bf16_decode, _bf16_offset)
+bf16_decode_add = _decode_adder(_e_bf16_decode_add, _bf16_offset)
+
+
+def to_dtype(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 tensor (a decoded sum) as dtype: itself for float32,
+    rounded to nearest even for bfloat16 and float16 with lib/reduce's NaN
+    rule (F32ToBF16, F32ToF16): the last step of a compressed all_reduce."""
+    if dtype == torch.float32:
+        return f
+    k = _whole(f)
+    if not k:
+        return _e_to_dtype(f, dtype)
+    flat = f.reshape(-1)
+    head = _compile.run(_e_to_dtype, flat[:k], dtype)
+    return _cat(head, _e_to_dtype(flat[k:], dtype) if k < flat.numel() else None)

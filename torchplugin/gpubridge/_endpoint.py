@@ -384,7 +384,7 @@ class BridgeEndpoint:
 # decode-add) of gpubridge._codec, the bytes lib/codec writes.
 _Encode = Callable[[torch.Tensor], torch.Tensor]
 _EncodeFeedback = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-_Decode = Callable[[torch.Tensor, int], torch.Tensor]
+_Decode = _codec.Decoder
 _DecodeAdd = Callable[[torch.Tensor, torch.Tensor], None]
 _LOSSY: dict[Codec, tuple[_Encode, _EncodeFeedback, _Decode, _DecodeAdd]] = {
     Codec.FP8: (

@@ -23,7 +23,7 @@ from gpubridge import _codec
 __all__ = ["ErrorFeedback"]
 
 _ENCODERS = {"fp8": _codec.mxfp8_encode_feedback, "bf16": _codec.bf16_encode_feedback}
-_DECODERS = {"fp8": _codec.mxfp8_decode, "bf16": _codec.bf16_decode}
+_DECODERS: dict[str, _codec.Decoder] = {"fp8": _codec.mxfp8_decode, "bf16": _codec.bf16_decode}
 
 
 class ErrorFeedback:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from codec_vectors import Checks
 
-from gpubridge import _codec
+from gpubridge import _codec, _codec_compile
 
 CHECKS = Checks(torch.device("cpu"))
 
@@ -45,3 +45,51 @@ def test_errors():
         _codec.mxfp8_decode_add(torch.zeros(4, dtype=torch.float64), torch.zeros(5, dtype=torch.uint8))
     assert _codec.mxfp8_encode(torch.zeros(0)).numel() == 0
     assert _codec.mxfp8_decode(torch.zeros(0, dtype=torch.uint8), 0).numel() == 0
+
+
+def _values(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.randn((n + 31) // 32, generator=g) * 3).repeat_interleave(32)[:n]
+    x = (torch.randn(n, generator=g) * scale).to(dtype)
+    x.view(torch.int16 if dtype.itemsize == 2 else torch.int32)[::97] = -1  # NaNs with payloads
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 3 * 1024, 3 * 1024 + 77])
+@pytest.mark.parametrize("codec", ["fp8", "bf16"])
+def test_whole_groups_and_tail_give_the_whole_buffers_bytes(monkeypatch, n, codec):
+    """On GPUs the codec runs a buffer's whole groups compiled and its tail
+    eagerly (gpubridge._codec_compile): the pieces must be the bytes and the
+    residuals of the whole. Here the "compiled" pieces run eagerly on CPU, so
+    what is checked is the cutting and the joining."""
+    ran = []
+    monkeypatch.setattr(_codec_compile, "enabled", lambda t: True)
+    monkeypatch.setattr(_codec_compile, "run", lambda fn, *a: ran.append(fn) or fn(*a))
+    fp8 = codec == "fp8"
+    e_enc = _codec._e_mxfp8_encode_feedback if fp8 else _codec._e_bf16_encode_feedback
+    e_dec = _codec._e_mxfp8_decode if fp8 else _codec._e_bf16_decode
+    enc = _codec.mxfp8_encode_feedback if fp8 else _codec.bf16_encode_feedback
+    dec = _codec.mxfp8_decode if fp8 else _codec.bf16_decode
+    dec_add = _codec.mxfp8_decode_add if fp8 else _codec.bf16_decode_add
+    plain, e_plain = (_codec.mxfp8_encode, _codec._e_mxfp8_encode) if fp8 else (
+        _codec.bf16_encode, _codec._e_bf16_encode)  # fmt: skip
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _values(n, dtype, n)
+        r_whole = torch.where(torch.rand(n) < 0.5, torch.randn(n) * 1e-3, torch.zeros(n))
+        r_cut = r_whole.clone()
+        want = e_enc(x, r_whole)
+        got = enc(x, r_cut)
+        assert torch.equal(got, want)
+        assert torch.equal(r_cut.view(torch.int32), r_whole.view(torch.int32))
+        assert torch.equal(plain(x), e_plain(x))
+        for to in (torch.float32, torch.bfloat16):
+            assert torch.equal(dec(got, n, to).view(torch.uint8), e_dec(want, n, to).view(torch.uint8))
+        acc_whole = _values(n, torch.float32, n + 1)
+        acc_cut = acc_whole.clone()
+        (_codec._e_mxfp8_decode_add if fp8 else _codec._e_bf16_decode_add)(acc_whole, want)
+        dec_add(acc_cut, got)
+        assert torch.equal(acc_cut.view(torch.int32), acc_whole.view(torch.int32))
+        for to in (torch.bfloat16, torch.float16):
+            narrowed = _codec.to_dtype(acc_cut, to).view(torch.int16)
+            assert torch.equal(narrowed, _codec._e_to_dtype(acc_whole, to).view(torch.int16))
+    assert bool(ran) == (n >= 1024), "whole groups run through the compiled path, nothing else"

@@ -47,6 +47,7 @@ TORCH = {
     "gpubridge._setup": "the rank's device",
     "gpubridge._discovery": "the job's TCPStore",
     "gpubridge._codec": "fp8 and bf16 quantizers on tensors",
+    "gpubridge._codec_compile": "torch.compile of the codec on GPUs",
     "gpubridge._feedback": "error-feedback residuals, tensors",
     "gpubridge._policy": "which dtypes a codec packs",
     "gpubridge._compressed": "the compressed DDP communication hook",
