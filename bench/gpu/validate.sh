@@ -4,7 +4,8 @@
 # STEP: plugin-check exchange host-bridge codec trace rebalance overhead
 # codec-compile compress compress-train (issue 13: the torch codec eager and
 # compiled; the GPU path against gbbridge's bit for bit and each codec's
-# all_reduce time; training exact, fp8 with and without error feedback)
+# all_reduce time; training exact, fp8 with and without error feedback;
+# GB_COMPRESS_ARGS and GB_TRAIN_ARGS add arguments to their workers)
 # one-gpu-bench (plugin_bench.py and plugin_train.py as two torchrun nodes of
 # one rank on GPU 0: every call's check and the parameters' digests on a GPU).
 # Each step runs one of bench/gpu's scripts under `timeout` (its share of
@@ -23,7 +24,7 @@ exec > >(tee -a "$out/validate.log") 2>&1
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
 all=(plugin-check exchange host-bridge codec trace rebalance overhead one-gpu-bench codec-compile compress compress-train)
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=("${all[@]}")
-declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=60 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280)
+declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280)
 for s in "${steps[@]}"; do [ -n "${share[$s]:-}" ] || { echo "unknown step $s (steps: ${all[*]})"; exit 2; }; done
 budget=${GB_BUDGET_S:-540}; t_end=$(( $(date +%s) + budget ))
 echo "== $(date -u +%FT%TZ) validate: commit $GB_COMMIT; steps ${steps[*]}; $(nproc --all) cores"
@@ -54,10 +55,12 @@ for s in "${steps[@]}"; do
       codec-compile)
         PYTHONPATH=$PWD/torchplugin timeout "$lim" python3 bench/gpu/codec_compile.py "$d/codec-compile.jsonl" --values $((64 << 20)) ;;
       compress)
-        two_nodes "$lim" "$d/compress.log" bench/gpu/compress_bench.py "$d/compress.jsonl"
+        read -r -a extra <<< "${GB_COMPRESS_ARGS:-}"
+        two_nodes "$lim" "$d/compress.log" bench/gpu/compress_bench.py "$d/compress.jsonl" "${extra[@]}"
         rc=$?; tail -n 8 "$d/compress.log.0"; [ "$rc" -eq 0 ] ;;
       compress-train)
-        two_nodes "$lim" "$d/train.log" bench/gpu/compress_train.py "$d/compress-train.jsonl"
+        read -r -a extra <<< "${GB_TRAIN_ARGS:-}"
+        two_nodes "$lim" "$d/train.log" bench/gpu/compress_train.py "$d/compress-train.jsonl" "${extra[@]}"
         rc=$?; tail -n 8 "$d/train.log.0"; [ "$rc" -eq 0 ] ;;
       one-gpu-bench)
         rc=0

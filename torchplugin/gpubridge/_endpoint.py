@@ -47,6 +47,9 @@ _CALLER_MIN = 1 << 20
 # The caller reduces the peer's partial in spans of this many bytes, as
 # they arrive: fewer, larger kernels (the tests make it small).
 _SPAN = int(os.environ.get("GPUBRIDGE_REDUCE_SPAN", str(32 << 20)))
+# A lossy codec quantizes a partial in at most this many pieces (one codec
+# call each) before its packed bytes go to the region.
+_PIECES = 4
 
 
 class BridgeEndpoint:
@@ -515,10 +518,13 @@ class _Exchange:
             self._record(ev0, t0, t_start, d.total_us)
 
     def _pack_in(self, mine: torch.Tensor, chunk: int) -> None:
-        """Quantizes the partial chunk by chunk (whole groups of about chunk
-        bytes of the tensor) into own, on the device, each chunk's packed
-        bytes copied into this member's slot right after (the bridge starts
-        on a chunk once its copy is done)."""
+        """Quantizes the partial into own on the device, in at most
+        _PIECES pieces of whole groups (each one call of the codec: a call
+        costs a fixed fraction of a millisecond of host time, which chunk
+        by chunk added up to more than the copies it saved), and copies
+        each piece's packed bytes into this member's slot in chunks of
+        about chunk bytes, an event after each (the bridge starts on a
+        chunk once its copy is done)."""
         p, ep = self.packing, self.ep
         assert p is not None
         enc, enc_fb, _, _ = _LOSSY[self.codec]
@@ -527,13 +533,16 @@ class _Exchange:
         own = self.own = torch.empty(p.nbytes, dtype=torch.uint8, device=x.device)
         if self.gpu:
             own.record_stream(ep._add)  # read by the reduction on add
-        step = max(p.per_unit, chunk // self.es // _codec.GROUP * _codec.GROUP)
+        step = -(-p.n // _PIECES)
+        step = max(_codec.GROUP, -(-step // _codec.GROUP) * _codec.GROUP)
         for v in range(0, p.n, step):
             w = min(p.n, v + step)
             lo, hi = p.at(v), p.at(w)
             own[lo:hi] = enc_fb(x[v:w], r[v:w]) if r is not None else enc(x[v:w])
-            mine[lo:hi].copy_(own[lo:hi], non_blocking=self.gpu)
-            self.d2h.append((hi, self._event(ep._stream)))
+            for b in range(lo, hi, chunk):
+                e = min(hi, b + chunk)
+                mine[b:e].copy_(own[b:e], non_blocking=self.gpu)
+                self.d2h.append((e, self._event(ep._stream)))
 
     def _event(self, stream: Any) -> Any:
         """An event recorded on stream (None on CPU tensors)."""
