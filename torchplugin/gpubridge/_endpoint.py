@@ -47,9 +47,11 @@ _CALLER_MIN = 1 << 20
 # The caller reduces the peer's partial in spans of this many bytes, as
 # they arrive: fewer, larger kernels (the tests make it small).
 _SPAN = int(os.environ.get("GPUBRIDGE_REDUCE_SPAN", str(32 << 20)))
-# A lossy codec quantizes a partial in at most this many pieces (one codec
-# call each) before its packed bytes go to the region.
+# A lossy codec quantizes a partial in at most _PIECES pieces of at least
+# _PIECE_BYTES of the tensor (one codec call each) before its packed bytes
+# go to the region.
 _PIECES = 4
+_PIECE_BYTES = 128 << 20
 
 
 class BridgeEndpoint:
@@ -519,7 +521,8 @@ class _Exchange:
 
     def _pack_in(self, mine: torch.Tensor, chunk: int) -> None:
         """Quantizes the partial into own on the device, in at most
-        _PIECES pieces of whole groups (each one call of the codec: a call
+        _PIECES pieces of whole groups, none under _PIECE_BYTES of the
+        tensor unless it is smaller (each one call of the codec: a call
         costs a fixed fraction of a millisecond of host time, which chunk
         by chunk added up to more than the copies it saved), and copies
         each piece's packed bytes into this member's slot in chunks of
@@ -533,7 +536,8 @@ class _Exchange:
         own = self.own = torch.empty(p.nbytes, dtype=torch.uint8, device=x.device)
         if self.gpu:
             own.record_stream(ep._add)  # read by the reduction on add
-        step = -(-p.n // _PIECES)
+        pieces = max(1, min(_PIECES, self.src.numel() // _PIECE_BYTES))
+        step = -(-p.n // pieces)
         step = max(_codec.GROUP, -(-step // _codec.GROUP) * _codec.GROUP)
         for v in range(0, p.n, step):
             w = min(p.n, v + step)
