@@ -273,6 +273,8 @@ GIB = 1 << 30
 
 def human(n: int) -> str:
     return f"{n >> 30} GiB" if n >= GIB and n % GIB == 0 else f"{n >> 20} MiB"
+
+
 GPU_GOAL = 0.4  # the issue's: a bridged 1 GiB float32 all_reduce with fp8 at most 0.4x the exact run's time
 
 
@@ -280,7 +282,8 @@ def gpu_codec() -> str:
     """The torch codec on the GPU: eager against compiled (codec_compile.py),
     and the compiled operations' speed beside a copy (codec_check.py)."""
     out = [
-        "| operation (64 Mi values) | eager ms | compiled ms | compiled GB/s of float32 | compile s | same bits as eager |",
+        "| operation (64 Mi values) | eager ms | compiled ms | compiled GB/s of float32 | compile s "
+        "| same bits as eager |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows(GPU_COMPILE):
@@ -293,7 +296,8 @@ def gpu_codec() -> str:
     ok = sum(r["ok"] for r in checks)
     out += [
         "",
-        f"Against the Go codec's vectors with the compiled codec (`bench/gpu/codec_check.py`, {GPU_CODEC[-13:-6]}): "
+        "Against the Go codec's vectors with the compiled codec "
+        f"(`bench/gpu/codec_check.py`, {GPU_CODEC[-13:-6]}): "
         f"{ok} of {len(checks)} checks bit for bit. Its timings (one call on 64 Mi values, GB/s of float32): "
         + ", ".join(f"{r['case']} {r['raw_gbps']:.0f}" for r in bench)
         + ".",
@@ -305,7 +309,8 @@ def gpu_allreduce() -> str:
     """Each codec's bridged all_reduce on the GPU path, before and after the
     codec was called in pieces instead of chunk by chunk."""
     out = [
-        "| commit | size | raw ms | fp8 ms (× raw) | fp8 + error feedback ms (× raw) | bf16 ms (× raw) | wrong |",
+        f"| commit | size | raw ms | fp8 ms ({X} raw) | fp8 + error feedback ms ({X} raw) "
+        f"| bf16 ms ({X} raw) | wrong |",
         "|---|---|---|---|---|---|---|",
     ]
     verdict = ""
@@ -314,9 +319,12 @@ def gpu_allreduce() -> str:
         for size in sorted({r["size"] for r in rs}):
             by = {r["mode"]: r for r in rs if r["size"] == size}
             raw = by["raw"]["time_ms"]
-            cells = [f"{by[m]['time_ms']:.1f} ({by[m]['time_ms'] / raw:.2f})" for m in ("fp8", "fp8-ef", "bf16")]
+            cells = [
+                f"{by[m]['time_ms']:.1f} ({by[m]['time_ms'] / raw:.2f})" for m in ("fp8", "fp8-ef", "bf16")
+            ]
             wrong = sum(r["wrong"] for r in by.values())
-            out.append(f"| {rs[0]['commit']} | {human(size)} | {raw:.1f} | " + " | ".join(cells) + f" | {wrong} |")
+            head = f"| {rs[0]['commit']} | {human(size)} | {raw:.1f} | "
+            out.append(head + " | ".join(cells) + f" | {wrong} |")
             if name == GPU_RUN and size == GIB:
                 q = by["fp8"]["time_ms"] / raw
                 verdict = (
@@ -330,7 +338,8 @@ def gpu_allreduce() -> str:
     out += [
         "",
         verdict,
-        f"Bit for bit ({GPU_BEFORE[-13:-6]}): {len(checks)} codec {X} dtype {X} size cases, 3 calls each with error "
+        f"Bit for bit ({GPU_BEFORE[-13:-6]}): {len(checks)} codec {X} dtype {X} size cases, "
+        "3 calls each with error "
         f"feedback, the GPU path against gbbridge's host path and across the ranks: {len(bad)} differ; zstd "
         f"against raw on both paths: {sum(r['wrong'] for r in z)} bits differ.",
     ]
@@ -346,7 +355,8 @@ def gpu_train() -> str:
             curves[r["mode"]] = r  # the later run of a mode wins
     exact = curves["exact"]["final_loss"]
     out = [
-        "| mode (commit) | loss at step 0 | mean loss, last 50 of 500 steps | vs exact | bytes sent per step | params equal on both ranks |",
+        "| mode (commit) | loss at step 0 | mean loss, last 50 of 500 steps | vs exact "
+        "| bytes sent per step | params equal on both ranks |",
         "|---|---|---|---|---|---|",
     ]
     for mode in ("exact", "fp8-ef", "fp8"):
@@ -368,7 +378,8 @@ def gpu_train() -> str:
         out.append(f"| {mode} | {by[mode]:,.0f} | {by[mode] / top:.3f} | {by[mode] / by['exact']:.3f} |")
     out += [
         "",
-        f"tokens/s at {speed[0]['commit']}, {speed[0]['batch']} {X} {speed[0]['seq']} tokens per rank per step, "
+        f"tokens/s at {speed[0]['commit']}, {speed[0]['batch']} {X} {speed[0]['seq']} tokens "
+        "per rank per step, "
         f"{speed[0]['steps']} timed steps.",
     ]
     return "\n".join(out) + "\n"
