@@ -100,10 +100,9 @@ func EncodeFeedbackMXFP8(dst []byte, dt reduce.DType, src, residual []byte) erro
 	if err != nil {
 		return err
 	}
-	return withFeedback(MXFP8, dt, src, dst, residual, n, func(first, m int, u, d []byte) {
+	return withFeedback(MXFP8, dt, src, dst, residual, n, func(first int, x, r []byte) {
 		scales, codes := mxGroup(dst, n, first)
-		encF32(scales, codes, u)
-		decF32(d, scales, codes)
+		fbMX(scales, codes, x, r)
 	})
 }
 
