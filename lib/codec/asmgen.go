@@ -41,10 +41,9 @@ var consts = []struct {
 	{"cTiny", math.Float32bits(1.0 / 64)}, // 2^-6, the least normal E4M3
 	{"cNaN", 0x7fc00000},
 	{"cQuiet16", 0x40},
-	{"cRnd19", 0x0007ffff}, // the normal path's rounding bias, without the rebias
-	{"cHi12", 0xfff00000},  // sign, exponent and 3 fraction bits
-	{"c960", 960},          // E4M3's exponent rebias, in the bits above the 3 fraction bits
-	{"cInv512", math.Float32bits(1.0 / 512)},
+	{"cExp20", 20 << 23},    // 2^20 as a factor of a float's exponent bits
+	{"c1128", 141 << 3},     // the exponent bits >> 20 of 2^14 = 2^-6 * 2^20
+	{"cTopFin", 0x7f600000}, // the largest amax whose block decodes finite (1.75 * 2^127)
 	{"cSign", 0x80000000},
 	{"cHi16", 0xffff0000},
 }
@@ -94,39 +93,34 @@ func encElem(i int, nonFinite bool) string {
 	VPOR Y13, Y12, Y%[1]d`, i)
 }
 
-// fbElem is encElem for error feedback, with the magnitudes of u in Y(4+i)
-// all finite: the code goes to Y(4+i); the decoded value d is the normal
-// path's rounded y (its bits with 3 fraction bits: the code's value at
-// scale 2^0) or the subnormal path's integer over 512, times 2^e in Y14
-// (the product mxDecode takes: exact, or ±Inf), with the sign of u in
-// Y(i); r = u - d, or +0 where d is ±Inf, is stored at 32i(BX).
-// Constants: Y8 the rounding bias, Y9 512.0; Y15 is a temporary.
+// fbElem is encElem for error feedback, in its own way: y = |u| * 2^-e
+// (Y10) is rounded to its E4M3 value ry by adding and taking away C, a
+// power of two 2^20 times y's binade (at least 2^-6's, the E4M3 subnormal
+// step's), whose ulp is the step of E4M3 values there; the sum rounds to
+// nearest even, as the codes do. The code is the steps in the sum past C,
+// plus 8 per binade past 2^-6; d = ry * 2^e (Y14: the product mxDecode
+// takes, finite as the block's amax is at most cTopFin) with u's sign (u in
+// Y(i)); r = u - d is stored at 32i(BX) and the code left in Y(4+i).
+// Constants: Y8 cInf, Y9 cTiny (2^-6), Y15 cExp20.
 func fbElem(i int) string {
 	return fmt.Sprintf(`
 	VMULPS Y10, Y%[2]d, Y11
-	VPSRLD $20, Y11, Y12
-	VPAND cOne<>(SB), Y12, Y12
-	VPADDD Y8, Y12, Y12
-	VPADDD Y11, Y12, Y12
-	VPAND cHi12<>(SB), Y12, Y13
+	VPAND Y8, Y11, Y12
+	VPMAXSD Y9, Y12, Y12
+	VPADDD Y15, Y12, Y12
+	VADDPS Y12, Y11, Y13
+	VSUBPS Y12, Y13, Y11
+	VMULPS Y14, Y11, Y11
+	VPSUBD Y12, Y13, Y13
 	VPSRLD $20, Y12, Y12
-	VPSUBD c960<>(SB), Y12, Y12
-	VMULPS Y9, Y11, Y15
-	VCVTPS2DQ Y15, Y15
-	VCVTDQ2PS Y15, Y%[2]d
-	VMULPS cInv512<>(SB), Y%[2]d, Y%[2]d
-	VCMPPS $1, cTiny<>(SB), Y11, Y11
-	VPBLENDVB Y11, Y15, Y12, Y12
-	VPBLENDVB Y11, Y%[2]d, Y13, Y13
-	VMULPS Y14, Y13, Y13
-	VPAND cSign<>(SB), Y%[1]d, Y11
-	VPOR Y11, Y13, Y15
-	VSUBPS Y15, Y%[1]d, Y15
-	VPCMPGTD cMaxFin<>(SB), Y13, Y13
-	VPANDN Y15, Y13, Y15
-	VMOVDQU Y15, %[3]d(BX)
-	VPSRLD $24, Y11, Y11
-	VPOR Y11, Y12, Y%[2]d`, i, 4+i, 32*i)
+	VPADDD Y12, Y13, Y13
+	VPSUBD c1128<>(SB), Y13, Y13
+	VPAND cSign<>(SB), Y%[1]d, Y12
+	VPOR Y12, Y11, Y11
+	VSUBPS Y11, Y%[1]d, Y11
+	VMOVDQU Y11, %[3]d(BX)
+	VPSRLD $24, Y12, Y12
+	VPOR Y12, Y13, Y%[2]d`, i, 4+i, 32*i)
 }
 
 // amaxAll leaves the largest magnitude of Y4..Y7 in R8, NaN and Inf
@@ -428,8 +422,9 @@ TEXT ·asmFbMXF32(SB), NOSPLIT, $0-48
 	MOVQ r+24(FP), BX
 	MOVQ nb+32(FP), CX
 	XORQ AX, AX
-	VMOVDQU cRnd19<>(SB), Y8
-	VMOVDQU c512<>(SB), Y9
+	VMOVDQU cInf<>(SB), Y8
+	VMOVDQU cTiny<>(SB), Y9
+	VMOVDQU cExp20<>(SB), Y15
 
 fbmxloop:
 	CMPQ AX, CX
@@ -446,7 +441,7 @@ fbmxloop:
 	VPAND cAbs<>(SB), Y1, Y5
 	VPAND cAbs<>(SB), Y2, Y6
 	VPAND cAbs<>(SB), Y3, Y7%[1]s
-	CMPL R8, $0x7f7fffff
+	CMPL R8, $0x7f600000
 	JHI fbmxdone%[2]s%[9]s%[10]s
 	VPACKUSDW Y5, Y4, Y4
 	VPACKUSDW Y7, Y6, Y6
@@ -556,9 +551,10 @@ func asmDecAddF32(acc, scales, codes unsafe.Pointer, start, n int) int
 
 // asmFbMXF32 runs error feedback over nb whole blocks of float32 x with
 // float32 residual r: u = x + r, u's scale bytes to scales and codes to
-// codes, r = u - decoded u, or +0 where that is ±Inf. It returns the blocks
-// done: nb, or the first block whose u holds a NaN or ±Inf, which it leaves
-// untouched (the Go kernel owns the NaN rule).
+// codes, r = u - decoded u. It returns the blocks done: nb, or the first
+// block whose u holds a NaN, ±Inf or a magnitude over 1.75 * 2^127 (its
+// decoded values may be ±Inf), which it leaves untouched (the Go kernel
+// owns the NaN and +0 rules).
 //
 //go:noescape
 func asmFbMXF32(scales, codes, x, r unsafe.Pointer, nb int) int

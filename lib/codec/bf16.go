@@ -70,9 +70,7 @@ func EncodeFeedbackBF16(dst []byte, dt reduce.DType, src, residual []byte) error
 	if err != nil {
 		return err
 	}
-	return withFeedback(BF16, dt, src, dst, residual, n, func(first int, x, r []byte) {
-		fbBF16(dst[2*first:2*first+len(x)/2], x, r)
-	})
+	return withFeedback(BF16, dt, src, dst, residual, n)
 }
 
 func bfCheck(op string, dt reduce.DType, raw, packed []byte) (int, error) {

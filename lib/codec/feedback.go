@@ -10,13 +10,12 @@ import (
 // Error feedback (docs/COMPRESSION.md): the lossy codecs' EncodeFeedback
 // functions share this loop and its rules.
 
-// withFeedback checks residual (n float32 values) and runs error feedback
-// over the n values of src (dt) in groups of GroupElems: code gets a
-// group's first value, its float32 values x (16-bit ones widened exactly)
-// and its residual r, and does u = x + r, packs u into the group's place
-// in the output, and sets r = u - decoded u, or +0 where u or the decoded
-// value is not finite.
-func withFeedback(id ID, dt reduce.DType, src, dst, residual []byte, n int, code func(first int, x, r []byte)) error {
+// withFeedback checks residual (n float32 values) and runs id's error
+// feedback over the n values of src (dt) in groups of GroupElems: a
+// group's float32 values x (16-bit ones widened exactly) and its residual
+// r go to the kernel, which sets u = x + r, packs u into the group's place
+// in dst, and sets r = u - decoded u, or +0 where either is not finite.
+func withFeedback(id ID, dt reduce.DType, src, dst, residual []byte, n int) error {
 	if len(residual) != 4*n {
 		return errorf(id, "encode-feedback", ErrLength, "residual of %d bytes for %d values (want %d)", len(residual), n, 4*n)
 	}
@@ -27,12 +26,19 @@ func withFeedback(id ID, dt reduce.DType, src, dst, residual []byte, n int, code
 	for first := 0; first < n; first += GroupElems {
 		m := min(GroupElems, n-first)
 		r := residual[4*first : 4*(first+m)]
+		var x []byte
 		if dt == reduce.Float32 {
-			code(first, src[4*first:4*(first+m)], r)
-			continue
+			x = src[4*first : 4*(first+m)]
+		} else {
+			x = w[:4*m]
+			widen(x, dt, src[2*first:2*(first+m)])
 		}
-		widen(w[:4*m], dt, src[2*first:2*(first+m)])
-		code(first, w[:4*m], r)
+		if id == MXFP8 {
+			scales, codes := mxGroup(dst, n, first)
+			fbMX(scales, codes, x, r)
+		} else {
+			fbBF16(dst[2*first:2*(first+m)], x, r)
+		}
 	}
 	return nil
 }

@@ -60,8 +60,8 @@ func decAdd(acc, scales, codes []byte) {
 
 // fbMX runs fp8 error feedback over a group's float32 values x with
 // residual r: whole blocks in assembly up to one whose u = x + r is not
-// all finite, that block in Go (the Go kernel owns the NaN rule), and so
-// on; a short last block in Go.
+// all finite or reaches past 1.75 * 2^127, that block in Go (the Go kernel
+// owns the NaN and +0 rules), and so on; a short last block in Go.
 func fbMX(scales, codes, x, r []byte) {
 	if !useAsm {
 		fbMXGo(scales, codes, x, r)

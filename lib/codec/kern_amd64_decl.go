@@ -28,9 +28,10 @@ func asmDecAddF32(acc, scales, codes unsafe.Pointer, start, n int) int
 
 // asmFbMXF32 runs error feedback over nb whole blocks of float32 x with
 // float32 residual r: u = x + r, u's scale bytes to scales and codes to
-// codes, r = u - decoded u, or +0 where that is ±Inf. It returns the blocks
-// done: nb, or the first block whose u holds a NaN or ±Inf, which it leaves
-// untouched (the Go kernel owns the NaN rule).
+// codes, r = u - decoded u. It returns the blocks done: nb, or the first
+// block whose u holds a NaN, ±Inf or a magnitude over 1.75 * 2^127 (its
+// decoded values may be ±Inf), which it leaves untouched (the Go kernel
+// owns the NaN and +0 rules).
 //
 //go:noescape
 func asmFbMXF32(scales, codes, x, r unsafe.Pointer, nb int) int
