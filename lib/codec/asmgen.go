@@ -5,11 +5,13 @@
 //
 //	go run asmgen.go
 //
-// Each kernel does the same as a Go kernel of mxfp8_ref.go or bf16.go, bit
-// for bit (the tests check it exhaustively and on random blocks), only
-// faster: MXFP8 computes the element codes with float arithmetic where the
-// Go kernels use integers, which gives the same bits (COMPRESSION.md says
-// why).
+// Each kernel does the same as a Go kernel of mxfp8_ref.go, bf16.go or
+// feedback.go, bit for bit (the tests check it exhaustively and on random
+// blocks), only faster: MXFP8 computes the element codes with float
+// arithmetic where the Go kernels use integers, which gives the same bits
+// (COMPRESSION.md says why). The error-feedback kernels leave the values
+// whose sum u = x + r is a NaN (and, for fp8, whole blocks that are not all
+// finite or whose decoding could overflow) to the Go kernels.
 package main
 
 import (
