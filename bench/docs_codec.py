@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
-RUN = "cd95f29"  # the commit of the codec rows
+RUN = "e4a3cf3"  # the commit of the codec rows
 ACCURACY_RUN = "73a04ed"  # the commit of the accuracy rows
 CODEC = f"codec-devbox-{RUN}.jsonl"
 ACCURACY = f"codec-accuracy-devbox-{ACCURACY_RUN}.jsonl"

@@ -5,11 +5,13 @@
 //
 //	go run asmgen.go
 //
-// Each kernel does the same as a Go kernel of mxfp8_ref.go or bf16.go, bit
-// for bit (the tests check it exhaustively and on random blocks), only
-// faster: MXFP8 computes the element codes with float arithmetic where the
-// Go kernels use integers, which gives the same bits (COMPRESSION.md says
-// why).
+// Each kernel does the same as a Go kernel of mxfp8_ref.go, bf16.go or
+// feedback.go, bit for bit (the tests check it exhaustively and on random
+// blocks), only faster: MXFP8 computes the element codes with float
+// arithmetic where the Go kernels use integers, which gives the same bits
+// (COMPRESSION.md says why). The error-feedback kernels leave the values
+// whose sum u = x + r is a NaN (and, for fp8, whole blocks that are not all
+// finite or whose decoding could overflow) to the Go kernels.
 package main
 
 import (
@@ -41,6 +43,11 @@ var consts = []struct {
 	{"cTiny", math.Float32bits(1.0 / 64)}, // 2^-6, the least normal E4M3
 	{"cNaN", 0x7fc00000},
 	{"cQuiet16", 0x40},
+	{"cExp20", 20 << 23},    // 2^20 as a factor of a float's exponent bits
+	{"c1128", 141 << 3},     // the exponent bits >> 20 of 2^14 = 2^-6 * 2^20
+	{"cTopFin", 0x7f600000}, // the largest amax whose block decodes finite (1.75 * 2^127)
+	{"cSign", 0x80000000},
+	{"cHi16", 0xffff0000},
 }
 
 // pow136 is 2^(s-136) for every scale byte s (denormal below s = 10), and
@@ -86,6 +93,36 @@ func encElem(i int, nonFinite bool) string {
 	VPSRLD $24, Y%[1]d, Y13
 	VPAND c80<>(SB), Y13, Y13
 	VPOR Y13, Y12, Y%[1]d`, i)
+}
+
+// fbElem is encElem for error feedback, in its own way: y = |u| * 2^-e
+// (Y10) is rounded to its E4M3 value ry by adding and taking away C, a
+// power of two 2^20 times y's binade (at least 2^-6's, the E4M3 subnormal
+// step's), whose ulp is the step of E4M3 values there; the sum rounds to
+// nearest even, as the codes do. The code is the steps in the sum past C,
+// plus 8 per binade past 2^-6; d = ry * 2^e (Y14: the product mxDecode
+// takes, finite as the block's amax is at most cTopFin) with u's sign (u in
+// Y(i)); r = u - d is stored at 32i(BX) and the code left in Y(4+i).
+// Constants: Y8 cInf, Y9 cTiny (2^-6), Y15 cExp20.
+func fbElem(i int) string {
+	return fmt.Sprintf(`
+	VMULPS Y10, Y%[2]d, Y11
+	VPAND Y8, Y11, Y12
+	VPMAXSD Y9, Y12, Y12
+	VPADDD Y15, Y12, Y12
+	VADDPS Y12, Y11, Y13
+	VSUBPS Y12, Y13, Y11
+	VMULPS Y14, Y11, Y11
+	VPSUBD Y12, Y13, Y13
+	VPSRLD $20, Y12, Y12
+	VPADDD Y12, Y13, Y13
+	VPSUBD c1128<>(SB), Y13, Y13
+	VPAND cSign<>(SB), Y%[1]d, Y12
+	VPOR Y12, Y11, Y11
+	VSUBPS Y11, Y%[1]d, Y11
+	VMOVDQU Y11, %[3]d(BX)
+	VPSRLD $24, Y12, Y12
+	VPOR Y12, Y13, Y%[2]d`, i, 4+i, 32*i)
 }
 
 // amaxAll leaves the largest magnitude of Y4..Y7 in R8, NaN and Inf
@@ -139,6 +176,17 @@ const scale = `
 	SHLL $23, R11
 	VMOVD R11, X10
 	VPBROADCASTD X10, Y10`
+
+// scaleUp leaves 2^e = 2^(s-127) of the scale s in R10 in every lane of
+// Y14 (2^-127, s = 0, is a float32 denormal): mxPow[s].
+const scaleUp = `
+	MOVL R10, R12
+	SHLL $23, R12
+	MOVL $0x400000, R13
+	TESTL R10, R10
+	CMOVLEQ R13, R12
+	VMOVD R12, X14
+	VPBROADCASTD X14, Y14`
 
 // decode8 decodes the 8 codes at (DX)(AX*1) with the scale factor in Y14
 // into Y3: the significand q (m, or (8+m) << (e-1)) as a float, times
@@ -199,6 +247,25 @@ func bfRound(i int) string {
 	VPBLENDVB Y2, Y4, Y3, Y%[1]d`, i)
 }
 
+// bfFeedback rounds u, finite or ±Inf, in Y(i) to bfloat16 in the low half
+// of each dword of Y(i) (bfRound without the NaN case), and stores r = u -
+// d at 32i(BX), d the bfloat16 widened back, or +0 where d is ±Inf.
+// Constants: Y8 0x7fff, Y9 ones, Y10 0xffff0000, Y11 cAbs, Y12 cMaxFin.
+func bfFeedback(i int) string {
+	return fmt.Sprintf(`
+	VPSRLD $16, Y%[1]d, Y2
+	VPAND Y9, Y2, Y2
+	VPADDD Y8, Y2, Y2
+	VPADDD Y%[1]d, Y2, Y2
+	VPAND Y10, Y2, Y3
+	VSUBPS Y3, Y%[1]d, Y4
+	VPAND Y11, Y3, Y3
+	VPCMPGTD Y12, Y3, Y3
+	VPANDN Y4, Y3, Y4
+	VMOVDQU Y4, %[2]d(BX)
+	VPSRLD $16, Y2, Y%[1]d`, i, 32*i)
+}
+
 // runs16 is a kernel func(dst, src unsafe.Pointer, n int) int that runs
 // body, which advances SI and DI, once per 16 values while 16 remain, and
 // returns the values done.
@@ -251,10 +318,11 @@ func main() {
 	}
 	s.WriteString("\nGLOBL permBytes<>(SB), RODATA|NOPTR, $32\n")
 
-	var fast, slow strings.Builder
+	var fast, slow, fbElems strings.Builder
 	for i := 0; i < 4; i++ {
 		fast.WriteString(encElem(i, false))
 		slow.WriteString(encElem(i, true))
+		fbElems.WriteString(fbElem(i))
 	}
 	fmt.Fprintf(&s, `
 // func asmEncF32(scales, codes, src unsafe.Pointer, nb int)
@@ -348,7 +416,94 @@ adddone:
 	VZEROUPPER
 	RET
 
-`, amaxAll, scale, fast.String(), amaxFinite, slow.String(), decSetup, decScale, decode8)
+// func asmFbMXF32(scales, codes, x, r unsafe.Pointer, nb int) int
+TEXT ·asmFbMXF32(SB), NOSPLIT, $0-48
+	MOVQ scales+0(FP), DI
+	MOVQ codes+8(FP), DX
+	MOVQ x+16(FP), SI
+	MOVQ r+24(FP), BX
+	MOVQ nb+32(FP), CX
+	XORQ AX, AX
+	VMOVDQU cInf<>(SB), Y8
+	VMOVDQU cTiny<>(SB), Y9
+	VMOVDQU cExp20<>(SB), Y15
+
+fbmxloop:
+	CMPQ AX, CX
+	JGE fbmxdone
+	VMOVDQU 0(SI), Y0
+	VMOVDQU 32(SI), Y1
+	VMOVDQU 64(SI), Y2
+	VMOVDQU 96(SI), Y3
+	VADDPS 0(BX), Y0, Y0
+	VADDPS 32(BX), Y1, Y1
+	VADDPS 64(BX), Y2, Y2
+	VADDPS 96(BX), Y3, Y3
+	VPAND cAbs<>(SB), Y0, Y4
+	VPAND cAbs<>(SB), Y1, Y5
+	VPAND cAbs<>(SB), Y2, Y6
+	VPAND cAbs<>(SB), Y3, Y7%[1]s
+	CMPL R8, $0x7f600000
+	JHI fbmxdone%[2]s%[9]s%[10]s
+	VPACKUSDW Y5, Y4, Y4
+	VPACKUSDW Y7, Y6, Y6
+	VPACKUSWB Y6, Y4, Y4
+	VMOVDQU permBytes<>(SB), Y11
+	VPERMD Y4, Y11, Y4
+	VMOVDQU Y4, (DX)
+	ADDQ $128, SI
+	ADDQ $128, BX
+	ADDQ $32, DX
+	INCQ DI
+	INCQ AX
+	JMP fbmxloop
+
+fbmxdone:
+	MOVQ AX, ret+40(FP)
+	VZEROUPPER
+	RET
+
+// func asmFbBF16(dst, x, r unsafe.Pointer, n int) int
+TEXT ·asmFbBF16(SB), NOSPLIT, $0-40
+	MOVQ dst+0(FP), DI
+	MOVQ x+8(FP), SI
+	MOVQ r+16(FP), BX
+	MOVQ n+24(FP), CX
+	SHRQ $4, CX
+	XORQ AX, AX
+	VMOVDQU cRnd16<>(SB), Y8
+	VMOVDQU cOne<>(SB), Y9
+	VMOVDQU cHi16<>(SB), Y10
+	VMOVDQU cAbs<>(SB), Y11
+	VMOVDQU cMaxFin<>(SB), Y12
+
+fbbfloop:
+	CMPQ AX, CX
+	JGE fbbfdone
+	VMOVDQU 0(SI), Y0
+	VMOVDQU 32(SI), Y1
+	VADDPS 0(BX), Y0, Y0
+	VADDPS 32(BX), Y1, Y1
+	VCMPPS $3, Y0, Y0, Y2
+	VCMPPS $3, Y1, Y1, Y3
+	VPOR Y3, Y2, Y2
+	VPTEST Y2, Y2
+	JNZ fbbfdone%[11]s
+	VPACKUSDW Y1, Y0, Y0
+	VPERMQ $0xd8, Y0, Y0
+	VMOVDQU Y0, (DI)
+	ADDQ $64, SI
+	ADDQ $64, BX
+	ADDQ $32, DI
+	INCQ AX
+	JMP fbbfloop
+
+fbbfdone:
+	SHLQ $4, AX
+	MOVQ AX, ret+32(FP)
+	VZEROUPPER
+	RET
+`, amaxAll, scale, fast.String(), amaxFinite, slow.String(), decSetup, decScale, decode8, scaleUp, fbElems.String(), bfFeedback(0)+bfFeedback(1))
 	s.WriteString(runs16("asmBF16Enc", "bfenc", `
 	VMOVDQU 0(SI), Y0
 	VMOVDQU 32(SI), Y1`+bfRound(0)+bfRound(1)+`
@@ -395,6 +550,25 @@ func asmDecF32(dst, scales, codes unsafe.Pointer, nb int)
 //
 //go:noescape
 func asmDecAddF32(acc, scales, codes unsafe.Pointer, start, n int) int
+
+// asmFbMXF32 runs error feedback over nb whole blocks of float32 x with
+// float32 residual r: u = x + r, u's scale bytes to scales and codes to
+// codes, r = u - decoded u. It returns the blocks done: nb, or the first
+// block whose u holds a NaN, ±Inf or a magnitude over 1.75 * 2^127 (its
+// decoded values may be ±Inf), which it leaves untouched (the Go kernel
+// owns the NaN and +0 rules).
+//
+//go:noescape
+func asmFbMXF32(scales, codes, x, r unsafe.Pointer, nb int) int
+
+// asmFbBF16 runs error feedback into bfloat16 dst over the first n&^15
+// float32 values of x with residual r, 16 at a time: u = x + r, dst =
+// bfloat16 of u, r = u - dst widened, or +0 where that is ±Inf. It returns
+// the values done: n&^15, or the first 16 whose u holds a NaN, which it
+// leaves untouched.
+//
+//go:noescape
+func asmFbBF16(dst, x, r unsafe.Pointer, n int) int
 
 // asmBF16Enc rounds the first n&^15 float32 values of src to bfloat16 dst
 // and returns that count.

@@ -90,7 +90,8 @@ type benchCase = struct {
 	f    func()
 }
 
-// BenchmarkMXFP8 measures fp8 encode, decode and decode-add of float32 on
+// BenchmarkMXFP8 measures fp8 encode, decode, decode-add and encode with
+// error feedback of float32 on
 // one goroutine, and memcpy of the same bytes, the anchor of the run.
 func BenchmarkMXFP8(b *testing.B) {
 	src := gradients(benchValues, 1)
@@ -112,10 +113,13 @@ func BenchmarkBF16(b *testing.B) {
 	src := gradients(benchValues, 2)
 	packed := touched(BF16Len(benchValues))
 	dst := touched(len(src))
+	res := touched(len(src))
+	clear(res)
 	kernels(b, []benchCase{
 		{"encode", func() { must(EncodeBF16(packed, reduce.Float32, src)) }},
 		{"decode", func() { must(DecodeBF16(dst, reduce.Float32, packed)) }},
 		{"decode-add", func() { must(DecodeAddBF16(dst, packed)) }},
+		{"encode-feedback", func() { must(EncodeFeedbackBF16(packed, reduce.Float32, src, res)) }},
 	}, len(src))
 }
 

@@ -70,11 +70,7 @@ func EncodeFeedbackBF16(dst []byte, dt reduce.DType, src, residual []byte) error
 	if err != nil {
 		return err
 	}
-	return withFeedback(BF16, dt, src, dst, residual, n, func(first, m int, u, d []byte) {
-		out := dst[2*first : 2*(first+m)]
-		bfEncode(out, u)
-		bfDecode(d, out)
-	})
+	return withFeedback(BF16, dt, src, dst, residual, n)
 }
 
 func bfCheck(op string, dt reduce.DType, raw, packed []byte) (int, error) {

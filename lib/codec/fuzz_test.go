@@ -2,6 +2,9 @@ package codec
 
 import (
 	"bytes"
+	"encoding/binary"
+	"fmt"
+	"math"
 	"testing"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
@@ -91,6 +94,42 @@ func FuzzLossless(f *testing.F) {
 		back := make([]byte, len(out))
 		if err := DecodeLossless(back, dt, again[:m]); err != nil || !bytes.Equal(back, out) {
 			t.Fatalf("round trip of a decoded chunk: %v", err)
+		}
+	})
+}
+
+// FuzzFeedback takes arbitrary bytes as values (float32, bfloat16 or
+// float16 by dtB) and float32 residuals: error feedback with the assembly
+// kernels and the Go ones gives the definition's packing and residual, for
+// fp8 and bf16.
+func FuzzFeedback(f *testing.F) {
+	f.Add(uint8(0), append(f32Bytes(special), f32Bytes(shuffled(special, 1))...))
+	f.Add(uint8(1), append(f32Bytes(allBF16()[0x7f70:0x7f90]), f32Bytes(special[:16])...))
+	f.Add(uint8(2), bytes.Repeat([]byte{0x7c, 0x00, 0x00, 0xfc}, 48))
+	f.Fuzz(func(t *testing.T, dtB uint8, data []byte) {
+		dt := []reduce.DType{reduce.Float32, reduce.BFloat16, reduce.Float16}[dtB%3]
+		n := len(data) / (dt.Size() + 4)
+		raw, res := data[:n*dt.Size()], u32s(data[n*dt.Size():n*(dt.Size()+4)])
+		x := make([]uint32, n)
+		for i := range x {
+			switch dt {
+			case reduce.Float32:
+				x[i] = binary.LittleEndian.Uint32(raw[4*i:])
+			case reduce.BFloat16:
+				x[i] = uint32(binary.LittleEndian.Uint16(raw[2*i:])) << 16
+			default:
+				x[i] = math.Float32bits(reduce.F16ToF32(binary.LittleEndian.Uint16(raw[2*i:])))
+			}
+		}
+		for _, id := range lossy {
+			if id == BF16 && dt == reduce.Float16 {
+				continue
+			}
+			wantP, wantR := refFeedback(t, id, x, res)
+			for _, asm := range []bool{false, true} {
+				gotP, gotR := feedbackWith(t, asm, id, dt, raw, res)
+				sameFeedback(t, fmt.Sprintf("%v input, asm %v", dt, asm), id, x, res, wantP, gotP, wantR, gotR)
+			}
 		}
 	})
 }

@@ -26,6 +26,25 @@ func asmDecF32(dst, scales, codes unsafe.Pointer, nb int)
 //go:noescape
 func asmDecAddF32(acc, scales, codes unsafe.Pointer, start, n int) int
 
+// asmFbMXF32 runs error feedback over nb whole blocks of float32 x with
+// float32 residual r: u = x + r, u's scale bytes to scales and codes to
+// codes, r = u - decoded u. It returns the blocks done: nb, or the first
+// block whose u holds a NaN, ±Inf or a magnitude over 1.75 * 2^127 (its
+// decoded values may be ±Inf), which it leaves untouched (the Go kernel
+// owns the NaN and +0 rules).
+//
+//go:noescape
+func asmFbMXF32(scales, codes, x, r unsafe.Pointer, nb int) int
+
+// asmFbBF16 runs error feedback into bfloat16 dst over the first n&^15
+// float32 values of x with residual r, 16 at a time: u = x + r, dst =
+// bfloat16 of u, r = u - dst widened, or +0 where that is ±Inf. It returns
+// the values done: n&^15, or the first 16 whose u holds a NaN, which it
+// leaves untouched.
+//
+//go:noescape
+func asmFbBF16(dst, x, r unsafe.Pointer, n int) int
+
 // asmBF16Enc rounds the first n&^15 float32 values of src to bfloat16 dst
 // and returns that count.
 //

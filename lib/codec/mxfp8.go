@@ -100,11 +100,7 @@ func EncodeFeedbackMXFP8(dst []byte, dt reduce.DType, src, residual []byte) erro
 	if err != nil {
 		return err
 	}
-	return withFeedback(MXFP8, dt, src, dst, residual, n, func(first, m int, u, d []byte) {
-		scales, codes := mxGroup(dst, n, first)
-		encF32(scales, codes, u)
-		decF32(d, scales, codes)
-	})
+	return withFeedback(MXFP8, dt, src, dst, residual, n)
 }
 
 // mxCheck checks the arguments of an MXFP8 call whose raw side holds
