@@ -22,11 +22,24 @@ The checks:
 - ``fsdp_dyadic``, ``fsdp_accumulation``: fully_shard with
   gpubridge.weighted_fsdp and losses scaled by SampleWeights.loss_scale:
   bit for bit.
+- ``ddp_dyadic_zstd``: ``ddp_dyadic`` with the weighted hook handing the
+  bucket to gpubridge.compressed_hook with zstd (lossless): bit for bit.
+- ``ddp_fp8_feedback``, ``ddp_fp8_plain``: shares 7/5/3/1, float32, the
+  weighted hook handing the weighted bucket to compressed_hook with fp8,
+  with and without error feedback; the same batch's backward STEPS times
+  without an optimizer step, so the exact gradient is the same every time.
+  With error feedback what the steps applied in sum is within one
+  quantization of STEPS times the exact gradient (the residuals telescope:
+  the weights apply before quantizing, feedback works on the weighted
+  bucket); without, each step loses the same, STEPS times over. err is
+  max |sum - STEPS * g| / max |g|; digest: the SHA-256 of the sum's bytes,
+  the same on every rank.
 - ``sampler``: RebalancingSampler's plan exchange through the backend, with
   a stand-in meter reporting rates 2, 2, 1, 1: every rank's plan; and
   settings that differ (rank 2's global batch): the same error everywhere.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -99,7 +112,13 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def distributed(
-    kind: str, shares: list[int], dtype: torch.dtype, dyadic: bool, micro: int, weighted: bool = True
+    kind: str,
+    shares: list[int],
+    dtype: torch.dtype,
+    dyadic: bool,
+    micro: int,
+    weighted: bool = True,
+    codec: str | None = None,
 ) -> dict[str, Any]:
     """One step on this rank's share (micro micro-batches), through DDP with
     the weighted hook or FSDP with weighted_fsdp; compared with the single
@@ -108,6 +127,9 @@ def distributed(
     x, t = data(dtype, dyadic)
     x, t = x[my_slice(shares)], t[my_slice(shares)]
     weights = gpubridge.SampleWeights()
+    if codec is not None:  # the weighted bucket goes to a compressing hook
+        weights = gpubridge.SampleWeights(hook=gpubridge.compressed_hook,
+                                          hook_state=gpubridge.CompressionState(codec=codec))  # fmt: skip
     weights.set(len(x), B)
     if kind == "ddp":
         wrapped: nn.Module = DDP(model)
@@ -148,6 +170,37 @@ def distributed(
     return {"bit_exact": exact, "rel_err": err}
 
 
+STEPS = 8
+
+
+def fp8_feedback(feedback: bool) -> dict[str, Any]:
+    """The weighted hook over compressed_hook(fp8): STEPS backward passes of
+    one batch (no optimizer step), their gradients summed in float64,
+    against STEPS times the single process's gradient."""
+    shares = [7, 5, 3, 1]
+    model = make_model(torch.float32, False)
+    x, t = data(torch.float32, False)
+    x, t = x[my_slice(shares)], t[my_slice(shares)]
+    state = gpubridge.CompressionState(codec="fp8", error_feedback=feedback)
+    weights = gpubridge.SampleWeights(hook=gpubridge.compressed_hook, hook_state=state)
+    weights.set(len(x), B)
+    wrapped = DDP(model)
+    wrapped.register_comm_hook(weights, gpubridge.weighted_comm_hook)
+    total = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
+    for _ in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(wrapped(x), t).backward()  # type: ignore[no-untyped-call]
+        for acc, p in zip(total, model.parameters(), strict=True):
+            acc += p.grad.double()  # type: ignore[union-attr]
+    want, _ = reference(torch.float32, False)
+    top = max(float(g.abs().max()) for g in want)
+    err = max(float((a - STEPS * g.double()).abs().max()) for a, g in zip(total, want, strict=True)) / top
+    h = hashlib.sha256()
+    for a in total:
+        h.update(a.numpy().tobytes())
+    return {"err": err, "digest": h.hexdigest()}
+
+
 class FixedMeter:
     """Stands in for the sampler's meter: a fixed rate."""
 
@@ -184,6 +237,9 @@ try:
         "ddp_accumulation": distributed("ddp", [8, 4, 2, 2], f64, True, 2),
         "fsdp_dyadic": distributed("fsdp", [8, 4, 2, 2], f64, True, 1),
         "fsdp_accumulation": distributed("fsdp", [8, 4, 2, 2], f64, True, 2),
+        "ddp_dyadic_zstd": distributed("ddp", [8, 4, 2, 2], f64, True, 1, codec="zstd"),
+        "ddp_fp8_feedback": fp8_feedback(True),
+        "ddp_fp8_plain": fp8_feedback(False),
     }
     result["sampler"] = sampler_checks()
     dist.barrier()
