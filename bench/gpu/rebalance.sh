@@ -12,6 +12,11 @@
 # work per sample fewer samples). Then gbtrace stragglers --hetero on the
 # trace: the slowed island is an expected class difference, not a degraded
 # rank.
+# GB_MPS=1 runs the two ranks under CUDA MPS with half the GPU's SMs each
+# (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50; the control daemon is started here
+# and quit at the end): the two islands then compute side by side as two
+# GPUs would, instead of time-slicing the whole GPU, so the slowed island's
+# extra work no longer slows the other (still one GPU: a split test).
 # Needs bin/ (gbtrace and the others, built on the dev machine, carried) and
 # torchplugin/. Everything goes under $OUT (job/, trace/, hetero.jsonl,
 # rebalance.log, and rebalance.jsonl: one row with the tokens/s of both
@@ -25,6 +30,18 @@ commit=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 echo "== $(date -u +%FT%TZ) commit $commit"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
 fail=0
+mps=${GB_MPS:-0}
+if [ "$mps" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=$out/mps/pipe CUDA_MPS_LOG_DIRECTORY=$out/mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
+    echo "  MPS: control daemon started, 50% of the SMs per process"
+  else
+    echo "  MPS: nvidia-cuda-mps-control -d failed"; exit 1
+  fi
+fi
 port=$((29700 + RANDOM % 200))
 start=$(date +%s)
 pids=()
@@ -55,7 +72,9 @@ lines = [json.loads(l) for l in open(f"{out}/hetero.jsonl")]
 sys.path.insert(0, "bench")
 from rebalance_figures import figures  # the ideal (docs/REBALANCING.md)
 seq = res[0]["config"]["seq"]
+import os
 row = {"schema": "gpubridge.bench-rebalance/v1", "kind": "gpu", "commit": commit, "host": "h200x1",
+       "mps_sm_percent": int(os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) if os.environ.get("GB_MPS") == "1" else None,
        "split_test": "half", "wall_s": wall, "config": res[0]["config"], "global_batch": 32,
        "extra_matmuls_per_sample": res[1]["extra"], "n": res[1]["n"],
        "even_tokens_per_s": res[0]["phases"][0]["tokens_per_s"],
