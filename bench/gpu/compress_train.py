@@ -118,8 +118,14 @@ class Run:
         if self.rank != 0:
             return
         note = "split test: two islands of one rank on ONE GPU" if self.cuda else "CPU smoke test"
-        r = {"schema": SCHEMA, "commit": os.environ.get("GB_COMMIT", "unknown"), "world": self.world,
-             "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu", "note": note, **kw}
+        r = {
+            "schema": SCHEMA,
+            "commit": os.environ.get("GB_COMMIT", "unknown"),
+            "world": self.world,
+            "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+            "note": note,
+            **kw,
+        }
         with open(self.args.out, "a") as f:
             f.write(json.dumps(r) + "\n")
         print(json.dumps({k: v for k, v in r.items() if k not in ("schema", "losses")}), file=sys.stderr)
