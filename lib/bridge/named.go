@@ -22,7 +22,7 @@ const NamedPrefix = "bridges"
 // Keys of a named bridge's agreement on its members, under
 // bridges/<name>/.
 const (
-	keyMembers       = "members/"      // + global rank: that rank's member list
+	keyMembers       = "members/"       // + global rank: that rank's member list
 	keyMembersFailed = "members-failed" // the first disagreement or timeout, for every member
 )
 
@@ -139,7 +139,9 @@ func disagreement(name string, members []transport.MemberInfo, views []string) e
 	parts := make([]string, len(order))
 	for k, v := range order {
 		with := "with"
-		if k == 0 {
+		if k == 0 && len(who[v]) == 1 {
+			with = "joins with"
+		} else if k == 0 {
 			with = "join with"
 		}
 		parts[k] = fmt.Sprintf("%s %s ranks [%s]", strings.Join(who[v], " and "), with, v)

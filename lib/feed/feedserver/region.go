@@ -93,11 +93,21 @@ func (s *Server) addRegion(m *feed.RegionMsg, arrived time.Time) error {
 	for _, l := range s.allLanes() {
 		s.offer(r, l)
 	}
+	shared, registered := 0, 0 // read before another lane may add offers
+	for _, o := range r.offers {
+		if o.shared != 0 {
+			shared++
+		}
+		if o.unreg != nil {
+			registered++
+		}
+	}
+	bridges := len(r.offers)
 	s.rmu.Lock()
 	s.regions[m.Region] = r
 	s.rmu.Unlock()
 	s.shareMu.Unlock()
-	s.o.Log.Debug("region mapped", "region", m.Region, "bytes", m.Size, "offers", len(r.offers))
+	s.o.Log.Debug("region mapped", "region", m.Region, "bytes", m.Size, "shared", shared > 0, "registered", registered > 0, "bridges", bridges)
 	s.reply(m.ID, feed.StatusOK, "", arrived)
 	return nil
 }

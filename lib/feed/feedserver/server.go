@@ -152,10 +152,10 @@ type Server struct {
 	// standby goroutine first (role), so that no hand-off to another
 	// goroutine delays the call; a joined bridge's on a goroutine of its
 	// own. emu guards the lanes' queues.
-	emu       sync.Mutex
-	role      chan struct{}
-	reader    *reader
-	readErr   error // why reading ended; set before inputEnd is closed
+	emu     sync.Mutex
+	role    chan struct{}
+	reader  *reader
+	readErr error // why reading ended; set before inputEnd is closed
 
 	wg       sync.WaitGroup
 	inflight atomic.Int64
