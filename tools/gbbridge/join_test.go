@@ -26,8 +26,8 @@ import (
 )
 
 // Every rank on the bridge (issue 16): the leaders 0 and 2 serve bridge 0,
-// ranks 1 and 3 serve with --no-bridge; they join a pair bridge (1, 3) and
-// a bridge of all four. Collectives on each are bit for bit the
+// ranks 1 and 3 serve with --no-bridge; they join a pair bridge (1, 3), a
+// bridge of three (1, 0, 3) and a bridge of all four. Collectives on each are bit for bit the
 // reference, at once; SEND/RECV on the pair both ways at once. Over tcp
 // also: members joining one name with other member lists all fail with
 // the same words, and a killed member fails its joined bridge's requests
@@ -83,6 +83,8 @@ func TestServeJoin(t *testing.T) {
 			pair, all := []uint32{1, 3}, []uint32{3, 2, 1, 0}
 			onAll(pair, func(r uint32) error { return cls[r].Join(ctx, 1, "pair/1-3", pair) })
 			onAll(all, func(r uint32) error { return cls[r].Join(ctx, 2, "all", all) })
+			trio := []uint32{1, 0, 3}
+			onAll(trio, func(r uint32) error { return cls[r].Join(ctx, 3, "trio/0-1-3", trio) })
 
 			// all_reduce on the pair, the four and bridge 0 at once.
 			rnd := rand.New(rand.NewPCG(16, 1))
@@ -90,7 +92,7 @@ func TestServeJoin(t *testing.T) {
 				id       uint32
 				ranks    []uint32
 				off, len int
-			}{{1, pair, 0, 4 * 40001}, {2, all, 200000, 4 * 30000}, {0, []uint32{0, 2}, 400000, 4 * 1000}}
+			}{{1, pair, 0, 4 * 40001}, {2, all, 200000, 4 * 30000}, {3, trio, 330000, 4 * 20000}, {0, []uint32{0, 2}, 420000, 4 * 1000}}
 			wants := make([][]byte, len(runs))
 			for k, run := range runs {
 				var inputs [][]byte
@@ -113,6 +115,23 @@ func TestServeJoin(t *testing.T) {
 			for k, run := range runs {
 				for _, r := range run.ranks {
 					assert.True(t, bytes.Equal(wants[k], regs[r].Mem[run.off:run.off+run.len]), "bridge %d rank %d", run.id, r)
+				}
+			}
+
+			// all_gather on the three: every member's slot in member order.
+			for _, r := range trio {
+				for k := range 1000 {
+					regs[r].Mem[450000+k] = byte(int(r)*31 + k)
+				}
+			}
+			onAll(trio, func(r uint32) error {
+				return cls[r].On(3).AllGather(ctx, regs[r].Span(460000, 3000), regs[r].Span(450000, 1000))
+			})
+			for _, r := range trio {
+				for slot, from := range trio {
+					for k := 0; k < 1000; k += 97 {
+						require.Equal(t, byte(int(from)*31+k), regs[r].Mem[460000+slot*1000+k], "rank %d slot %d", r, slot)
+					}
 				}
 			}
 
@@ -154,7 +173,7 @@ func TestServeJoin(t *testing.T) {
 					if r == 3 {
 						members = []uint32{3, 1}
 					}
-					err := cls[r].Join(ctx, 3, "mm", members)
+					err := cls[r].Join(ctx, 4, "mm", members)
 					var re *feedtest.RequestError
 					if assert.ErrorAs(t, err, &re, "rank %d", r) {
 						assert.Equal(t, feed.StatusBridgeError, re.Status)
