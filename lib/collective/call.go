@@ -34,6 +34,7 @@ type call struct {
 	codec  codec.ID
 	cdt    reduce.DType
 	packed bool // the bytes are packed already (args.packed): sent as they are
+	small  int  // the resolved Options.SmallBytes in the fingerprint (args.small), 0: none
 
 	readyFn func(context.Context, int) error
 	readyTo atomic.Int64

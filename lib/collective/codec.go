@@ -45,6 +45,7 @@ func (c *Comm) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, 
 		return err
 	}
 	a.chunk = c.codecChunk(dt.Size(), cd.ID, dt)
+	a.small = c.smallFor(cd.ID)
 	return c.collect(ctx, a, p, func() error { return reduce.Finish(op, dt, buf, 1) }, func(cl *call) error {
 		if cd.ID.Lossy() {
 			lz := c.newLossy(cl, cd, dt, op, buf)
@@ -54,6 +55,10 @@ func (c *Comm) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, 
 			}
 			c.ran(AlgoRing)
 			return lz.ring(a.chunk)
+		}
+		if exactAlgo(c.size, len(buf), c.small) == AlgoRecursiveDoubling {
+			c.ran(AlgoRecursiveDoubling)
+			return c.recursiveDoubling(cl, buf, dt, op, a.chunk)
 		}
 		var descs []desc
 		if cd.ID == codec.Raw {

@@ -86,23 +86,37 @@ func TestAllReduceOrder(t *testing.T) {
 		}
 		return b
 	}
-	// With 3 members and 3 elements, segment j is element j; it sums
-	// x[j+1] + x[j+2] + x[j] in float32.
+	// The ring (above SmallBytes; here with it off): with 3 members and
+	// 3 elements, segment j is element j; it sums x[j+1] + x[j+2] + x[j]
+	// in float32.
 	big, one := float32(1<<24), float32(1)
 	inputs := [][]byte{f32(big, big, big), f32(one, one, one), f32(-big, -big, -big)}
-	got := ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 3)
+	got := ReferenceAllReduceAlgo(AlgoRing, reduce.Sum, reduce.Float32, inputs, 3)
 	// element 0: x1 + x2 + x0 = (1 - 2^24) + 2^24 = 1
 	// element 1: x2 + x0 + x1 = 0 + 1 = 1
 	// element 2: x0 + x1 + x2 = (2^24 + 1 rounds to 2^24) - 2^24 = 0
 	assert.Equal(t, f32(1, 1, 0), got)
+	// Recursive doubling (the default for small buffers): member 2 is
+	// folded into member 0 first, (x0 + x2) + x1 = 0 + 1 = 1 everywhere.
+	rd := ReferenceAllReduceAlgo(AlgoRecursiveDoubling, reduce.Sum, reduce.Float32, inputs, 3)
+	assert.Equal(t, f32(1, 1, 1), rd)
+	assert.Equal(t, rd, ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 3), "12 bytes are small")
 
-	cl := newCluster(t, 3, 1, Options{})
-	bufs := [][]byte{slices.Clone(inputs[0]), slices.Clone(inputs[1]), slices.Clone(inputs[2])}
-	requireNoErrors(t, cl.each(func(m int, c *Comm) error {
-		return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
-	}))
-	for m := range bufs {
-		assert.Equal(t, got, bufs[m], "member %d", m)
+	for _, o := range []struct {
+		small int
+		want  []byte
+		algo  string
+	}{{-1, got, AlgoRing}, {0, rd, AlgoRecursiveDoubling}} {
+		cl := newCluster(t, 3, 1, Options{SmallBytes: o.small})
+		bufs := [][]byte{slices.Clone(inputs[0]), slices.Clone(inputs[1]), slices.Clone(inputs[2])}
+		requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+			return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
+		}))
+		for m := range bufs {
+			assert.Equal(t, o.want, bufs[m], "member %d, SmallBytes %d", m, o.small)
+			assert.Equal(t, o.algo, cl.comms[m].Algorithm())
+			assert.Equal(t, o.algo, cl.comms[m].AllReduceOrder(len(bufs[m])))
+		}
 	}
 	// Two members: member 0 first, on both.
 	two := ReferenceAllReduce(reduce.Sum, reduce.Float32, [][]byte{f32(big + 2), f32(one)}, 2)
@@ -257,7 +271,7 @@ func TestReduceScatterMatchesAllReduce(t *testing.T) {
 		for m := range inputs {
 			inputs[m] = randData(rng, reduce.BFloat16, per*members)
 		}
-		all := ReferenceAllReduce(reduce.Sum, reduce.BFloat16, inputs, members)
+		all := ReferenceAllReduceAlgo(map[bool]string{true: AlgoExchange, false: AlgoRing}[members == 2], reduce.Sum, reduce.BFloat16, inputs, members)
 		rs := ReferenceReduceScatter(reduce.Sum, reduce.BFloat16, inputs, members)
 		for m := range members {
 			requireBits(t, all[m*per*2:(m+1)*per*2], rs[m], 2, "%d members, segment %d", members, m)
