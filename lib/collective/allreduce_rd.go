@@ -1,6 +1,7 @@
 package collective
 
 import (
+	"errors"
 	"math/bits"
 	"time"
 
@@ -124,6 +125,15 @@ func (c *Comm) recursiveDoubling(cl *call, buf []byte, dt reduce.DType, op reduc
 			rd.received = func(_, _, _, off, n int) { cl.done(off, n) }
 		}
 		if err := rd.run(); err != nil {
+			var te *timeoutError
+			if i == 0 && !rd.primary && errors.As(err, &te) && !cl.heard[peer].Load() {
+				// The peer sent nothing: it never came, or it waits
+				// for its extra member, who is then the one its own
+				// fold names (a primary timeout, reported at once).
+				// Reported before the members further off, who wait
+				// the whole grace, so they all name the same member.
+				te.likely = true
+			}
 			return err
 		}
 	}

@@ -189,7 +189,9 @@ func TestCodecLossless(t *testing.T) {
 	for _, cfg := range []struct{ members, streams int }{{1, 1}, {2, 2}, {3, 2}} {
 		t.Run(fmt.Sprintf("members=%d/streams=%d", cfg.members, cfg.streams), func(t *testing.T) {
 			n := cfg.members
-			cl := newCluster(t, n, cfg.streams, Options{ChunkBytes: testChunk, Workers: 2})
+			// The smaller sizes run recursive doubling (3 members), the
+			// largest the ring.
+			cl := newCluster(t, n, cfg.streams, Options{ChunkBytes: testChunk, Workers: 2, SmallBytes: 4 * testChunk})
 			rng := rand.New(rand.NewPCG(51, uint64(n)))
 			for _, dt := range reduce.AllDTypes() {
 				es := dt.Size()
@@ -202,7 +204,7 @@ func TestCodecLossless(t *testing.T) {
 						for m := range inputs {
 							inputs[m] = zstdData(rng, dt, E)
 						}
-						want := ReferenceAllReduce(op, dt, inputs, n)
+						want := wantAllReduce(cl.comms[0], op, dt, inputs)
 						bufs := make([][]byte, n)
 						recs := make([]*doneRecorder, n)
 						requireNoErrors(t, cl.each(func(m int, c *Comm) error {
@@ -578,6 +580,12 @@ func TestCodecReady(t *testing.T) {
 // store.
 func realMeshes(t testing.TB, kind transport.Kind, members, streams int) []transport.Mesh {
 	t.Helper()
+	return realMeshesRing(t, kind, members, streams, 256<<10)
+}
+
+// realMeshesRing is realMeshes with shm data rings of ringBytes.
+func realMeshesRing(t testing.TB, kind transport.Kind, members, streams, ringBytes int) []transport.Mesh {
+	t.Helper()
 	addr := storetest.Start(t)
 	host, err := os.Hostname()
 	require.NoError(t, err)
@@ -595,7 +603,7 @@ func realMeshes(t testing.TB, kind transport.Kind, members, streams int) []trans
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = st.Close() })
 		cfg := transport.Config{Store: st.Prefix("job-" + strings.ReplaceAll(t.Name(), "/", "-")), Self: i, Members: infos,
-			Transport: kind, Streams: streams, ListenHost: "127.0.0.1", Timeout: testenv.Scale(30 * time.Second), RingBytes: 256 << 10}
+			Transport: kind, Streams: streams, ListenHost: "127.0.0.1", Timeout: testenv.Scale(30 * time.Second), RingBytes: ringBytes}
 		wg.Go(func() { meshes[i], errs[i] = transport.Establish(ctx, cfg) })
 	}
 	wg.Wait()

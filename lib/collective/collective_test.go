@@ -43,7 +43,9 @@ func supportedOps(dt reduce.DType) []reduce.Op {
 func TestAllReduce(t *testing.T) {
 	for _, cfg := range testConfigs {
 		t.Run(fmt.Sprintf("members=%d/streams=%d", cfg.members, cfg.streams), func(t *testing.T) {
-			cl := newCluster(t, cfg.members, cfg.streams, Options{ChunkBytes: testChunk, Workers: 3})
+			// SmallBytes of 4 chunks: the smaller sizes run recursive
+			// doubling (3 or more members), the largest the ring.
+			cl := newCluster(t, cfg.members, cfg.streams, Options{ChunkBytes: testChunk, Workers: 3, SmallBytes: 4 * testChunk})
 			rng := rand.New(rand.NewPCG(uint64(cfg.members), uint64(cfg.streams)))
 			seq := uint64(0)
 			for _, dt := range reduce.AllDTypes() {
@@ -53,7 +55,7 @@ func TestAllReduce(t *testing.T) {
 						for m := range inputs {
 							inputs[m] = randData(rng, dt, n)
 						}
-						want := ReferenceAllReduce(op, dt, inputs, cfg.members)
+						want := wantAllReduce(cl.comms[0], op, dt, inputs)
 						bufs := make([][]byte, cfg.members)
 						recs := make([]*doneRecorder, cfg.members)
 						errs := cl.each(func(m int, c *Comm) error {
@@ -441,7 +443,9 @@ func TestReady(t *testing.T) {
 	const pause = 200 * time.Microsecond
 	for _, cfg := range []struct{ members, streams int }{{1, 1}, {2, 1}, {2, 4}, {3, 2}, {4, 3}} {
 		t.Run(fmt.Sprintf("members=%d/streams=%d", cfg.members, cfg.streams), func(t *testing.T) {
-			cl := newCluster(t, cfg.members, cfg.streams, Options{ChunkBytes: testChunk})
+			// The ring's streaming (allreduce_rd_test.go streams recursive
+			// doubling).
+			cl := newCluster(t, cfg.members, cfg.streams, Options{ChunkBytes: testChunk, SmallBytes: -1})
 			rng := rand.New(rand.NewPCG(8, uint64(cfg.members)))
 			ctx := context.Background()
 			const n = 3001 // float32 elements
@@ -452,7 +456,7 @@ func TestReady(t *testing.T) {
 			}
 
 			t.Run("all_reduce", func(t *testing.T) {
-				want := ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, cfg.members)
+				want := wantAllReduce(cl.comms[0], reduce.Sum, reduce.Float32, inputs)
 				bufs := make([][]byte, cfg.members)
 				requireNoErrors(t, cl.each(func(m int, c *Comm) error {
 					bufs[m] = make([]byte, len(inputs[m]))

@@ -387,6 +387,9 @@ type timeoutError struct {
 	who     string
 	hint    string
 	primary bool // the member named is likely the cause (not waiting for someone else)
+	// likely: not primary, but the member named waits for at most one
+	// other, who would be primary: report after half the grace.
+	likely bool
 }
 
 func (e *timeoutError) Error() string {
