@@ -317,3 +317,24 @@ func TestRecursiveDoublingFaults(t *testing.T) {
 		})
 	}
 }
+
+// The schedule's steps fit the frame header up to MaxMembers, and larger
+// bridges (deeper trees, many folds) still give the reference's bits.
+func TestRecursiveDoublingLarge(t *testing.T) {
+	for _, n := range []int{3, 5, 8, 9, 1000, MaxMembers} {
+		sh := newRDShape(n)
+		assert.True(t, sh.p <= n && n < 2*sh.p && sh.p == 1<<sh.k, "%d members: %+v", n, sh)
+		assert.LessOrEqual(t, sh.unfoldStep(), maxStep, "%d members", n)
+	}
+	for _, members := range []int{17, 31} {
+		cl := newCluster(t, members, 1, Options{ChunkBytes: testChunk, Workers: 1})
+		rng := rand.New(rand.NewPCG(95, uint64(members)))
+		inputs := make([][]byte, members)
+		for m := range inputs {
+			inputs[m] = randData(rng, reduce.Float32, 300)
+		}
+		want := ReferenceAllReduceAlgo(AlgoRecursiveDoubling, reduce.Avg, reduce.Float32, inputs, members)
+		require.Equal(t, want, ReferenceAllReduce(reduce.Avg, reduce.Float32, inputs, members))
+		runAllReduce(t, cl, reduce.Float32, reduce.Avg, Codec{}, inputs, want, AlgoRecursiveDoubling, fmt.Sprintf("%d members", members))
+	}
+}

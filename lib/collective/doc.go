@@ -133,7 +133,8 @@
 //	128 KiB  154/153    294/223    944/724        164/993    447/1516    1973/8708
 //	256 KiB  272/244    519/371    1399/954       343/962    572/1583    2390/8789
 //
-// Over TCP recursive doubling is ahead up to 32 KiB (0.5 to 0.86 of the
+// A second run gave the same picture (each entry within about a third).
+// Over TCP recursive doubling is ahead up to 32 KiB (0.5 to 0.97 of the
 // ring's time) and behind from 64 KiB on 4 and 8 members: hence the
 // default of 32 KiB. (At 4 bytes the ring sends only its one non-empty
 // segment, 2(n-1) frames against recursive doubling's n·k, and on two
