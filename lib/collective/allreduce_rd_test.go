@@ -15,6 +15,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/transport"
+	"github.com/gpubridge/gpubridge/lib/wire"
 )
 
 // rdSmall is the SmallBytes of the recursive-doubling tests: two chunks,
@@ -256,7 +257,10 @@ func TestRecursiveDoublingFaults(t *testing.T) {
 		{5, 0, []int{1, 4}}, // the partner of an extra: the extra waits in the unfold, 1 in round 0
 	} {
 		t.Run(fmt.Sprintf("stalled/members=%d/victim=%d", cfg.members, cfg.victim), func(t *testing.T) {
-			timeout := testenv.Scale(time.Second)
+			// The grace (a tenth of it) must cover the members' skew at
+			// the start on a loaded machine: the partners that report
+			// after half of it must come before the others.
+			timeout := testenv.Scale(2 * time.Second)
 			after := "timed out after " + fmtDuration(timeout) + " waiting for member"
 			cl := newCluster(t, cfg.members, 2, Options{ChunkBytes: testChunk, Timeout: timeout})
 			start := time.Now()
@@ -336,5 +340,48 @@ func TestRecursiveDoublingLarge(t *testing.T) {
 		want := ReferenceAllReduceAlgo(AlgoRecursiveDoubling, reduce.Avg, reduce.Float32, inputs, members)
 		require.Equal(t, want, ReferenceAllReduce(reduce.Avg, reduce.Float32, inputs, members))
 		runAllReduce(t, cl, reduce.Float32, reduce.Avg, Codec{}, inputs, want, AlgoRecursiveDoubling, fmt.Sprintf("%d members", members))
+	}
+}
+
+// stepShiftStream sends every data frame one step later than it is.
+type stepShiftStream struct{ transport.Stream }
+
+func (s stepShiftStream) Send(ctx context.Context, h wire.Header, p []byte) error {
+	if h.Kind == wire.KindData {
+		k, st, fp := decodeStep(h.Step)
+		h.Step = encodeStep(k, st+1, fp)
+	}
+	return s.Stream.Send(ctx, h, p)
+}
+
+type stepShiftMesh struct{ transport.Mesh }
+
+func (m stepShiftMesh) Stream(peer, i int) transport.Stream {
+	return stepShiftStream{m.Mesh.Stream(peer, i)}
+}
+
+// Frames are checked against the schedule: a member whose frames carry
+// other step numbers makes its partner fail at once naming it, and the
+// others with that failure.
+func TestRecursiveDoublingStepChecked(t *testing.T) {
+	timeout := testenv.Scale(10 * time.Second)
+	meshes := transport.NewMem(4, 1, false)
+	meshes[3] = stepShiftMesh{meshes[3]}
+	cl := newClusterMesh(t, meshes, Options{Timeout: timeout}, DefaultMaxUnexpected)
+	start := time.Now()
+	errs := cl.each(func(m int, c *Comm) error {
+		return c.AllReduce(context.Background(), make([]byte, 64), reduce.Float32, reduce.Sum, nil)
+	})
+	assert.Less(t, time.Since(start), timeout/2, "at once, not after the timeout")
+	require.ErrorContains(t, errs[2], "member 3 sent all_reduce #1 step 2 chunk 0 (64 bytes), this member expected step 1 chunk 0 (64 bytes): protocol error")
+	// Member 3 may have had all it needed (its peers sent before they
+	// checked its frames): it learns in its next call.
+	if errs[3] == nil {
+		errs[3] = cl.comms[3].Barrier(context.Background())
+	}
+	for m, err := range errs {
+		require.Error(t, err, "member %d", m)
+		t.Logf("member %d: %v", m, err)
+		assert.ErrorContains(t, err, "protocol error", "member %d", m)
 	}
 }
