@@ -169,7 +169,7 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 			sent = int64(st.BytesSent)
 		}
 	}
-	wrong, err := checkBench(o, n, m.Self, b.buf, b.in, got)
+	wrong, err := checkBench(o, n, m.Self, b.buf, b.in, got, m.Comm.AllReduceOrder(len(b.buf)))
 	if err != nil {
 		return BenchRow{}, err
 	}
@@ -328,9 +328,10 @@ func fillMember(o SweepOptions, m int, b []byte) {
 // checkBench counts wrong elements of this member's result: buf (in for
 // memcpy, got for the exchange: what arrived from the peer). A lossy
 // all_reduce and random data are checked against the references computed
-// from every member's input; the pattern's exact results element by
-// element.
-func checkBench(o SweepOptions, n, me int, buf, in, got []byte) (int, error) {
+// from every member's input (an exact all_reduce in order, the algorithm
+// the member's Comm runs at this size: "" for the default's); the
+// pattern's exact results element by element.
+func checkBench(o SweepOptions, n, me int, buf, in, got []byte, order string) (int, error) {
 	sz := o.DType.Size()
 	switch o.Coll {
 	case "exchange":
@@ -341,7 +342,7 @@ func checkBench(o SweepOptions, n, me int, buf, in, got []byte) (int, error) {
 		return countWrong(in, buf, sz), nil
 	}
 	if o.Random || o.Codec.Lossy() && o.Coll == "all_reduce" {
-		return countWrong(buf, referenceBench(o, n, me, len(buf)), sz), nil
+		return countWrong(buf, referenceBench(o, n, me, len(buf), order), sz), nil
 	}
 	switch o.Coll {
 	case "all_reduce":
@@ -366,8 +367,8 @@ func checkBench(o SweepOptions, n, me int, buf, in, got []byte) (int, error) {
 
 // referenceBench is member me's expected result of L bytes: the
 // reference of the collective (and codec; zero residuals) over every
-// member's input.
-func referenceBench(o SweepOptions, n, me, L int) []byte {
+// member's input; order as in checkBench.
+func referenceBench(o SweepOptions, n, me, L int, order string) []byte {
 	inLen := L
 	switch o.Coll {
 	case "all_gather":
@@ -388,6 +389,9 @@ func referenceBench(o SweepOptions, n, me, L int) []byte {
 			for r := range res {
 				res[r] = make([]byte, 4*(L/o.DType.Size()))
 			}
+		}
+		if order != "" && !o.Codec.Lossy() {
+			return collective.ReferenceAllReduceAlgo(order, o.Op, o.DType, ins, n)
 		}
 		want, _ := collective.ReferenceAllReduceCodec(o.Codec, o.Op, o.DType, ins, res, n)
 		return want

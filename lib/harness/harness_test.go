@@ -201,10 +201,10 @@ func TestCheckBenchLossy(t *testing.T) {
 	}
 	exact := collective.ReferenceAllReduce(o.Op, o.DType, ins, n)
 	want, _ := collective.ReferenceAllReduceCodec(o.Codec, o.Op, o.DType, ins, nil, n)
-	w, err := checkBench(o, n, 0, want, nil, nil)
+	w, err := checkBench(o, n, 0, want, nil, nil, "")
 	require.NoError(t, err)
 	assert.Zero(t, w)
-	w, err = checkBench(o, n, 0, exact, nil, nil)
+	w, err = checkBench(o, n, 0, exact, nil, nil, "")
 	require.NoError(t, err)
 	assert.Greater(t, w, E/2, "an exact sum is not what fp8 gives")
 }
@@ -267,11 +267,11 @@ func TestMemcpyCheckCountsDifferences(t *testing.T) {
 	buf, in := make([]byte, 64), make([]byte, 64)
 	fillPattern(buf, o.DType, 0, o.Op)
 	copy(in, buf)
-	w, err := checkBench(o, 2, 0, buf, in, nil)
+	w, err := checkBench(o, 2, 0, buf, in, nil, "")
 	require.NoError(t, err)
 	assert.Zero(t, w)
 	in[9] ^= 1
-	w, err = checkBench(o, 2, 0, buf, in, nil)
+	w, err = checkBench(o, 2, 0, buf, in, nil, "")
 	require.NoError(t, err)
 	assert.Equal(t, 1, w)
 }

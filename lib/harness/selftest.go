@@ -342,7 +342,7 @@ func runCase(ctx context.Context, m *bridge.Member, c Case, id uint64) (int, err
 			return runLossy(ctx, m, c, id)
 		}
 		in := inputs(c, n, c.Elems*sz, id)
-		want := collective.ReferenceAllReduce(c.Op, c.DType, in, n)
+		want := collective.ReferenceAllReduceAlgo(m.Comm.AllReduceOrder(len(in[me])), c.Op, c.DType, in, n)
 		buf := append([]byte(nil), in[me]...)
 		if err := m.Comm.AllReduceCodec(ctx, buf, c.DType, c.Op, cd, nil); err != nil {
 			return 0, err

@@ -32,6 +32,26 @@ func (b *byteSize) Decode(ctx *kong.DecodeContext) error {
 	return nil
 }
 
+// smallSize is --small: bytes like byteSize, or 0 (or "off") for none.
+type smallSize int64
+
+func (b *smallSize) Decode(ctx *kong.DecodeContext) error {
+	var s string
+	if err := ctx.Scan.PopValueInto("size", &s); err != nil {
+		return err
+	}
+	if s == "0" || s == "off" {
+		*b = 0
+		return nil
+	}
+	v, err := harness.ParseSize(s)
+	if err != nil {
+		return err
+	}
+	*b = smallSize(v)
+	return nil
+}
+
 // memberFlags are what selftest and bench share: how members meet and how
 // the bridge between them is set up.
 type memberFlags struct {
@@ -42,6 +62,7 @@ type memberFlags struct {
 	Transport string        `help:"Bridge transport: auto (shm when every member is on this host, else tcp), tcp, shm or verbs (RDMA: InfiniBand or RoCE; GPUBRIDGE_IB_HCA and GPUBRIDGE_IB_GID_INDEX pick the port and GID, docs/VERBS.md)." enum:"${transports}" default:"auto"`
 	Streams   int           `help:"TCP connections (shm rings, verbs queue pairs) per pair of members (8: see docs/BENCHMARKS.md)." default:"8"`
 	Chunk     byteSize      `help:"Pipelining unit of the collectives (K, M, G: powers of 1024)." default:"4M" placeholder:"BYTES"`
+	Small     smallSize     `help:"An all_reduce of 3 or more members up to this size runs recursive doubling (log2 N dependent steps instead of the ring's 2(N-1)); 0 or off turns it off." default:"32K" placeholder:"BYTES"`
 	CRC       bool          `help:"CRC32C on every frame between members (off by default: it costs 25-45% at 256 MiB on a 2-core host, see docs/BENCHMARKS.md)." negatable:""`
 	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
 	Timeout   time.Duration `help:"Deadline of the setup and of each collective." default:"60s"`
@@ -52,7 +73,7 @@ type memberFlags struct {
 func (f memberFlags) memberArgs(cmd string, rank, n int, storeAddr, ns string) []string {
 	return []string{cmd, "--store", storeAddr, "--rank", strconv.Itoa(rank), "--world-size", strconv.Itoa(n),
 		"--namespace", ns, "--transport", f.Transport, "--streams", strconv.Itoa(f.Streams),
-		"--chunk", strconv.Itoa(int(f.Chunk)), "--crc=" + strconv.FormatBool(f.CRC),
+		"--chunk", strconv.Itoa(int(f.Chunk)), "--small", strconv.Itoa(int(f.Small)), "--crc=" + strconv.FormatBool(f.CRC),
 		"--workers", strconv.Itoa(f.Workers), "--timeout", f.Timeout.String()}
 }
 
@@ -66,8 +87,17 @@ func (f memberFlags) join(env *cli.Env) (*bridge.Member, error) {
 	return bridge.Join(env.Ctx, bridge.Config{Store: f.Store, Namespace: f.Namespace, Size: f.WorldSize,
 		Mesh: transport.Config{Self: f.Rank, Transport: transport.Kind(f.Transport), Streams: f.Streams, CRC: f.CRC,
 			Timeout: f.Timeout, RingBytes: 2 * int(f.Chunk), Log: env.Log, Process: "gbbridge member"},
-		Comm: collective.Options{ChunkBytes: int(f.Chunk), Workers: f.Workers, Timeout: f.Timeout, Log: env.Log},
+		Comm: collective.Options{ChunkBytes: int(f.Chunk), SmallBytes: smallBytes(f.Small), Workers: f.Workers, Timeout: f.Timeout, Log: env.Log},
 	})
+}
+
+// smallBytes is --small as collective.Options.SmallBytes, where 0 means
+// its default: off is negative there.
+func smallBytes(b smallSize) int {
+	if b == 0 {
+		return -1
+	}
+	return int(b)
 }
 
 // leaveTimeout bounds the barrier before a member closes.

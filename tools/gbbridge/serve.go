@@ -26,6 +26,7 @@ type serveCmd struct {
 	Feed          string        `help:"Path of the Unix socket to listen on for the feed: a fresh path in a directory only this user can enter." required:"" placeholder:"PATH"`
 	Streams       int           `help:"TCP connections (shm rings) per pair of members; every member must use the same (8: see docs/BENCHMARKS.md)." default:"8"`
 	Chunk         byteSize      `help:"Pipelining unit of the collectives (K, M, G suffixes: powers of 1024); every member must use the same." default:"4M" placeholder:"BYTES"`
+	Small         smallSize     `help:"An all_reduce of 3 or more members up to this size runs recursive doubling; 0 or off turns it off; every member must use the same." default:"32K" placeholder:"BYTES"`
 	CRC           bool          `help:"CRC32C on every frame between members (off by default, like selftest and bench: see docs/ARCHITECTURE.md); every member must use the same." negatable:""`
 	Workers       int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
 	Timeout       time.Duration `help:"Deadline of one collective or point-to-point operation." default:"5m"`
@@ -130,7 +131,7 @@ func (c *serveCmd) setUp(env *cli.Env, topo *discover.Topology) (*serving, error
 		Mesh: transport.Config{Self: ms.Member, Members: ms.Members, Transport: ms.Transport,
 			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
 			Timeout: c.SetupTimeout, RingBytes: int(c.ShmRing), Log: s.log, Process: "gbbridge serve"},
-		Comm: collective.Options{ChunkBytes: int(c.Chunk), Workers: c.Workers, Timeout: c.Timeout, Log: s.log},
+		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, Timeout: c.Timeout, Log: s.log},
 	})
 	if err != nil {
 		s.ln.Close()
@@ -208,7 +209,7 @@ func (s *serving) Join(ctx context.Context, j feedserver.JoinRequest) (*feedserv
 		Mesh: transport.Config{Self: j.Member, Members: members, Transport: bridge.NamedTransport(members, s.topo.Bridge.Transport),
 			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
 			Timeout: c.SetupTimeout, RingBytes: int(c.ShmRing), Log: log, Process: "gbbridge serve"},
-		Comm: collective.Options{ChunkBytes: int(c.Chunk), Workers: c.Workers, Timeout: c.Timeout, Log: log},
+		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, Timeout: c.Timeout, Log: log},
 	})
 	if err != nil {
 		return nil, err
