@@ -681,7 +681,9 @@ class FeedClient:
     ) -> int:  # fmt: skip
         """Receives the next message from member peer (of bridge; None:
         bridge 0) with tag into the bytes; returns its length."""
-        d = self.request(Kind.RECV, timeout, buf=region.span(offset, nbytes), peer=peer, tag=tag, bridge=bridge)
+        d = self.request(
+            Kind.RECV, timeout, buf=region.span(offset, nbytes), peer=peer, tag=tag, bridge=bridge
+        )
         return d.nbytes
 
     # -- closing --

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from collections.abc import Sequence
 from typing import Any, Final
 
 import numpy as np
 
 __all__ = [
     "BRIDGES_VERSION",
-    "BRIDGE_TAG",
     "BRIDGE_STATS_TAG",
     "BRIDGE_STATS_VERSION",
+    "BRIDGE_TAG",
     "CALLER_REDUCES_VERSION",
     "CODEC_VERSION",
     "EXT_CRITICAL",

@@ -90,7 +90,10 @@ def test_bridge_extension() -> None:
         Kind.ALL_REDUCE, 4, DType.FLOAT32, Op.SUM, 0, Span(1, 0, 64), Span(), -1, 0, feedback_key=5, bridge=2
     )
     assert both[HEADER_SIZE + REQUEST_SIZE :] == (
-        bytes.fromhex("02800800") + (5).to_bytes(8, "little") + bytes.fromhex("03800400") + (2).to_bytes(4, "little")
+        bytes.fromhex("02800800")
+        + (5).to_bytes(8, "little")
+        + bytes.fromhex("03800400")
+        + (2).to_bytes(4, "little")
     )
     with pytest.raises(ValueError, match="bridge id 0"):
         encode_request(Kind.SEND, 3, DType.NONE, Op.NONE, 0, Span(), Span(), 1, 0, bridge=0)
@@ -159,7 +162,7 @@ def test_version_3_server_keeps_bridge_0() -> None:
     c = _client(srv)
     assert c.version == 3 and not c.bridges
     c.request(Kind.BARRIER)
-    with pytest.raises(FeedError, match="joining bridge pair/0-1 needs feed protocol 4.*speaks version 3"):
+    with pytest.raises(FeedError, match=r"joining bridge pair/0-1 needs feed protocol 4.*speaks version 3"):
         c.join(1, "pair/0-1", [0, 1])
     with pytest.raises(FeedError, match="bridge 1 needs feed protocol 4"):
         c.request(Kind.SEND, peer=1, bridge=1)
