@@ -150,7 +150,8 @@ class BridgeEndpoint:
             raise RuntimeError(
                 f"gpubridge: rank {self._rank}: an endpoint outside the leaders' bridge needs a gbbridge "
                 f"serve that speaks feed protocol {BRIDGES_VERSION}; gbbridge serve (pid "
-                f"{self.process.proc.pid}) speaks version {self._feed.version}: use the gbbridge of this gpubridge"
+                f"{self.process.proc.pid}) speaks version {self._feed.version}: use the gbbridge of "
+                "this gpubridge"
             )
         if self._codec != Codec.RAW and not self._feed.codecs:
             raise RuntimeError(
