@@ -168,6 +168,11 @@ class Call:
         region (end never goes back; a smaller one is ignored by the server)."""
         self.client._write(encode_ready(self.id, end))
 
+    def join(self, timeout: float | None = None) -> None:
+        """Waits until the request finished, whatever its outcome (which
+        :meth:`wait` raises); :class:`FeedTimeout` at the deadline."""
+        self.client._await(lambda: self.finished, self.client._deadline(timeout))
+
     def wait(self, timeout: float | None = None) -> Done:
         """Waits for DONE (``timeout`` seconds, default: the client's);
         raises :class:`RequestError`/:class:`BridgeError` for a status other

@@ -10,10 +10,18 @@ GPUBRIDGE_P2P_CHUNK bytes (a setting every rank shares, so both ends cut it
 alike) through a pooled feed region: on GPUs each chunk's copy to the host
 runs on a copy stream and its SEND starts once that copy is done, and each
 received chunk is copied to the GPU as soon as its RECV is done, so copies
-overlap the wire. Messages of one (peer, tag) keep their order: each
-transfer takes a ticket when it is called and issues its requests in ticket
-order; sends and receives are apart, so both directions can be in flight
-at once (1F1B does that)."""
+overlap the wire. Sends and receives are apart, so both directions can be
+in flight at once (1F1B does that).
+
+Order. Messages of one (peer, tag) keep their order: each transfer takes a
+ticket when it is called and issues its requests in ticket order. gbbridge
+runs every SEND and RECV request on a goroutine of its own, so two requests
+of one (peer, tag) in flight at once may reach the bridge in either order:
+the chunks of a (peer, tag) therefore go round-robin over LANES wire tags
+(``lane << 24 | tag``), and a lane takes its next request only once its
+previous one is done. Both ends count the chunks of the (peer, tag) alike,
+so chunk i is on lane i mod LANES on both, and up to LANES chunks are in
+flight. Tags across islands are therefore 0 to 2^24 - 1."""
 
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ from gpubridge._dtypes import as_bytes
 from gpubridge._endpoint import BridgeEndpoint
 from gpubridge._endpoints import Endpoints, pair_bridge
 from gpubridge._failure import Breaker
-from gpubridge._feed import Call, Kind
+from gpubridge._feed import Call, FeedClient, Kind, Span
 from gpubridge._island import IslandGroup
 from gpubridge._layout import Layout
 from gpubridge._worker import Task, Work
@@ -51,14 +59,36 @@ class Route:
         self.name, self.members, self.member = name, members, member
 
 
+# Wire tags per (peer, tag): chunks in flight at once on one (peer, tag).
+LANES = 4
+_LANE_SHIFT = 24
+MAX_TAG = (1 << _LANE_SHIFT) - 1
+
+
 class _Channel:
     """The messages of one direction, bridge, peer and tag: transfers issue
-    their requests in the order they were called (tickets)."""
+    their requests in the order they were called (tickets), chunk i on lane
+    i mod LANES, one request per lane at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, tag: int) -> None:
         self._cond = threading.Condition()
         self._next = 0  # the next ticket handed out
         self._turn = 0  # the ticket whose turn it is
+        self._tag = tag
+        self._chunks = 0  # chunks issued so far (in turn only)
+        self._lanes: list[Call | None] = [None] * LANES
+
+    def issue(self, start: Callable[[int], Call], secs: float) -> Call:
+        """In turn: starts the next chunk's request (start(wire tag)) on its
+        lane, once the lane's previous request finished."""
+        lane = self._chunks % LANES
+        self._chunks += 1
+        prev = self._lanes[lane]
+        if prev is not None:
+            prev.join(secs)
+        call = start(lane << _LANE_SHIFT | self._tag)
+        self._lanes[lane] = call
+        return call
 
     def ticket(self) -> int:
         with self._cond:
@@ -127,11 +157,11 @@ class PointToPoint:
             return self._island.send(t, local, tag) if op == "send" else self._island.recv(t, local, tag)
         return self._bridged(op, t, peer, tag)
 
-    def _channel(self, key: Hashable) -> _Channel:
+    def _channel(self, key: Hashable, tag: int) -> _Channel:
         with self._lock:
             ch = self._channels.get(key)
             if ch is None:
-                ch = self._channels[key] = _Channel()
+                ch = self._channels[key] = _Channel(tag)
             return ch
 
     def _streams(self) -> tuple[Any, Any]:
@@ -146,8 +176,12 @@ class PointToPoint:
         (SEND and RECV run concurrently in gbbridge, so an isend/irecv pair
         never waits on the other)."""
         self._breaker.refuse(op)
+        if not 0 <= tag <= MAX_TAG:
+            raise RuntimeError(
+                f"gpubridge: {op} with tag {tag}: tags of point-to-point across islands are 0..{MAX_TAG}"
+            )
         route = self.route(peer)
-        ch = self._channel((op, route.name, route.member, tag))
+        ch = self._channel((op, route.name, route.member, tag), tag)
         ticket = ch.ticket()
         gpu = self._device.type == "cuda"
         fut: Any = torch.futures.Future(devices=[self._device]) if gpu else torch.futures.Future()
@@ -237,6 +271,13 @@ class _Transfer:
             self.passed = True
             self.ch.done(self.ticket)
 
+    def _start(self, feed: FeedClient, kind: Kind, span: Span, bridge: int | None) -> Call:
+        """The request of one chunk, on its lane (in this transfer's turn)."""
+        peer = self.route.member
+        return self.ch.issue(
+            lambda wire: feed.start(kind, span, peer=peer, tag=wire, bridge=bridge), self.secs + 60.0
+        )
+
     def _pass_turn(self) -> None:
         """A transfer that failed before its turn still passes it on in
         order, so those after it run (and fail on their own: the group is
@@ -272,11 +313,7 @@ class _Transfer:
                     _gpu.wait_event(ready[k], f"the copy of a {self.what} to the host", self.secs)
                 else:
                     host[a:b].copy_(src[a:b])
-                calls.append(
-                    feed.start(
-                        Kind.SEND, region.span(a, b - a), peer=self.route.member, tag=self.tag, bridge=bridge
-                    )
-                )
+                calls.append(self._start(feed, Kind.SEND, region.span(a, b - a), bridge))
             return calls
 
         for c in self._issue(issue):
@@ -288,13 +325,8 @@ class _Transfer:
     ) -> Any:  # fmt: skip
         """Returns the event after the copies to the GPU (None on CPU)."""
         feed, p = ep.feed, self.p
-        calls: list[Call] = self._issue(
-            lambda: [
-                feed.start(
-                    Kind.RECV, region.span(a, b - a), peer=self.route.member, tag=self.tag, bridge=bridge
-                )
-                for a, b in spans
-            ]
+        calls = self._issue(
+            lambda: [self._start(feed, Kind.RECV, region.span(a, b - a), bridge) for a, b in spans]
         )
         if self.gpu:
             p._h2d.wait_event(self.after)
