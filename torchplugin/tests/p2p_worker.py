@@ -71,7 +71,9 @@ def all_pairs(world: int) -> int:
                 for si, (dt, n) in enumerate(SHAPES):
                     got = torch.zeros(n, dtype=dt)
                     reqs.append(dist.irecv(got, peer, tag=tag))
-                    expect.append((got, payload(peer, rank, tag, k * 8 + si, dt, n), f"{peer}->{rank} tag {tag}"))
+                    expect.append(
+                        (got, payload(peer, rank, tag, k * 8 + si, dt, n), f"{peer}->{rank} tag {tag}")
+                    )
     for q in reqs:
         q.wait()
     for got, want, what in expect:
@@ -119,7 +121,10 @@ def leaders_only(world: int, topo: dict) -> int:
         if rank in (a, b):
             peer = b if rank == a else a
             got = torch.zeros(64)
-            q = [dist.isend(payload(rank, peer, 3, 0, torch.float32, 64), peer, tag=3), dist.irecv(got, peer, tag=3)]
+            q = [
+                dist.isend(payload(rank, peer, 3, 0, torch.float32, 64), peer, tag=3),
+                dist.irecv(got, peer, tag=3),
+            ]
             for w in q:
                 w.wait()
             same(got, payload(peer, rank, 3, 0, torch.float32, 64), f"p2p {peer}->{rank}")
