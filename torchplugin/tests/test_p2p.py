@@ -24,7 +24,7 @@ def launch(tmp_path: Path, vendors: list[str], mode: str) -> list[dict[str, Any]
     for r, res in enumerate(results):
         assert res.get("ok"), f"rank {r}: {res.get('error')}\n{out[-6000:]}"
     assert rc == 0, out[-6000:]
-    assert all(res["checks"] == results[0]["checks"] > 0 for res in results), results
+    assert all(res["checks"] > 0 for res in results), results
     return results
 
 
@@ -55,6 +55,8 @@ def expected_bridges(islands: list[list[int]], rank: int) -> list[str]:
 def test_every_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vendors: list[str]) -> None:
     monkeypatch.setenv("GPUBRIDGE_P2P_CHUNK", "4096")  # several chunks per message
     results = launch(tmp_path, vendors, "pairs")
+    n = len(vendors)
+    assert all(res["checks"] == 11 * (n - 1) for res in results), [res["checks"] for res in results]
     islands = results[0]["islands"]
     for r, res in enumerate(results):
         assert res["endpoint"], f"rank {r} has no endpoint"
