@@ -30,6 +30,12 @@ type Config struct {
 	Mesh transport.Config
 	// Comm are the communicator's settings.
 	Comm collective.Options
+	// Bridge names a bridge joined after start (docs/FEED.md §3b): its
+	// members meet under bridges/<Bridge>/ instead of bridge/, and first
+	// agree on Mesh.Members (which must be given): every member must name
+	// the same ranks in the same order, or every member fails naming the
+	// difference. "": bridge 0, the leaders' bridge.
+	Bridge string
 }
 
 // Member is this process's place in a joined bridge.
@@ -73,6 +79,24 @@ func Join(ctx context.Context, c Config) (*Member, error) {
 		return nil, fail("connect to the store at "+c.Store, err)
 	}
 	kv := sc.Prefix(discover.KeyPrefix).Prefix(c.Namespace)
+	if c.Bridge != "" {
+		if len(c.Mesh.Members) < 2 || c.Mesh.Self < 0 || c.Mesh.Self >= len(c.Mesh.Members) {
+			sc.Close()
+			return nil, fail(fmt.Sprintf("join bridge %q", c.Bridge), fmt.Errorf("member %d of %d members: a named bridge needs its members given", c.Mesh.Self, len(c.Mesh.Members)))
+		}
+		kv = kv.Prefix(NamedPrefix + "/" + c.Bridge)
+		timeout := c.Mesh.Timeout
+		if timeout <= 0 {
+			timeout = transport.DefaultTimeout
+		}
+		actx, cancel := context.WithTimeout(ctx, timeout)
+		err := agreeMembers(actx, kv, c.Bridge, c.Mesh.Members, c.Mesh.Self, timeout)
+		cancel()
+		if err != nil {
+			sc.Close()
+			return nil, fail(fmt.Sprintf("agree on the members of bridge %q", c.Bridge), err)
+		}
+	}
 	c.Mesh.Store = kv
 	if c.Mesh.Members == nil {
 		var step string

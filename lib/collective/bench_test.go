@@ -3,7 +3,12 @@ package collective
 import (
 	"context"
 	"fmt"
+	"math"
+	"strings"
 	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/transport"
@@ -44,5 +49,60 @@ func BenchmarkAllReduceSmall(b *testing.B) {
 		requireNoErrors(b, cl.each(func(m int, c *Comm) error {
 			return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
 		}))
+	}
+}
+
+// BenchmarkAllReduceSizes: the latency of all_reduces of 4 B to 256 KiB of
+// float32 sum over real TCP (loopback) and shm meshes of 2, 3, 4 and 8
+// members, 4 streams, default chunk, shm rings of 1 MiB, each member's
+// buffer shared (so that shm takes the direct path from 64 KiB up, as
+// gbbridge serve's regions do), all members in this process. rd runs
+// recursive doubling at every size, nord never (the ring, the exchange or
+// the direct path); two members have only the exchange, which is
+// recursive doubling's one round. What DefaultSmallBytes is chosen from
+// (doc.go).
+//
+//	go test -run '^$' -bench AllReduceSizes -benchtime 300ms ./lib/collective/
+func BenchmarkAllReduceSizes(b *testing.B) {
+	sizes := []int{4, 64, 512, 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10}
+	for _, kind := range []transport.Kind{transport.TCP, transport.SHM} {
+		for _, members := range []int{2, 3, 4, 8} {
+			b.Run(fmt.Sprintf("%s/members=%d", kind, members), func(b *testing.B) {
+				meshes := realMeshesRing(b, kind, members, 4, 1<<20)
+				cl := newClusterMesh(b, meshes, Options{Timeout: time.Minute}, DefaultMaxUnexpected)
+				regions := make([][]byte, members)
+				for m := range regions {
+					regions[m] = make([]byte, sizes[len(sizes)-1])
+					if sh, ok := meshes[m].(transport.Sharer); ok {
+						fd, mem, err := transport.NewMemfd("bench", len(regions[m]))
+						require.NoError(b, err)
+						id, err := sh.Share(fd, mem)
+						require.NoError(b, err)
+						regions[m] = mem
+						b.Cleanup(func() { sh.Unshare(id); transport.FreeMemfd(fd, mem) })
+					}
+				}
+				variants := map[string]int{"rd": math.MaxInt, "nord": -1}
+				names := []string{"rd", "nord"}
+				if members == 2 {
+					names = names[1:]
+				}
+				for _, size := range sizes {
+					for _, v := range names {
+						b.Run(fmt.Sprintf("size=%s/%s", strings.ReplaceAll(fmtBytes(size), " ", ""), v), func(b *testing.B) {
+							for _, c := range cl.comms {
+								c.small = variants[v]
+							}
+							for b.Loop() {
+								requireNoErrors(b, cl.each(func(m int, c *Comm) error {
+									return c.AllReduce(context.Background(), regions[m][:size], reduce.Float32, reduce.Sum, nil)
+								}))
+							}
+							b.Logf("%s", cl.comms[0].Algorithm())
+						})
+					}
+				}
+			})
+		}
 	}
 }

@@ -34,6 +34,7 @@ type call struct {
 	codec  codec.ID
 	cdt    reduce.DType
 	packed bool // the bytes are packed already (args.packed): sent as they are
+	small  int  // the resolved Options.SmallBytes in the fingerprint (args.small), 0: none
 
 	readyFn func(context.Context, int) error
 	readyTo atomic.Int64
@@ -119,7 +120,11 @@ func (c *Comm) finish(cl *call, err error) error {
 	case errors.As(err, &te) && !te.primary:
 		// This member waited for one that is itself waiting: give the
 		// member that found the cause the chance to report it first.
-		t := time.NewTimer(graceFor(cl.limit))
+		grace := graceFor(cl.limit)
+		if te.likely {
+			grace /= 2
+		}
+		t := time.NewTimer(grace)
 		select {
 		case <-c.stop:
 		case <-c.lostCh:

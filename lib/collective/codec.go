@@ -34,7 +34,9 @@ type Codec struct {
 // low-precision ring (3 or more) of docs/COMPRESSION.md: every member ends
 // with the same bits, ReferenceAllReduceCodec's. With one member nothing
 // travels and nothing is quantized (the residual is left as it is). zstd
-// gives AllReduce's bits. Compressed calls never take the direct path:
+// gives AllReduce's bits, by the same algorithm (recursive doubling up to
+// Options.SmallBytes included); lossy codecs never take recursive
+// doubling. Compressed calls never take the direct path:
 // they go through the transport's streams on every transport.
 func (c *Comm) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, cd Codec, p *Progress) error {
 	a := args{kind: kAllReduce, desc: fmt.Sprintf("%s %s, %s%s", dt, op, fmtBytes(len(buf)), codecDesc(cd.ID)), n: len(buf), dt: dt, op: op, codec: cd.ID, cdt: dt}
@@ -45,6 +47,7 @@ func (c *Comm) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, 
 		return err
 	}
 	a.chunk = c.codecChunk(dt.Size(), cd.ID, dt)
+	a.small = c.smallFor(cd.ID)
 	return c.collect(ctx, a, p, func() error { return reduce.Finish(op, dt, buf, 1) }, func(cl *call) error {
 		if cd.ID.Lossy() {
 			lz := c.newLossy(cl, cd, dt, op, buf)
@@ -54,6 +57,10 @@ func (c *Comm) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, 
 			}
 			c.ran(AlgoRing)
 			return lz.ring(a.chunk)
+		}
+		if exactAlgo(c.size, len(buf), c.small) == AlgoRecursiveDoubling {
+			c.ran(AlgoRecursiveDoubling)
+			return c.recursiveDoubling(cl, buf, dt, op, a.chunk)
 		}
 		var descs []desc
 		if cd.ID == codec.Raw {

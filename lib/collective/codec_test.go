@@ -189,7 +189,9 @@ func TestCodecLossless(t *testing.T) {
 	for _, cfg := range []struct{ members, streams int }{{1, 1}, {2, 2}, {3, 2}} {
 		t.Run(fmt.Sprintf("members=%d/streams=%d", cfg.members, cfg.streams), func(t *testing.T) {
 			n := cfg.members
-			cl := newCluster(t, n, cfg.streams, Options{ChunkBytes: testChunk, Workers: 2})
+			// The smaller sizes run recursive doubling (3 members), the
+			// largest the ring.
+			cl := newCluster(t, n, cfg.streams, Options{ChunkBytes: testChunk, Workers: 2, SmallBytes: 4 * testChunk})
 			rng := rand.New(rand.NewPCG(51, uint64(n)))
 			for _, dt := range reduce.AllDTypes() {
 				es := dt.Size()
@@ -202,7 +204,7 @@ func TestCodecLossless(t *testing.T) {
 						for m := range inputs {
 							inputs[m] = zstdData(rng, dt, E)
 						}
-						want := ReferenceAllReduce(op, dt, inputs, n)
+						want := wantAllReduce(cl.comms[0], op, dt, inputs)
 						bufs := make([][]byte, n)
 						recs := make([]*doneRecorder, n)
 						requireNoErrors(t, cl.each(func(m int, c *Comm) error {
@@ -272,7 +274,7 @@ func TestCodecNotDirect(t *testing.T) {
 	smallDirect(t)
 	ctx := context.Background()
 	for _, members := range []int{2, 3} {
-		cl := newCluster(t, members, 2, Options{ChunkBytes: testChunk})
+		cl := newCluster(t, members, 2, Options{SmallBytes: -1, ChunkBytes: testChunk})
 		rng := rand.New(rand.NewPCG(61, uint64(members)))
 		inputs := make([][]byte, members)
 		for m := range inputs {
@@ -284,6 +286,10 @@ func TestCodecNotDirect(t *testing.T) {
 		}
 		for _, cd := range []Codec{{}, {ID: codec.Zstd}, {ID: codec.MXFP8}, {ID: codec.BF16}} {
 			want, _ := ReferenceAllReduceCodec(cd.ID, reduce.Sum, reduce.Float32, inputs, nil, members)
+			if !cd.ID.Lossy() {
+				// SmallBytes is off: the direct path, or the ring for zstd.
+				want = ReferenceAllReduceAlgo(AlgoDirect, reduce.Sum, reduce.Float32, inputs, members)
+			}
 			requireNoErrors(t, cl.each(func(m int, c *Comm) error {
 				copy(bufs[m], inputs[m])
 				return c.AllReduceCodec(ctx, bufs[m], reduce.Float32, reduce.Sum, cd, nil)
@@ -572,7 +578,13 @@ func TestCodecReady(t *testing.T) {
 // realMeshes establishes members members over a real transport (tcp:
 // loopback connections; shm: rings in /dev/shm) through an in-process
 // store.
-func realMeshes(t *testing.T, kind transport.Kind, members, streams int) []transport.Mesh {
+func realMeshes(t testing.TB, kind transport.Kind, members, streams int) []transport.Mesh {
+	t.Helper()
+	return realMeshesRing(t, kind, members, streams, 256<<10)
+}
+
+// realMeshesRing is realMeshes with shm data rings of ringBytes.
+func realMeshesRing(t testing.TB, kind transport.Kind, members, streams, ringBytes int) []transport.Mesh {
 	t.Helper()
 	addr := storetest.Start(t)
 	host, err := os.Hostname()
@@ -591,7 +603,7 @@ func realMeshes(t *testing.T, kind transport.Kind, members, streams int) []trans
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = st.Close() })
 		cfg := transport.Config{Store: st.Prefix("job-" + strings.ReplaceAll(t.Name(), "/", "-")), Self: i, Members: infos,
-			Transport: kind, Streams: streams, ListenHost: "127.0.0.1", Timeout: testenv.Scale(30 * time.Second), RingBytes: 256 << 10}
+			Transport: kind, Streams: streams, ListenHost: "127.0.0.1", Timeout: testenv.Scale(30 * time.Second), RingBytes: ringBytes}
 		wg.Go(func() { meshes[i], errs[i] = transport.Establish(ctx, cfg) })
 	}
 	wg.Wait()

@@ -44,6 +44,9 @@ type args struct {
 	// packed: the caller packed the bytes with codec already (a lossy id
 	// on all_gather): the frames carry the id and the bytes as they are.
 	packed bool
+	// small is the resolved Options.SmallBytes when the call may run
+	// recursive doubling (it decides the order of the sums), else 0.
+	small int
 }
 
 // refuse is a misuse found before the call started (ErrInvalid).
@@ -68,11 +71,11 @@ func (a *args) checkReduce(what string, n int) error {
 // input read once ready, the result reported whole) with one member, and
 // the algorithm otherwise.
 func (c *Comm) collect(ctx context.Context, a args, p *Progress, alone func() error, algorithm func(cl *call) error) error {
-	cl, err := c.begin(ctx, a.kind, a.desc, fingerprint(a.kind, a.n, a.dt, a.op, a.root, a.chunk, a.codec), p)
+	cl, err := c.begin(ctx, a.kind, a.desc, fingerprint(a.kind, a.n, a.dt, a.op, a.root, a.chunk, a.codec, a.small), p)
 	if err != nil {
 		return err
 	}
-	cl.codec, cl.cdt, cl.packed = a.codec, a.cdt, a.packed
+	cl.codec, cl.cdt, cl.packed, cl.small = a.codec, a.cdt, a.packed, a.small
 	return c.run(cl, func() error {
 		switch {
 		case a.n == 0:

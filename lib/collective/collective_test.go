@@ -43,7 +43,9 @@ func supportedOps(dt reduce.DType) []reduce.Op {
 func TestAllReduce(t *testing.T) {
 	for _, cfg := range testConfigs {
 		t.Run(fmt.Sprintf("members=%d/streams=%d", cfg.members, cfg.streams), func(t *testing.T) {
-			cl := newCluster(t, cfg.members, cfg.streams, Options{ChunkBytes: testChunk, Workers: 3})
+			// SmallBytes of 4 chunks: the smaller sizes run recursive
+			// doubling (3 or more members), the largest the ring.
+			cl := newCluster(t, cfg.members, cfg.streams, Options{ChunkBytes: testChunk, Workers: 3, SmallBytes: 4 * testChunk})
 			rng := rand.New(rand.NewPCG(uint64(cfg.members), uint64(cfg.streams)))
 			seq := uint64(0)
 			for _, dt := range reduce.AllDTypes() {
@@ -53,7 +55,7 @@ func TestAllReduce(t *testing.T) {
 						for m := range inputs {
 							inputs[m] = randData(rng, dt, n)
 						}
-						want := ReferenceAllReduce(op, dt, inputs, cfg.members)
+						want := wantAllReduce(cl.comms[0], op, dt, inputs)
 						bufs := make([][]byte, cfg.members)
 						recs := make([]*doneRecorder, cfg.members)
 						errs := cl.each(func(m int, c *Comm) error {
@@ -86,23 +88,37 @@ func TestAllReduceOrder(t *testing.T) {
 		}
 		return b
 	}
-	// With 3 members and 3 elements, segment j is element j; it sums
-	// x[j+1] + x[j+2] + x[j] in float32.
+	// The ring (above SmallBytes; here with it off): with 3 members and
+	// 3 elements, segment j is element j; it sums x[j+1] + x[j+2] + x[j]
+	// in float32.
 	big, one := float32(1<<24), float32(1)
 	inputs := [][]byte{f32(big, big, big), f32(one, one, one), f32(-big, -big, -big)}
-	got := ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 3)
+	got := ReferenceAllReduceAlgo(AlgoRing, reduce.Sum, reduce.Float32, inputs, 3)
 	// element 0: x1 + x2 + x0 = (1 - 2^24) + 2^24 = 1
 	// element 1: x2 + x0 + x1 = 0 + 1 = 1
 	// element 2: x0 + x1 + x2 = (2^24 + 1 rounds to 2^24) - 2^24 = 0
 	assert.Equal(t, f32(1, 1, 0), got)
+	// Recursive doubling (the default for small buffers): member 2 is
+	// folded into member 0 first, (x0 + x2) + x1 = 0 + 1 = 1 everywhere.
+	rd := ReferenceAllReduceAlgo(AlgoRecursiveDoubling, reduce.Sum, reduce.Float32, inputs, 3)
+	assert.Equal(t, f32(1, 1, 1), rd)
+	assert.Equal(t, rd, ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 3), "12 bytes are small")
 
-	cl := newCluster(t, 3, 1, Options{})
-	bufs := [][]byte{slices.Clone(inputs[0]), slices.Clone(inputs[1]), slices.Clone(inputs[2])}
-	requireNoErrors(t, cl.each(func(m int, c *Comm) error {
-		return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
-	}))
-	for m := range bufs {
-		assert.Equal(t, got, bufs[m], "member %d", m)
+	for _, o := range []struct {
+		small int
+		want  []byte
+		algo  string
+	}{{-1, got, AlgoRing}, {0, rd, AlgoRecursiveDoubling}} {
+		cl := newCluster(t, 3, 1, Options{SmallBytes: o.small})
+		bufs := [][]byte{slices.Clone(inputs[0]), slices.Clone(inputs[1]), slices.Clone(inputs[2])}
+		requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+			return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
+		}))
+		for m := range bufs {
+			assert.Equal(t, o.want, bufs[m], "member %d, SmallBytes %d", m, o.small)
+			assert.Equal(t, o.algo, cl.comms[m].Algorithm())
+			assert.Equal(t, o.algo, cl.comms[m].AllReduceOrder(len(bufs[m])))
+		}
 	}
 	// Two members: member 0 first, on both.
 	two := ReferenceAllReduce(reduce.Sum, reduce.Float32, [][]byte{f32(big + 2), f32(one)}, 2)
@@ -257,7 +273,7 @@ func TestReduceScatterMatchesAllReduce(t *testing.T) {
 		for m := range inputs {
 			inputs[m] = randData(rng, reduce.BFloat16, per*members)
 		}
-		all := ReferenceAllReduce(reduce.Sum, reduce.BFloat16, inputs, members)
+		all := ReferenceAllReduceAlgo(map[bool]string{true: AlgoExchange, false: AlgoRing}[members == 2], reduce.Sum, reduce.BFloat16, inputs, members)
 		rs := ReferenceReduceScatter(reduce.Sum, reduce.BFloat16, inputs, members)
 		for m := range members {
 			requireBits(t, all[m*per*2:(m+1)*per*2], rs[m], 2, "%d members, segment %d", members, m)
@@ -427,7 +443,9 @@ func TestReady(t *testing.T) {
 	const pause = 200 * time.Microsecond
 	for _, cfg := range []struct{ members, streams int }{{1, 1}, {2, 1}, {2, 4}, {3, 2}, {4, 3}} {
 		t.Run(fmt.Sprintf("members=%d/streams=%d", cfg.members, cfg.streams), func(t *testing.T) {
-			cl := newCluster(t, cfg.members, cfg.streams, Options{ChunkBytes: testChunk})
+			// The ring's streaming (allreduce_rd_test.go streams recursive
+			// doubling).
+			cl := newCluster(t, cfg.members, cfg.streams, Options{ChunkBytes: testChunk, SmallBytes: -1})
 			rng := rand.New(rand.NewPCG(8, uint64(cfg.members)))
 			ctx := context.Background()
 			const n = 3001 // float32 elements
@@ -438,7 +456,7 @@ func TestReady(t *testing.T) {
 			}
 
 			t.Run("all_reduce", func(t *testing.T) {
-				want := ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, cfg.members)
+				want := wantAllReduce(cl.comms[0], reduce.Sum, reduce.Float32, inputs)
 				bufs := make([][]byte, cfg.members)
 				requireNoErrors(t, cl.each(func(m int, c *Comm) error {
 					bufs[m] = make([]byte, len(inputs[m]))

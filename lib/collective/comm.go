@@ -24,6 +24,10 @@ const (
 	// DefaultMaxUnexpected bounds the bytes of point-to-point messages that
 	// have arrived before a matching Recv, over all peers and tags.
 	DefaultMaxUnexpected = 1 << 30
+	// DefaultSmallBytes is the largest all_reduce (bytes per member) that
+	// runs recursive doubling when Options.SmallBytes is 0 (doc.go has the
+	// measurements it comes from).
+	DefaultSmallBytes = 32 << 10
 	// MaxMembers is the largest bridge the collectives run on (the frame
 	// header has 11 bits for the algorithm step).
 	MaxMembers = 1024
@@ -42,6 +46,13 @@ type Options struct {
 	// Timeout is the deadline of one call whose context has none, default
 	// DefaultTimeout.
 	Timeout time.Duration
+	// SmallBytes is the largest all_reduce, in bytes per member, that three
+	// or more members run by recursive doubling (allreduce_rd.go) rather
+	// than the ring or the direct path: default DefaultSmallBytes; a
+	// negative value turns recursive doubling off. It decides the order of
+	// the sums, so every member must use the same value (it is part of an
+	// all_reduce's argument fingerprint).
+	SmallBytes int
 	// Log receives a record when the communicator breaks; nil discards.
 	Log *slog.Logger
 }
@@ -96,6 +107,7 @@ type Comm struct {
 	mesh                transport.Mesh
 	self, size, streams int
 	chunk               int
+	small               int // Options.SmallBytes resolved: -1 off
 	workers             int
 	timeout             time.Duration
 	log                 *slog.Logger
@@ -152,6 +164,7 @@ func newComm(mesh transport.Mesh, o Options, maxUnexpected int64) *Comm {
 	if c.chunk <= 0 {
 		c.chunk = DefaultChunkBytes
 	}
+	c.small = resolveSmall(o.SmallBytes)
 	c.chunk = min(c.chunk, wire.MaxPayload)
 	if c.workers <= 0 {
 		c.workers = runtime.NumCPU()
@@ -188,9 +201,12 @@ const (
 	AlgoChain    = "chain"    // broadcast: a chain from the root
 	AlgoDirect   = "direct"   // the members read each other's shared buffers (direct.go)
 	AlgoLocal    = "local"    // one member or an empty buffer: nothing travels
+	// AlgoRecursiveDoubling: small all_reduces of three or more members,
+	// log2 rounds of whole-buffer exchanges (allreduce_rd.go).
+	AlgoRecursiveDoubling = "recursive_doubling"
 )
 
-var algoNames = []string{"", AlgoExchange, AlgoRing, AlgoChain, AlgoDirect, AlgoLocal}
+var algoNames = []string{"", AlgoExchange, AlgoRing, AlgoChain, AlgoDirect, AlgoLocal, AlgoRecursiveDoubling}
 
 // Algorithm returns the algorithm the last collective ran (AlgoRing,
 // AlgoDirect, ...), "" before any.
@@ -371,6 +387,9 @@ type timeoutError struct {
 	who     string
 	hint    string
 	primary bool // the member named is likely the cause (not waiting for someone else)
+	// likely: not primary, but the member named waits for at most one
+	// other, who would be primary: report after half the grace.
+	likely bool
 }
 
 func (e *timeoutError) Error() string {

@@ -47,7 +47,7 @@ func TestDirectAllReduce(t *testing.T) {
 	smallDirect(t)
 	for _, cfg := range []struct{ members, streams int }{{2, 1}, {2, 3}, {3, 2}, {4, 4}, {5, 1}} {
 		t.Run(fmt.Sprintf("members=%d/streams=%d", cfg.members, cfg.streams), func(t *testing.T) {
-			cl := newCluster(t, cfg.members, cfg.streams, Options{ChunkBytes: testChunk, Workers: 3})
+			cl := newCluster(t, cfg.members, cfg.streams, Options{SmallBytes: -1, ChunkBytes: testChunk, Workers: 3})
 			rng := rand.New(rand.NewPCG(11, uint64(cfg.members)))
 			for _, dt := range reduce.AllDTypes() {
 				for _, op := range supportedOps(dt) {
@@ -56,7 +56,7 @@ func TestDirectAllReduce(t *testing.T) {
 						for m := range inputs {
 							inputs[m] = randData(rng, dt, n)
 						}
-						want := ReferenceAllReduce(op, dt, inputs, cfg.members)
+						want := ReferenceAllReduceAlgo(AlgoDirect, op, dt, inputs, cfg.members)
 						bufs := make([][]byte, cfg.members)
 						recs := make([]*doneRecorder, cfg.members)
 						for m := range bufs {
@@ -110,7 +110,7 @@ func TestDirectFallback(t *testing.T) {
 	smallDirect(t)
 	for _, members := range []int{2, 3} {
 		t.Run(fmt.Sprint("members=", members), func(t *testing.T) {
-			cl := newCluster(t, members, 2, Options{ChunkBytes: testChunk})
+			cl := newCluster(t, members, 2, Options{SmallBytes: -1, ChunkBytes: testChunk})
 			rng := rand.New(rand.NewPCG(13, uint64(members)))
 			inputs := make([][]byte, members)
 			bufs := make([][]byte, members)
@@ -122,7 +122,7 @@ func TestDirectFallback(t *testing.T) {
 					bufs[m] = shared(t, cl, m, inputs[m])
 				}
 			}
-			want := ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, members)
+			want := ReferenceAllReduceAlgo(AlgoDirect, reduce.Sum, reduce.Float32, inputs, members)
 			requireNoErrors(t, cl.each(func(m int, c *Comm) error {
 				return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
 			}))
@@ -146,7 +146,7 @@ func TestDirectReady(t *testing.T) {
 	const pause = 200 * time.Microsecond
 	for _, cfg := range []struct{ members, streams int }{{2, 1}, {2, 4}, {3, 2}, {4, 3}} {
 		t.Run(fmt.Sprintf("members=%d/streams=%d", cfg.members, cfg.streams), func(t *testing.T) {
-			cl := newCluster(t, cfg.members, cfg.streams, Options{ChunkBytes: testChunk})
+			cl := newCluster(t, cfg.members, cfg.streams, Options{SmallBytes: -1, ChunkBytes: testChunk})
 			rng := rand.New(rand.NewPCG(14, uint64(cfg.members)))
 			const n = 3001
 			inputs := make([][]byte, cfg.members)
@@ -154,7 +154,7 @@ func TestDirectReady(t *testing.T) {
 				inputs[m] = randData(rng, reduce.Float32, n)
 			}
 			t.Run("all_reduce", func(t *testing.T) {
-				want := ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, cfg.members)
+				want := ReferenceAllReduceAlgo(AlgoDirect, reduce.Sum, reduce.Float32, inputs, cfg.members)
 				bufs := make([][]byte, cfg.members)
 				for m := range bufs {
 					bufs[m] = shared(t, cl, m, make([]byte, len(inputs[m])))
@@ -214,7 +214,7 @@ func TestDirectAllGather(t *testing.T) {
 	smallDirect(t)
 	for _, members := range []int{2, 3, 4} {
 		t.Run(fmt.Sprint("members=", members), func(t *testing.T) {
-			cl := newCluster(t, members, 3, Options{ChunkBytes: testChunk})
+			cl := newCluster(t, members, 3, Options{SmallBytes: -1, ChunkBytes: testChunk})
 			rng := rand.New(rand.NewPCG(15, uint64(members)))
 			for _, L := range []int{1, 7, 4093, 70001} {
 				for _, alias := range []bool{false, true} {
@@ -257,7 +257,7 @@ func TestDirectPeerFails(t *testing.T) {
 	smallDirect(t)
 	for _, members := range []int{2, 3} {
 		t.Run(fmt.Sprint("members=", members), func(t *testing.T) {
-			cl := newCluster(t, members, 2, Options{ChunkBytes: testChunk, Timeout: testenv.Scale(20 * time.Second)})
+			cl := newCluster(t, members, 2, Options{SmallBytes: -1, ChunkBytes: testChunk, Timeout: testenv.Scale(20 * time.Second)})
 			const L = 64 << 10
 			bufs := make([][]byte, members)
 			for m := range bufs {
@@ -295,7 +295,7 @@ func TestDirectPeerFails(t *testing.T) {
 // and the other learns that from it.
 func TestDirectStalledPeer(t *testing.T) {
 	smallDirect(t)
-	cl := newCluster(t, 2, 2, Options{ChunkBytes: testChunk, Timeout: testenv.Scale(2 * time.Second)})
+	cl := newCluster(t, 2, 2, Options{SmallBytes: -1, ChunkBytes: testChunk, Timeout: testenv.Scale(2 * time.Second)})
 	const L = 64 << 10
 	bufs := [][]byte{shared(t, cl, 0, make([]byte, L)), shared(t, cl, 1, make([]byte, L))}
 	stall := make(chan struct{})

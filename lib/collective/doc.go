@@ -8,7 +8,8 @@
 //
 // Every member creates a Comm with New over its mesh and calls the
 // collectives one at a time, in the same order, with the same arguments
-// (sizes, dtype, op, root) and the same Options.ChunkBytes, like NCCL.
+// (sizes, dtype, op, root) and the same Options.ChunkBytes and
+// Options.SmallBytes, like NCCL.
 // Collectives of one Comm are serialised; Send and Recv may run
 // concurrently with them and with each other, from any number of
 // goroutines. Buffers are raw little-endian elements (a torch tensor's
@@ -30,7 +31,9 @@
 // Its frames carry the number, the collective (in the high bits of the
 // frame's Step, with the algorithm step) and a 16-bit fingerprint of the
 // arguments every member must agree on (byte count, dtype, op, root,
-// chunk size). A member that receives a frame of another collective or
+// chunk size, codec, and for an all_reduce of three or more members the
+// SmallBytes threshold, which picks its algorithm and so its order of
+// sums). A member that receives a frame of another collective or
 // number fails with, for example,
 //
 //	all_reduce #12 (float32 sum, 64 MiB): member 1 sent all_gather #12, this member is in all_reduce #12: members called collectives in different orders
@@ -38,6 +41,9 @@
 // and one whose peer passed other arguments with
 //
 //	all_reduce #12 (...): member 1 called all_reduce #12 with other arguments than this member's (float32 sum, 64 MiB, 4 MiB chunks): every member must pass the same sizes, dtype, op and root, and use the same ChunkBytes
+//
+// (an all_reduce of three or more members adds ", SmallBytes 32 KiB" and
+// "and SmallBytes").
 //
 // Barrier tokens (on the control streams) are checked the same way. A
 // collective that sends without receiving (a broadcast root) cannot see a
@@ -58,7 +64,8 @@
 // then reduce.Finish with n = 2, so both hold the same bits, equal to
 // reduce.Reference.
 //
-// With three or more members it is a pipelined ring: a reduce-scatter of
+// With three or more members and more than Options.SmallBytes bytes
+// (below: recursive doubling) it is a pipelined ring: a reduce-scatter of
 // n-1 steps then an all-gather of n-1 steps. The buffer of E elements is
 // cut into n segments of ceil(E/n) elements (segment j holds elements
 // [j*ceil(E/n), (j+1)*ceil(E/n)), clipped to E; for small buffers the last
@@ -75,9 +82,72 @@
 // and becomes final at member j, which applies reduce.Finish (for avg: the
 // division by n, once) before the all-gather carries the final bytes to
 // everyone. Every member ends with identical bits, equal to
-// ReferenceAllReduce(op, dt, inputs, n). With n = 3 and one element per
-// segment: element 0 is (x1 op x2) op x0, element 1 (x2 op x0) op x1,
-// element 2 (x0 op x1) op x2.
+// ReferenceAllReduceAlgo(AlgoRing, op, dt, inputs, n). With n = 3 and one
+// element per segment: element 0 is (x1 op x2) op x0, element 1
+// (x2 op x0) op x1, element 2 (x0 op x1) op x2.
+//
+// # Recursive doubling: small all_reduces
+//
+// With three or more members, a buffer of at most Options.SmallBytes
+// bytes (default DefaultSmallBytes, 32 KiB; negative: never) runs
+// recursive doubling instead (allreduce_rd.go), where every step moves the
+// whole buffer between two members. Let p = 2^k be the largest power of
+// two at most n. First each "extra" member r >= p sends its buffer to
+// r-p (step 0), which reduces x[r-p] op x[r]. Then the core members
+// 0..p-1 run k rounds: in round i (step 1+i) member r exchanges its
+// partial with member r XOR 2^i and both compute lower op higher (the
+// partial of the member with bit i clear is the earlier operand), so both
+// hold the same bits. After the last round every core member applies
+// reduce.Finish with n (avg divides once) and each partner of an extra
+// sends it the result (step k+1). The sum tree is the same on every member:
+// a balanced tree over the core, each core member's leaf being its input
+// folded with its extra's, so every member ends with identical bits, equal
+// to ReferenceAllReduceAlgo(AlgoRecursiveDoubling, ...). With n = 3:
+// (x0 op x2) op x1; n = 4: (x0 op x1) op (x2 op x3); n = 5:
+// ((x0 op x4) op x1) op (x2 op x3). Each step is the exchange's pipe with
+// one peer (chunks of ChunkBytes over the streams, a chunk reduced as it
+// arrives, over TCP piece by piece), the steps one after the other. With
+// two members recursive doubling is the exchange (one round), which keeps
+// that name.
+//
+// Cost, with a per-message latency α, a bandwidth β and a buffer of L
+// bytes: k = log2(p) rounds, plus the fold and the unfold when n is no
+// power of two, each moving all L bytes: (k + 2·[n≠p])·(α + L/β) in time,
+// k·L bytes (+L for a fold partner) reduced per member. The ring takes
+// 2(n-1)·α + 2·(n-1)/n·L/β (the direct path: a descriptor round trip and
+// one pass of reduction over 1/n of the buffer). Recursive doubling wins
+// where α dominates, and loses once the (k - 2(n-1)/n)·L/β it sends more
+// outweighs the α it saves. Measured (BenchmarkAllReduceSizes: float32
+// sum, 4 streams, default chunk, every member's buffer shared, all members
+// in one process on a 2-core machine; µs per all_reduce, recursive
+// doubling / the other):
+//
+//	         tcp (loopback), vs the ring          shm, vs the ring (< 64 KiB) or direct
+//	size     3          4          8              3          4           8
+//	4 B      57/67      87/71      220/156        123/438    322/643     1211/1714
+//	64 B     54/84      84/119     209/406        98/497     327/661     1137/2185
+//	4 KiB    57/83      94/131     222/424        94/429     342/665     1280/2367
+//	16 KiB   76/98      109/138    291/449        109/461    332/630     933/1528
+//	32 KiB   72/98      123/143    391/477        147/469    299/504     1306/2365
+//	64 KiB   103/119    190/170    606/547        124/964    324/1571    1595/9091
+//	128 KiB  154/153    294/223    944/724        164/993    447/1516    1973/8708
+//	256 KiB  272/244    519/371    1399/954       343/962    572/1583    2390/8789
+//
+// A second run gave the same picture (each entry within about a third).
+// Over TCP recursive doubling is ahead up to 32 KiB (0.5 to 0.97 of the
+// ring's time) and behind from 64 KiB on 4 and 8 members: hence the
+// default of 32 KiB. (At 4 bytes the ring sends only its one non-empty
+// segment, 2(n-1) frames against recursive doubling's n·k, and on two
+// cores the frame count weighs more than the depth.) Over shm, on this
+// machine, it was ahead at every size measured, the direct path included;
+// the default stays 32 KiB for every transport, below the direct path's
+// 64 KiB, and a larger SmallBytes is there to try (it takes the buffers
+// up to it off the direct path too). Two members: the exchange, 36 to
+// 46 µs up to 32 KiB over TCP, 97 to 122 µs over shm.
+//
+// Lossy codecs (bf16, fp8) never take recursive doubling: their exchange
+// and ring are what ReferenceAllReduceCodec and the error feedback follow.
+// zstd takes it as raw does, so that its bits stay raw's.
 //
 // Integer results and max/min of non-NaN values do not depend on the
 // order; sums and products of floats, and which NaN comes out, do (see
@@ -98,7 +168,8 @@
 // # Direct: reading each other's memory
 //
 // Over a mesh whose members share memory (transport.Sharer: shm), an
-// all_reduce or all_gather of at least 64 KiB per member opens with one
+// all_reduce (that does not run recursive doubling) or all_gather of at
+// least 64 KiB per member opens with one
 // descriptor frame from every member to every other on data stream 0: where
 // its buffer (all_gather: its input) lies in the memory it shares, or that
 // it does not. When every member's does, every member runs the direct
@@ -131,7 +202,10 @@
 // reads the others' memory, which it maps read-only.
 //
 // Comm.Algorithm names what the last collective ran: AlgoExchange,
-// AlgoRing, AlgoChain (broadcast), AlgoDirect, AlgoLocal.
+// AlgoRing, AlgoRecursiveDoubling, AlgoChain (broadcast), AlgoDirect,
+// AlgoLocal. Comm.AllReduceOrder says whose order of sums an all_reduce of
+// a given size follows (for ReferenceAllReduceAlgo); ReferenceAllReduce
+// is that of a Comm with the default SmallBytes.
 //
 // # reduce_scatter, all_gather, broadcast
 //
@@ -140,8 +214,8 @@
 // the first half of the ring above over segments of len(out): segment m is
 // reduced in the order x[m+1], x[m+2], ..., x[m] (mod n) and finished at
 // member m; with two members the order is x0 op x1 as in AllReduce. So
-// when len(in) is a multiple of n elements its segments equal the
-// AllReduce's bit for bit. ReferenceReduceScatter computes it. in is not
+// when len(in) is a multiple of n elements its segments equal the ring
+// AllReduce's bit for bit (not recursive doubling's). ReferenceReduceScatter computes it. in is not
 // modified (partials wait in a scratch buffer of up to 2*len(out) bytes
 // that the Comm keeps); out may be this member's own segment of in.
 //
@@ -221,7 +295,9 @@
 // return, and may be reported from several goroutines at once. When they
 // come: two-member all_reduce, as each chunk (over TCP: each piece) is
 // reduced (roughly in input order, so the result streams back while later
-// input streams in); ring all_reduce and all_gather, in the all-gather, once
+// input streams in); recursive doubling, as each chunk of the last round
+// is reduced (an extra member: as each chunk of the result arrives); ring
+// all_reduce and all_gather, in the all-gather, once
 // a chunk has been passed on (or has arrived, at the last step);
 // reduce_scatter, as each chunk of out is final; broadcast, once a chunk
 // was sent on (the last member of the chain: once it arrived); direct, as
@@ -285,7 +361,10 @@
 // whose own timeout points at a member that did send (or at a later barrier
 // round) waits a short grace (a tenth of the timeout, 50 ms to 2 s) for
 // another member's abort before reporting its own view, so the members
-// usually all report the member that was not there. Likewise a member whose
+// usually all report the member that was not there. In recursive doubling
+// a member whose first-round partner sent nothing waits half that grace:
+// the partner never came, or waits for its extra member, whose fold
+// partner then reports at once. Likewise a member whose
 // data stream to a peer breaks waits up to that grace for the peer's abort
 // message on the control stream, so it reports why the peer failed rather
 // than only that its connection closed.

@@ -252,32 +252,41 @@ func TestMismatch(t *testing.T) {
 		members int
 		calls   func(m int, c *Comm) error
 		want    string
+		small   int // Options.SmallBytes
 	}{
 		{"all_reduce vs all_gather", 2, func(m int, c *Comm) error {
 			if m == 0 {
 				return ar(c, 4096)
 			}
 			return c.AllGather(ctx, make([]byte, 8192), make([]byte, 4096), nil)
-		}, "members called collectives in different orders"},
+		}, "members called collectives in different orders", 0},
 		{"ring all_reduce vs broadcast", 3, func(m int, c *Comm) error {
 			if m == 1 {
 				return c.Broadcast(ctx, make([]byte, 4096), 1, nil)
 			}
 			return ar(c, 4096)
-		}, "members called collectives in different orders"},
+		}, "members called collectives in different orders", -1},
+		// Member 0 waits for member 2's fold first, and gets the
+		// broadcast's frames.
+		{"recursive doubling all_reduce vs broadcast", 3, func(m int, c *Comm) error {
+			if m == 2 {
+				return c.Broadcast(ctx, make([]byte, 4096), 2, nil)
+			}
+			return ar(c, 4096)
+		}, "members called collectives in different orders", 0},
 		{"barrier vs all_reduce", 2, func(m int, c *Comm) error {
 			if m == 0 {
 				return c.Barrier(ctx)
 			}
 			return ar(c, 4096)
-		}, "members called collectives in different orders"},
+		}, "members called collectives in different orders", 0},
 		{"barrier vs all_reduce, barrier late", 2, func(m int, c *Comm) error {
 			if m == 0 {
 				time.Sleep(50 * time.Millisecond)
 				return c.Barrier(ctx)
 			}
 			return ar(c, 4096)
-		}, "members called collectives in different orders"},
+		}, "members called collectives in different orders", 0},
 		{"one call skipped", 3, func(m int, c *Comm) error {
 			if m != 2 {
 				if err := ar(c, 64); err != nil {
@@ -285,21 +294,21 @@ func TestMismatch(t *testing.T) {
 				}
 			}
 			return c.AllGather(ctx, make([]byte, 3*64), make([]byte, 64), nil)
-		}, "members called collectives in different orders"},
-		{"sizes differ", 2, func(m int, c *Comm) error { return ar(c, 4096*(m+1)) }, "with other arguments than this member"},
+		}, "members called collectives in different orders", 0},
+		{"sizes differ", 2, func(m int, c *Comm) error { return ar(c, 4096*(m+1)) }, "with other arguments than this member", 0},
 		{"dtypes differ", 3, func(m int, c *Comm) error {
 			dt := reduce.Float32
 			if m == 2 {
 				dt = reduce.Int32
 			}
 			return c.AllReduce(ctx, make([]byte, 4096), dt, reduce.Sum, nil)
-		}, "with other arguments than this member"},
-		{"roots differ", 2, func(m int, c *Comm) error { return c.Broadcast(ctx, make([]byte, 64), m, nil) }, "with other arguments than this member"},
+		}, "with other arguments than this member", 0},
+		{"roots differ", 2, func(m int, c *Comm) error { return c.Broadcast(ctx, make([]byte, 64), m, nil) }, "with other arguments than this member", 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			timeout := testenv.Scale(10 * time.Second)
-			cl := newCluster(t, tt.members, 2, Options{ChunkBytes: testChunk, Timeout: timeout})
+			cl := newCluster(t, tt.members, 2, Options{ChunkBytes: testChunk, Timeout: timeout, SmallBytes: tt.small})
 			start := time.Now()
 			errs := cl.each(tt.calls)
 			// A member that only sent (a broadcast root) cannot tell; it
@@ -450,7 +459,7 @@ func TestCorruptFrameNamed(t *testing.T) {
 	assert.ErrorIs(t, err, wire.ErrCorrupt)
 	var pe *transport.PeerError
 	require.ErrorAs(t, err, &pe)
-	raw := encodeStep(kAllReduce, 0, fingerprint(kAllReduce, 64, reduce.Float32, reduce.Sum, 0, cl.comms[0].chunkFor(4), codec.Raw))
+	raw := encodeStep(kAllReduce, 0, fingerprint(kAllReduce, 64, reduce.Float32, reduce.Sum, 0, cl.comms[0].chunkFor(4), codec.Raw, 0))
 	assert.NotContains(t, err.Error(), fmt.Sprintf("step %d", raw), "the raw step field is no step number")
 	assert.Contains(t, err.Error(), fmt.Sprintf("step field %#08x", raw))
 	assert.Contains(t, err.Error(), "by its header, chunk 0 of step 0 of all_reduce #1 (argument fingerprint")

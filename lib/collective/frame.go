@@ -58,9 +58,12 @@ func decodeStep(s uint32) (k kind, step int, fp uint16) {
 }
 
 // fingerprint digests what every member must pass identically to a
-// collective: the sizes, dtype, op, root, the chunk size and the codec.
-func fingerprint(k kind, n int, dt reduce.DType, op reduce.Op, root, chunk int, cd codec.ID) uint16 {
-	var b [27]byte
+// collective: the sizes, dtype, op, root, the chunk size, the codec and,
+// for an all_reduce that may run recursive doubling, the resolved
+// Options.SmallBytes (0: not used; then the digest is the one of the
+// fields before it alone).
+func fingerprint(k kind, n int, dt reduce.DType, op reduce.Op, root, chunk int, cd codec.ID, small int) uint16 {
+	var b [35]byte
 	b[0] = byte(k)
 	binary.LittleEndian.PutUint64(b[1:], uint64(n))
 	b[9] = byte(dt)
@@ -68,7 +71,12 @@ func fingerprint(k kind, n int, dt reduce.DType, op reduce.Op, root, chunk int, 
 	binary.LittleEndian.PutUint64(b[11:], uint64(root))
 	binary.LittleEndian.PutUint64(b[18:], uint64(chunk))
 	b[26] = byte(cd)
-	s := crc32.ChecksumIEEE(b[:])
+	m := 27
+	if small != 0 {
+		binary.LittleEndian.PutUint64(b[27:], uint64(small))
+		m = 35
+	}
+	s := crc32.ChecksumIEEE(b[:m])
 	return uint16(s) ^ uint16(s>>16)
 }
 
@@ -95,7 +103,11 @@ func (cl *call) check(peer int, h wire.Header, step, chunk, n int) error {
 		return fmt.Errorf("%s sent %s #%d, this member is in %s #%d: members called collectives in different orders", who, k, h.Seq, cl.kind, cl.seq)
 	}
 	if fp != cl.fp {
-		return fmt.Errorf("%s called %s #%d with other arguments than this member's (%s, %s chunks): every member must pass the same sizes, dtype, op and root, and use the same ChunkBytes", who, cl.kind, cl.seq, cl.desc, fmtBytes(c.chunk))
+		opts, same := "", "ChunkBytes"
+		if cl.small != 0 {
+			opts, same = ", SmallBytes "+fmtSmall(cl.small), "ChunkBytes and SmallBytes"
+		}
+		return fmt.Errorf("%s called %s #%d with other arguments than this member's (%s, %s chunks%s): every member must pass the same sizes, dtype, op and root, and use the same %s", who, cl.kind, cl.seq, cl.desc, fmtBytes(c.chunk), opts, same)
 	}
 	want, most := cl.frameLen(n)
 	if st != step || int(h.Chunk) != chunk || int(h.Len) != want && (most == 0 || int(h.Len) > most) {
@@ -155,6 +167,14 @@ func fmtBytes(n int) string {
 		u++
 	}
 	return fmt.Sprintf("%d %s", n, units[u])
+}
+
+// fmtSmall writes a resolved Options.SmallBytes: "32 KiB", or "off".
+func fmtSmall(small int) string {
+	if small < 0 {
+		return "off"
+	}
+	return fmtBytes(small)
 }
 
 // fmtDuration writes d without trailing zero units: "5m", "1m30s", "300ms".

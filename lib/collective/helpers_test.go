@@ -123,13 +123,13 @@ func TestPiecesSpill(t *testing.T) {
 			for i, m := range meshes {
 				meshes[i] = slowMesh{m}
 			}
-			cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk}, DefaultMaxUnexpected)
+			cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk, SmallBytes: -1}, DefaultMaxUnexpected)
 			rng := rand.New(rand.NewPCG(21, uint64(members)))
 			inputs := make([][]byte, members)
 			for m := range inputs {
 				inputs[m] = randData(rng, reduce.Float32, 20*testChunk/4+3)
 			}
-			want := ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, members)
+			want := wantAllReduce(cl.comms[0], reduce.Sum, reduce.Float32, inputs)
 			before := spills.Load()
 			bufs := make([][]byte, members)
 			requireNoErrors(t, cl.each(func(m int, c *Comm) error {
@@ -257,6 +257,12 @@ func randBytes(rng *rand.Rand, n int) []byte {
 		b[i] = byte(rng.Uint32())
 	}
 	return b
+}
+
+// wantAllReduce is what c's AllReduce of inputs (one per member) leaves:
+// the reference of the algorithm whose order it follows at that size.
+func wantAllReduce(c *Comm, op reduce.Op, dt reduce.DType, inputs [][]byte) []byte {
+	return ReferenceAllReduceAlgo(c.AllReduceOrder(len(inputs[0])), op, dt, inputs, len(inputs))
 }
 
 // requireBits fails with the first differing element when got != want.
@@ -424,14 +430,14 @@ func TestPiecesProgress(t *testing.T) {
 			for i, m := range meshes {
 				meshes[i] = progressMesh{m}
 			}
-			cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk}, DefaultMaxUnexpected)
+			cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk, SmallBytes: -1}, DefaultMaxUnexpected)
 			rng := rand.New(rand.NewPCG(23, uint64(members)))
 			for _, streamed := range []bool{false, true} {
 				inputs := make([][]byte, members)
 				for m := range inputs {
 					inputs[m] = randData(rng, reduce.BFloat16, 30*testChunk/2+5)
 				}
-				want := ReferenceAllReduce(reduce.Sum, reduce.BFloat16, inputs, members)
+				want := wantAllReduce(cl.comms[0], reduce.Sum, reduce.BFloat16, inputs)
 				bufs := make([][]byte, members)
 				requireNoErrors(t, cl.each(func(m int, c *Comm) error {
 					bufs[m] = make([]byte, len(inputs[m]))

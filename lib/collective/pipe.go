@@ -72,6 +72,10 @@ type pipe struct {
 	received func(t, j, c, off, n int)
 	// primary: whether a receive timeout points at prev itself.
 	primary bool
+	// stepOff is added to the schedule's step t in the frames' headers:
+	// an algorithm that runs several pipes one after the other (recursive
+	// doubling) numbers its frames through.
+	stepOff int
 }
 
 func (pp *pipe) nchunks(j int) int { return (pp.segLen(j) + pp.chunk - 1) / pp.chunk }
@@ -173,7 +177,7 @@ func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}, 
 				prog.at(t, c, 0)
 				progress = func(n int) { prog.at(t, c, n) }
 			}
-			if err := cl.sendProgress(st, pp.next, t, c, p, progress); err != nil {
+			if err := cl.sendProgress(st, pp.next, pp.stepOff+t, c, p, progress); err != nil {
 				return err
 			}
 			if pp.sent != nil {
@@ -199,7 +203,7 @@ func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}
 		// while the peer's send of the same chunk blocks on it, and
 		// the two directions of a stream would take turns.
 		waitSend := pp.recvWaits(k.t)
-		err := cl.recv(st, s, pp.prev, k.t, k.c, k.n, pp.primary, func(p []byte) error {
+		err := cl.recv(st, s, pp.prev, pp.stepOff+k.t, k.c, k.n, pp.primary, func(p []byte) error {
 			if waitSend {
 				if err := cl.await(sendTok); err != nil {
 					return err
@@ -253,7 +257,7 @@ func (pp *pipe) pieceReceiver(s int, st transport.PieceReceiver, recvTok chan<- 
 		needs := pp.recvWaits(k.t)
 		sent := !needs
 		var spilled [][2]int // pieces in the spill buffer: offset, length
-		err := cl.recvPieces(st, s, pp.prev, k.t, k.c, k.n, pp.primary, func(off int, p []byte) error {
+		err := cl.recvPieces(st, s, pp.prev, pp.stepOff+k.t, k.c, k.n, pp.primary, func(off int, p []byte) error {
 			if !sent {
 				select {
 				case <-sendTok:
@@ -424,7 +428,7 @@ func (pp *pipe) holdReceiver(s int, st transport.Holder, held chan<- heldChunk) 
 	defer close(held)
 	cl := pp.cl
 	return pp.recvChunks(s, func(k chunkAt) error {
-		p, release, err := cl.recvHold(st, s, pp.prev, k.t, k.c, k.n, pp.primary)
+		p, release, err := cl.recvHold(st, s, pp.prev, pp.stepOff+k.t, k.c, k.n, pp.primary)
 		if err != nil {
 			return err
 		}

@@ -63,7 +63,7 @@ func TestLastStats(t *testing.T) {
 func TestLastStatsDirect(t *testing.T) {
 	smallDirect(t)
 	const members, size = 3, 3 << 12
-	cl := newCluster(t, members, 2, Options{})
+	cl := newCluster(t, members, 2, Options{SmallBytes: -1})
 	bufs := make([][]byte, members)
 	for m := range bufs {
 		bufs[m] = shared(t, cl, m, make([]byte, size))

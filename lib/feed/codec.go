@@ -123,6 +123,10 @@ func (d *dec) exts(keep bool, r *Request) []Ext {
 			d.feedbackKey(tag, d.take(n), r)
 			continue
 		}
+		if r != nil && tag&^ExtCritical == ExtBridge&^ExtCritical {
+			d.bridgeID(tag, d.take(n), r)
+			continue
+		}
 		if tag&ExtCritical != 0 {
 			d.err = malformed("%s: unknown critical extension %#04x", d.t, tag)
 			return nil

@@ -3,7 +3,8 @@ package feed
 import "github.com/gpubridge/gpubridge/lib/reduce"
 
 // DecodeRequest decodes a request body (after the header) into r without
-// allocating: ExtFeedbackKey goes into r.FeedbackKey, other extensions are
+// allocating: ExtFeedbackKey goes into r.FeedbackKey, ExtBridge into
+// r.Bridge, other extensions are
 // checked but not kept. It fails only when the body is malformed; whether
 // the request makes sense is checked elsewhere.
 // On failure r.ID holds the request id when the body had one.
@@ -135,6 +136,8 @@ func DecodeBody(t MsgType, body []byte) (Message, error) {
 	case MsgDone:
 		m := &DoneMsg{}
 		return m, DecodeDone(body, m)
+	case MsgJoin:
+		return decodeJoin(&d)
 	}
 	if t.IsRequest() {
 		r := &Request{}

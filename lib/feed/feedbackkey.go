@@ -18,8 +18,11 @@ const FeedbackKeySize = 8
 // ExtVersion is the feed protocol version that introduced a request
 // extension (1 for those every version knows).
 func ExtVersion(tag uint16) uint16 {
-	if tag == ExtFeedbackKey {
+	switch tag {
+	case ExtFeedbackKey:
 		return 3
+	case ExtBridge:
+		return BridgesVersion
 	}
 	return 1
 }

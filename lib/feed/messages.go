@@ -179,7 +179,7 @@ func (m *DoneMsg) Append(b []byte) []byte {
 //	48   8   out length in bytes
 //	56   4   root (broadcast) or peer (send, recv) as a member index; -1: none
 //	60   4   tag (send, recv)
-//	64   …   extensions (ExtFeedbackKey first when there is one)
+//	64   …   extensions (ExtFeedbackKey first, then ExtBridge, when there are)
 type Request struct {
 	Kind  MsgType
 	ID    uint64
@@ -195,6 +195,11 @@ type Request struct {
 	// HasFeedbackKey: encoded before Ext, decoded from wherever it is.
 	FeedbackKey    uint64
 	HasFeedbackKey bool
+	// Bridge is the ExtBridge extension's bridge id (version 4), when
+	// HasBridge: encoded after the feedback key, decoded from wherever it
+	// is. Without it the request runs on bridge 0.
+	Bridge    uint32
+	HasBridge bool
 	// Ext holds the other extensions (decoded by Decode only).
 	Ext []Ext
 }
@@ -212,6 +217,6 @@ func (m *Request) Append(b []byte) []byte {
 		e.u64(m.ID).u8(uint8(m.DType)).u8(uint8(m.Op)).u8(m.Codec).u8(0).u32(m.Flags).
 			u32(m.Buf.Region).u32(m.Out.Region).
 			u64(m.Buf.Off).u64(m.Buf.Len).u64(m.Out.Off).u64(m.Out.Len).
-			u32(uint32(m.Peer)).u32(m.Tag).feedbackKey(m.HasFeedbackKey, m.FeedbackKey).exts(m.Ext)
+			u32(uint32(m.Peer)).u32(m.Tag).feedbackKey(m.HasFeedbackKey, m.FeedbackKey).bridgeID(m.HasBridge, m.Bridge).exts(m.Ext)
 	})
 }

@@ -10,9 +10,11 @@ import (
 // Version is the newest feed protocol version this package speaks; MinVersion
 // the oldest. HELLO offers a range, WELCOME picks one. Version 2 adds
 // FlagCallerReduces; version 3 the request's codec byte (CodecVersion) and
-// the FEEDBACK_KEY extension (ExtFeedbackKey).
+// the FEEDBACK_KEY extension (ExtFeedbackKey); version 4 JOIN (MsgJoin) and
+// the BRIDGE extension (ExtBridge): more bridges on one feed
+// (BridgesVersion).
 const (
-	Version    = 3
+	Version    = 4
 	MinVersion = 1
 )
 
@@ -41,15 +43,16 @@ type MsgType uint16
 // Message types of version 1. Types below 16 are session messages; 16 and up
 // are requests, which all share the Request body.
 const (
-	MsgHello    MsgType = 1 // client → server: magic, version range, pid, name
-	MsgWelcome  MsgType = 2 // server → client: chosen version, member, members, limits, transport
-	MsgError    MsgType = 3 // server → client: fatal protocol error; the server closes the feed
-	MsgBye      MsgType = 4 // both ways: orderly close
-	MsgRegion   MsgType = 5 // client → server, with one fd (SCM_RIGHTS): map a shared-memory region
-	MsgRelease  MsgType = 6 // client → server: unmap a region once no request uses it
-	MsgReady    MsgType = 7 // client → server: input bytes [0,end) of a streamed request are ready
-	MsgProgress MsgType = 8 // server → client: result bytes [off,off+n) of a streamed request are final
-	MsgDone     MsgType = 9 // server → client: a request finished (status, seq, timings, error)
+	MsgHello    MsgType = 1  // client → server: magic, version range, pid, name
+	MsgWelcome  MsgType = 2  // server → client: chosen version, member, members, limits, transport
+	MsgError    MsgType = 3  // server → client: fatal protocol error; the server closes the feed
+	MsgBye      MsgType = 4  // both ways: orderly close
+	MsgRegion   MsgType = 5  // client → server, with one fd (SCM_RIGHTS): map a shared-memory region
+	MsgRelease  MsgType = 6  // client → server: unmap a region once no request uses it
+	MsgReady    MsgType = 7  // client → server: input bytes [0,end) of a streamed request are ready
+	MsgProgress MsgType = 8  // server → client: result bytes [off,off+n) of a streamed request are final
+	MsgDone     MsgType = 9  // server → client: a request finished (status, seq, timings, error)
+	MsgJoin     MsgType = 10 // client → server (version 4): join a named bridge; answered by DONE
 
 	MsgAllReduce     MsgType = 16
 	MsgBroadcast     MsgType = 17
@@ -65,7 +68,7 @@ const (
 
 var msgNames = map[MsgType]string{
 	MsgHello: "hello", MsgWelcome: "welcome", MsgError: "error", MsgBye: "bye",
-	MsgRegion: "region", MsgRelease: "release", MsgReady: "ready", MsgProgress: "progress", MsgDone: "done",
+	MsgRegion: "region", MsgRelease: "release", MsgReady: "ready", MsgProgress: "progress", MsgDone: "done", MsgJoin: "join",
 	MsgAllReduce: "all_reduce", MsgBroadcast: "broadcast", MsgAllGather: "all_gather",
 	MsgReduceScatter: "reduce_scatter", MsgBarrier: "barrier", MsgSend: "send", MsgRecv: "recv",
 }

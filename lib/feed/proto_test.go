@@ -44,6 +44,13 @@ func sampleMessages() []Message {
 		&Request{Kind: MsgAllReduce, ID: 201, DType: reduce.BFloat16, Op: reduce.Sum, Codec: 1, Buf: Span{Region: 1, Len: 4096}, Peer: -1,
 			HasFeedbackKey: true, Ext: ext},
 		&Request{Kind: MsgAllGather, ID: 202, DType: reduce.Int64, Codec: 3, Buf: Span{Region: 1, Len: 8}, Out: Span{Region: 2, Len: 16}, Peer: -1})
+	// Version 4: JOIN, and the bridge id (after the feedback key).
+	msgs = append(msgs,
+		&JoinMsg{ID: 300, Bridge: 1, Name: "pair/0-5", Members: []uint32{0, 5}},
+		&JoinMsg{ID: 301, Bridge: MaxBridgeID, Name: "shard_3/All-ranks", Members: []uint32{7, 3, 11, 1 << 20}},
+		&Request{Kind: MsgSend, ID: 302, Peer: 1, Tag: 4, Buf: Span{Region: 1, Len: 4}, Bridge: 1, HasBridge: true},
+		&Request{Kind: MsgAllReduce, ID: 303, DType: reduce.Float32, Op: reduce.Sum, Codec: 2, Buf: Span{Region: 1, Len: 4096}, Peer: -1,
+			FeedbackKey: 9, HasFeedbackKey: true, Bridge: 0x7fffffff, HasBridge: true, Ext: ext})
 	return msgs
 }
 
@@ -287,7 +294,7 @@ func TestDecodeLimits(t *testing.T) {
 
 func TestTypedDecodersDoNotAllocate(t *testing.T) {
 	req := (&Request{Kind: MsgAllReduce, ID: 5, DType: reduce.Float32, Op: reduce.Sum, Codec: 2, Buf: Span{Region: 1, Len: 4}, Peer: -1,
-		FeedbackKey: 9, HasFeedbackKey: true, Ext: []Ext{{Tag: 5, Value: []byte{1}}}}).Append(nil)
+		FeedbackKey: 9, HasFeedbackKey: true, Bridge: 3, HasBridge: true, Ext: []Ext{{Tag: 5, Value: []byte{1}}}}).Append(nil)
 	done := (&DoneMsg{ID: 5, Seq: 3}).Append(nil)
 	ready := (&ReadyMsg{ID: 5, End: 4}).Append(nil)
 	var r Request
@@ -328,10 +335,10 @@ func FuzzFeedDecode(f *testing.F) {
 		}
 		again := m.Append(nil)
 		if !bytes.Equal(again, b[:n]) {
-			// A request's feedback key is encoded first, wherever it
-			// was: the same message, the same length.
+			// A request's feedback key and bridge id are encoded first,
+			// wherever they were: the same message, the same length.
 			m2, n2, err := Decode(again)
-			if r, ok := m.(*Request); !ok || !r.HasFeedbackKey || err != nil || n2 != n || !reflect.DeepEqual(m, m2) {
+			if r, ok := m.(*Request); !ok || !r.HasFeedbackKey && !r.HasBridge || err != nil || n2 != n || !reflect.DeepEqual(m, m2) {
 				t.Fatalf("%s: re-encoded %x, decoded from %x", m.Type(), again, b[:n])
 			}
 		}

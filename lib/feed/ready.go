@@ -15,4 +15,8 @@ type ReadyLine struct {
 	PID       int    `json:"pid"`
 	Transport string `json:"transport"`
 	Version   int    `json:"feed_version"`
+	// Bridge0 says whether serve joined bridge 0, the leaders' bridge
+	// (false: gbbridge serve --no-bridge; then Member is -1, Members 0 and
+	// Transport "none").
+	Bridge0 bool `json:"bridge0"`
 }

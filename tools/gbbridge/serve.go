@@ -35,11 +35,13 @@ type serveCmd struct {
 	ShmRing       byteSize      `help:"Size of each shared-memory ring (shm transport)." default:"8M" placeholder:"BYTES"`
 	MaxFeedback   byteSize      `help:"Cap on the error-feedback residuals the feed keeps (4 bytes per value of each keyed buffer a lossy all_reduce compresses); a request that would pass it is refused (docs/FEED.md §3a)." default:"64G" placeholder:"SIZE"`
 	DieWithParent bool          `help:"Exit when the parent process (the rank) dies (PR_SET_PDEATHSIG)." default:"true" negatable:""`
+	NoBridge      bool          `help:"Start no bridge 0 (the leaders' bridge): serve only the feed, whose client joins the bridges it needs (JOIN, docs/FEED.md §3b); for a rank that leads no island. The topology is the same." name:"no-bridge"`
 }
 
 // Run is `gbbridge serve`: it joins the bridge described by the topology
-// as this rank's member, listens on the feed socket, prints the ready line,
-// serves exactly one feed connection and returns. Exit 1: the bridge
+// as this rank's member (bridge 0; not with --no-bridge), listens on the
+// feed socket, prints the ready line, serves exactly one feed connection,
+// joining the bridges its client asks for, and returns. Exit 1: the bridge
 // failed, the feed was lost with requests in flight, the client broke the
 // protocol, or a signal stopped the server; 2: it could not start.
 func (c *serveCmd) Run(env *cli.Env) error {
@@ -79,9 +81,11 @@ func (c *serveCmd) readTopology(env *cli.Env) (*discover.Topology, error) {
 type serving struct {
 	who    string // "rank R (bridge member M of N)": how messages name it
 	rank   int
+	topo   *discover.Topology
+	store  string // the store's address
 	ms     bridge.Membership
 	ln     *feedserver.Listener
-	member *bridge.Member
+	member *bridge.Member // bridge 0; nil with --no-bridge
 	log    *slog.Logger
 	c      *serveCmd
 }
@@ -90,9 +94,12 @@ type serving struct {
 // (a bad path fails before the peers wait on this member) and joins the
 // bridge.
 func (c *serveCmd) setUp(env *cli.Env, topo *discover.Topology) (*serving, error) {
-	ms, err := bridge.FromTopology(topo)
-	if err != nil {
-		return nil, err
+	ms := bridge.Membership{Member: -1}
+	var err error
+	if !c.NoBridge {
+		if ms, err = bridge.FromTopology(topo); err != nil {
+			return nil, err
+		}
 	}
 	if c.Namespace != "" && c.Namespace != topo.Namespace {
 		return nil, fmt.Errorf("--namespace %q differs from the topology's %q: serve must join the bridge of the discovery that made the topology", c.Namespace, topo.Namespace)
@@ -107,11 +114,17 @@ func (c *serveCmd) setUp(env *cli.Env, topo *discover.Topology) (*serving, error
 	if c.Timeout <= 0 {
 		return nil, fmt.Errorf("--timeout %s must be positive", c.Timeout)
 	}
-	s := &serving{c: c, ms: ms, rank: topo.Self.Rank,
+	s := &serving{c: c, ms: ms, rank: topo.Self.Rank, topo: topo, store: addr,
 		who: fmt.Sprintf("rank %d (bridge member %d of %d)", topo.Self.Rank, ms.Member, len(ms.Members)),
 		log: env.Log.With("rank", topo.Self.Rank, "member", ms.Member)}
+	if c.NoBridge {
+		s.who = fmt.Sprintf("rank %d (no bridge 0)", topo.Self.Rank)
+	}
 	if s.ln, err = feedserver.Listen(c.Feed); err != nil {
 		return nil, err
+	}
+	if c.NoBridge {
+		return s, nil
 	}
 	s.member, err = bridge.Join(env.Ctx, bridge.Config{Store: addr, Namespace: topo.Namespace, Name: s.who,
 		Mesh: transport.Config{Self: ms.Member, Members: ms.Members, Transport: ms.Transport,
@@ -128,15 +141,19 @@ func (c *serveCmd) setUp(env *cli.Env, topo *discover.Topology) (*serving, error
 
 // run prints the ready line and serves the one feed connection.
 func (s *serving) run(env *cli.Env) error {
-	mesh := s.member.Mesh
+	desc := "none"
+	var b0 feedserver.Bridge
+	if s.member != nil {
+		desc, b0 = s.member.Mesh.Describe(), s.member.Comm
+	}
 	line, _ := json.Marshal(feed.ReadyLine{
 		Schema: feed.ServeSchema, Feed: s.ln.Path(), Member: s.ms.Member, Members: len(s.ms.Members),
-		Rank: s.rank, PID: os.Getpid(), Transport: mesh.Describe(), Version: feed.Version,
+		Rank: s.rank, PID: os.Getpid(), Transport: desc, Version: feed.Version, Bridge0: s.member != nil,
 	})
 	if _, err := fmt.Fprintf(env.Stdout, "%s\n", line); err != nil {
 		return cli.CannotRun(fmt.Errorf("write the ready line: %w", err))
 	}
-	s.log.Info("bridge ready", "transport", mesh.Describe(), "feed", s.ln.Path())
+	s.log.Info("feed ready", "bridge0", desc, "feed", s.ln.Path())
 
 	ctx := env.Ctx
 	conn, err := s.ln.Accept(ctx, s.c.SetupTimeout)
@@ -146,8 +163,9 @@ func (s *serving) run(env *cli.Env) error {
 		}
 		return cli.CannotRun(fmt.Errorf("%s: %w", s.who, err))
 	}
-	srv := feedserver.NewServer(conn, s.member.Comm, feedserver.ServerOptions{
-		Member: s.ms.Member, Members: len(s.ms.Members), Transport: mesh.Describe(), MaxFeedbackBytes: uint64(s.c.MaxFeedback), Log: s.log})
+	srv := feedserver.NewServer(conn, b0, feedserver.ServerOptions{
+		Member: max(s.ms.Member, 0), Members: len(s.ms.Members), Transport: desc, MaxFeedbackBytes: uint64(s.c.MaxFeedback), Log: s.log,
+		Rank: s.rank, WorldSize: len(s.topo.Ranks), Joiner: s})
 	err = srv.Serve(ctx)
 	switch {
 	case err != nil && ctx.Err() != nil:
@@ -166,11 +184,41 @@ func (s *serving) run(env *cli.Env) error {
 // first, so that the peers learn why at once (they name this member
 // themselves).
 func (s *serving) close(err error) {
-	if err != nil {
-		s.member.Mesh.Abort(fmt.Errorf("gbbridge serve stopped: %s", strings.TrimPrefix(err.Error(), s.who+": ")))
+	if s.member != nil {
+		if err != nil {
+			s.member.Mesh.Abort(fmt.Errorf("gbbridge serve stopped: %s", strings.TrimPrefix(err.Error(), s.who+": ")))
+		}
+		_ = s.member.Close()
 	}
-	_ = s.member.Close()
 	_ = s.ln.Close()
+}
+
+// Join joins the named bridge a JOIN asks for (feedserver.Joiner): its
+// members are placed on the topology's hosts, and meet through the store
+// with bridge 0's settings (docs/FEED.md §3b).
+func (s *serving) Join(ctx context.Context, j feedserver.JoinRequest) (*feedserver.Joined, error) {
+	members, err := bridge.MembersOf(s.topo, j.Ranks)
+	if err != nil {
+		return nil, err
+	}
+	c := s.c
+	who := fmt.Sprintf("rank %d (member %d of bridge %q)", s.rank, j.Member, j.Name)
+	log := s.log.With("bridge", j.ID, "name", j.Name)
+	m, err := bridge.Join(ctx, bridge.Config{Store: s.store, Namespace: s.topo.Namespace, Name: who, Bridge: j.Name,
+		Mesh: transport.Config{Self: j.Member, Members: members, Transport: bridge.NamedTransport(members, s.topo.Bridge.Transport),
+			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
+			Timeout: c.SetupTimeout, RingBytes: int(c.ShmRing), Log: log, Process: "gbbridge serve"},
+		Comm: collective.Options{ChunkBytes: int(c.Chunk), Workers: c.Workers, Timeout: c.Timeout, Log: log},
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &feedserver.Joined{Bridge: m.Comm, Transport: m.Mesh.Describe(), Close: func(cause error) {
+		if cause != nil {
+			m.Mesh.Abort(fmt.Errorf("gbbridge serve stopped: %v", cause))
+		}
+		_ = m.Close()
+	}}, nil
 }
 
 // setupCause prefers a signal's cause to the error it caused.

@@ -650,7 +650,7 @@ func TestServeCompressed(t *testing.T) {
 	n := 4 * E
 	regs := make([]*feedtest.Region, 2)
 	for i, cl := range cls {
-		assert.Equal(t, uint16(3), cl.Welcome().Version)
+		assert.Equal(t, uint16(feed.Version), cl.Welcome().Version)
 		reg, err := cl.Map(ctx, n)
 		require.NoError(t, err)
 		regs[i] = reg

@@ -151,7 +151,9 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             )  # fmt: skip
         for rank, b in enumerate(bridges):
             r = b.wait_ready(TIMEOUT)
-            assert r["member"] == rank and r["members"] == 2 and r["feed_version"] == VERSION, r
+            assert (
+                r["member"] == rank and r["members"] == 2 and r["feed_version"] == VERSION and r["bridge0"]
+            ), r
 
         def connect(rank: int) -> FeedClient:
             return FeedClient.connect(bridges[rank].feed, timeout=TIMEOUT, request_timeout=TIMEOUT)

@@ -43,7 +43,7 @@ func randomValues(r *rand.Rand, dt reduce.DType, b []byte, scale float64) {
 func (f *feedback) residualOf(key uint64) []byte {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if r := f.keys[key]; r != nil {
+	if r := f.keys[fbKey{key: key}]; r != nil {
 		return slices.Clone(r.mem)
 	}
 	return nil

@@ -44,7 +44,7 @@ func (s *Server) worker() {
 			} else {
 				w.handOff()
 			}
-			s.drain(w)
+			s.drain(s.lane0, w)
 			w.timer.Stop()
 			if !w.handed.CompareAndSwap(false, true) {
 				break // the other worker reads now
@@ -69,21 +69,22 @@ func (w *worker) handOff() {
 	}
 }
 
-// drain runs the pending collectives in order until there are none.
-func (s *Server) drain(w *worker) {
+// drain runs l's pending collectives in order until there are none; w is
+// the worker running bridge 0's (nil for a joined bridge's goroutine).
+func (s *Server) drain(l *lane, w *worker) {
 	for {
 		s.emu.Lock()
-		if len(s.pending) == 0 {
-			s.pending = s.pending[:0]
-			s.executing = false
+		if len(l.pending) == 0 {
+			l.pending = l.pending[:0]
+			l.executing = false
 			s.emu.Unlock()
 			return
 		}
-		c := s.pending[0]
-		s.pending[0] = nil
-		s.pending = s.pending[1:]
+		c := l.pending[0]
+		l.pending[0] = nil
+		l.pending = l.pending[1:]
 		s.emu.Unlock()
-		if c.req.Flags&feed.FlagStreamed != 0 {
+		if w != nil && c.req.Flags&feed.FlagStreamed != 0 {
 			w.handOff()
 		}
 		s.run(c)
@@ -93,6 +94,7 @@ func (s *Server) drain(w *worker) {
 // call is one request in flight.
 type call struct {
 	s       *Server
+	lane    *lane // the bridge it runs on
 	req     feed.Request
 	buf     []byte
 	out     []byte
@@ -121,17 +123,23 @@ func (s *Server) refuse(r *feed.Request, st feed.Status, msg string, arrived tim
 }
 
 // accept validates a request and starts it: point-to-point requests run at
-// once on their own goroutine; collectives are queued in order, and exec
-// says that none was running, so the caller is to run them.
+// once on their own goroutine; collectives are queued in order on their
+// bridge's lane, and exec says that bridge 0's queue was idle, so the
+// caller is to run it (a joined bridge's queue gets a goroutine).
 func (s *Server) accept(r *feed.Request, arrived time.Time) (exec bool, err error) {
 	if err := s.checkID(r.ID); err != nil {
 		return false, err
 	}
-	if b := s.Broken(); b != nil {
+	l, err := s.laneOf(r)
+	if err != nil {
+		s.refuse(r, feed.StatusBadRequest, err.Error(), arrived)
+		return false, nil
+	}
+	if b := l.brokenErr(); b != nil {
 		s.reply(r.ID, feed.StatusBroken, brokenText(b), arrived)
 		return false, nil
 	}
-	if err := s.validate(r); err != nil {
+	if err := s.validateOn(r, l.member, l.members); err != nil {
 		s.refuse(r, feed.StatusBadRequest, err.Error(), arrived)
 		return false, nil
 	}
@@ -157,7 +165,7 @@ func (s *Server) accept(r *feed.Request, arrived time.Time) (exec bool, err erro
 	// Last, as it may replace a key's residual: nothing may refuse after.
 	var res *residual
 	if r.HasFeedbackKey {
-		if res, err = s.fb.take(r.FeedbackKey, r.DType, r.Buf.Len/uint64(r.DType.Size())); err != nil {
+		if res, err = s.fb.take(l.id, r.FeedbackKey, r.DType, r.Buf.Len/uint64(r.DType.Size())); err != nil {
 			s.unref(rb)
 			s.unref(ro)
 			s.refuse(r, feed.StatusBadRequest, err.Error(), arrived)
@@ -165,7 +173,7 @@ func (s *Server) accept(r *feed.Request, arrived time.Time) (exec bool, err erro
 		}
 	}
 	c := s.callPool.Get().(*call)
-	c.req, c.buf, c.out, c.regs, c.arrived, c.res = *r, buf, out, [2]*region{rb, ro}, arrived, res
+	c.lane, c.req, c.buf, c.out, c.regs, c.arrived, c.res = l, *r, buf, out, [2]*region{rb, ro}, arrived, res
 	c.inLen = r.Buf.Len
 	s.inflight.Add(1)
 	if r.Flags&feed.FlagStreamed != 0 {
@@ -183,11 +191,21 @@ func (s *Server) accept(r *feed.Request, arrived time.Time) (exec bool, err erro
 		return false, nil
 	}
 	s.emu.Lock()
-	s.pending = append(s.pending, c)
-	exec = !s.executing
-	s.executing = true
+	l.pending = append(l.pending, c)
+	idle := !l.executing
+	l.executing = true
 	s.emu.Unlock()
-	return exec, nil
+	if l == s.lane0 {
+		return idle, nil
+	}
+	if idle {
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.drain(l, nil)
+		}()
+	}
+	return false, nil
 }
 
 // run executes one request and answers it.
@@ -197,7 +215,7 @@ func (s *Server) run(c *call) {
 	*d = feed.DoneMsg{ID: c.req.ID}
 	if cause := context.Cause(s.ctx); cause != nil {
 		d.Status, d.Error = feed.StatusAborted, "feed server stopping: "+cause.Error()
-	} else if b := s.Broken(); b != nil {
+	} else if b := c.lane.brokenErr(); b != nil {
 		d.Status, d.Error = feed.StatusBroken, brokenText(b)
 	} else if err := s.call(c); err != nil {
 		s.failed(c, err)
@@ -213,7 +231,7 @@ func (s *Server) call(c *call) (err error) {
 	if c.req.Flags&feed.FlagStreamed != 0 {
 		p = &c.prog
 	}
-	br, d := s.bridge, &c.done
+	br, d := c.lane.bridge, &c.done
 	switch {
 	case c.req.Kind == feed.MsgAllReduce && c.req.Flags&feed.FlagCallerReduces != 0:
 		// The inputs are exchanged, raw or zstd-packed, or (lossy codecs)
@@ -239,7 +257,7 @@ func exchangeCodec(id codec.ID, dt reduce.DType) Codec {
 
 // collective runs every request but the caller-reduces all_reduce.
 func (s *Server) collective(c *call, p *Progress) (err error) {
-	br, d := s.bridge, &c.done
+	br, d := c.lane.bridge, &c.done
 	// Collectives without a dtype of their own pack the request's dtype's
 	// byte planes (zstd); all_reduce and reduce_scatter use theirs.
 	id := codec.ID(c.req.Codec)
@@ -292,7 +310,7 @@ func (s *Server) failed(c *call, err error) {
 		d.Status = feed.StatusBridgeError
 	}
 	if d.Status != feed.StatusBadRequest && (!c.p2p() || errors.Is(err, collective.ErrBroken)) {
-		s.breakBridge(err)
+		s.breakBridge(c.lane, err)
 	}
 }
 
@@ -315,7 +333,7 @@ func (s *Server) finish(c *call) {
 	c.mu.Lock()
 	c.wake, c.readyEnd = nil, 0
 	c.mu.Unlock()
-	c.buf, c.out, c.regs, c.prog, c.done.Error, c.res = nil, nil, [2]*region{}, Progress{}, "", nil
+	c.lane, c.buf, c.out, c.regs, c.prog, c.done.Error, c.res = nil, nil, nil, [2]*region{}, Progress{}, "", nil
 	s.callPool.Put(c)
 }
 
@@ -332,13 +350,14 @@ func brokenText(cause error) string {
 	return collective.ErrBroken.Error() + ": " + cause.Error()
 }
 
-func (s *Server) breakBridge(err error) {
-	s.bmu.Lock()
-	if s.broken == nil {
-		s.broken = err
-		s.o.Log.Error("bridge broken", "err", err)
+// breakBridge marks l broken by err; the other bridges go on.
+func (s *Server) breakBridge(l *lane, err error) {
+	l.bmu.Lock()
+	if l.broken == nil {
+		l.broken = err
+		s.o.Log.Error("bridge broken", "bridge", l.id, "name", l.name, "err", err)
 	}
-	s.bmu.Unlock()
-	// No call runs again: their residuals are of no use.
-	s.fb.dropAll()
+	l.bmu.Unlock()
+	// No call of l runs again: their residuals are of no use.
+	s.fb.dropBridge(l.id)
 }

@@ -16,7 +16,9 @@ const DefaultMaxFeedbackBytes = 64 << 30
 const residualSize = 4
 
 // feedback holds a session's error-feedback residuals: one float32
-// residual per key a lossy all_reduce carries (docs/FEED.md §3a).
+// residual per bridge and key a lossy all_reduce carries (docs/FEED.md
+// §3a, §3b): a key's calls on one bridge run in request order, those on
+// two bridges would not, so each bridge has its own.
 //
 // A request takes its key's residual when it is accepted, in request
 // order, so that the cap is checked before anything runs and a refusal
@@ -31,8 +33,14 @@ type feedback struct {
 	max uint64
 
 	mu    sync.Mutex
-	keys  map[uint64]*residual
+	keys  map[fbKey]*residual
 	bytes uint64 // residuals alive: in keys, or dropped but still held
+}
+
+// fbKey names a residual: the bridge the calls run on, and their key.
+type fbKey struct {
+	bridge uint32
+	key    uint64
 }
 
 // residual is one key's state.
@@ -47,17 +55,17 @@ type residual struct {
 func (r *residual) size() uint64 { return residualSize * r.n }
 
 func newFeedback(max uint64) *feedback {
-	return &feedback{max: max, keys: map[uint64]*residual{}}
+	return &feedback{max: max, keys: map[fbKey]*residual{}}
 }
 
 // take returns key's residual for a call on n values of dt and holds it
 // for the call until release: the key's residual when it has that dtype
 // and length, else a new one (zeros). It refuses, changing nothing, a new
 // residual that would bring the residuals over the cap.
-func (f *feedback) take(key uint64, dt reduce.DType, n uint64) (*residual, error) {
+func (f *feedback) take(bridge uint32, key uint64, dt reduce.DType, n uint64) (*residual, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	old := f.keys[key]
+	old := f.keys[fbKey{bridge, key}]
 	if old != nil && old.dt == dt && old.n == n {
 		old.refs++
 		return old, nil
@@ -75,7 +83,7 @@ func (f *feedback) take(key uint64, dt reduce.DType, n uint64) (*residual, error
 	if old != nil {
 		f.drop(old)
 	}
-	f.keys[key] = r
+	f.keys[fbKey{bridge, key}] = r
 	f.bytes += r.size()
 	return r, nil
 }
@@ -114,13 +122,25 @@ func (f *feedback) release(r *residual) {
 	}
 }
 
-// dropAll drops every residual: the bridge broke, or the session ended.
+// dropAll drops every residual: the session ended.
 func (f *feedback) dropAll() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for k, r := range f.keys {
 		f.drop(r)
 		delete(f.keys, k)
+	}
+}
+
+// dropBridge drops the residuals of one bridge: it broke.
+func (f *feedback) dropBridge(bridge uint32) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for k, r := range f.keys {
+		if k.bridge == bridge {
+			f.drop(r)
+			delete(f.keys, k)
+		}
 	}
 }
 

@@ -118,7 +118,7 @@ func TestCodecNegotiation(t *testing.T) {
 	})
 	t.Run("version 3", func(t *testing.T) {
 		ms := newFakeGroup(1, 8)
-		e := startFeeds(t, bridges(ms), nil)
+		e := startFeedsVersion(t, bridges(ms), nil, 3)
 		c := e.clients[0]
 		require.Equal(t, uint16(3), c.Welcome().Version)
 		reg, err := c.Map(ctx, 64)
@@ -341,31 +341,31 @@ func TestFeedbackDroppedWhenBroken(t *testing.T) {
 // The residual store on its own: what take, release and dropAll count.
 func TestFeedbackStore(t *testing.T) {
 	f := newFeedback(1000)
-	a, err := f.take(1, reduce.Float32, 100)
+	a, err := f.take(0, 1, reduce.Float32, 100)
 	require.NoError(t, err)
 	assert.Nil(t, a.mem, "memory comes with the first call that runs")
 	mem := f.memory(a)
 	assert.Equal(t, make([]byte, 400), mem)
 	mem[0] = 1
-	a2, err := f.take(1, reduce.Float32, 100)
+	a2, err := f.take(0, 1, reduce.Float32, 100)
 	require.NoError(t, err)
 	assert.Same(t, a, a2)
 	assert.Equal(t, byte(1), f.memory(a2)[0])
 	f.release(a)
 	f.release(a2)
 	// Replacing a residual nobody holds frees it first: 400 → 800 fits.
-	b, err := f.take(1, reduce.Float32, 200)
+	b, err := f.take(0, 1, reduce.Float32, 200)
 	require.NoError(t, err)
 	assert.NotSame(t, a, b)
 	_, bytes := f.usage()
 	assert.Equal(t, uint64(800), bytes)
 	// Held, it counts until released: 800 + 400 > 1000.
-	_, err = f.take(1, reduce.Float32, 100)
+	_, err = f.take(0, 1, reduce.Float32, 100)
 	assert.ErrorContains(t, err, "would take 1200, over the cap of 1000 bytes")
-	_, err = f.take(2, reduce.Float32, 1<<62)
+	_, err = f.take(0, 2, reduce.Float32, 1<<62)
 	assert.ErrorContains(t, err, "over the cap", "no overflow")
 	f.release(b)
-	c, err := f.take(1, reduce.Float32, 100)
+	c, err := f.take(0, 1, reduce.Float32, 100)
 	require.NoError(t, err)
 	f.dropAll()
 	_, bytes = f.usage()

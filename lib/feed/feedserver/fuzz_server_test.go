@@ -58,12 +58,20 @@ func FuzzServerInput(f *testing.F) {
 		Buf: feed.Span{Region: 1, Len: 2}, Out: feed.Span{Region: 1, Off: 2, Len: 2}, Peer: -1}).Append(seq)
 	seq = (&feed.Request{Kind: feed.MsgAllGather, ID: 4, Codec: 3, Buf: feed.Span{Region: 1, Len: 4}, Out: feed.Span{Region: 1, Off: 4, Len: 4}, Peer: -1}).Append(seq)
 	f.Add(seq)
+	// Version 4: a JOIN, requests on the joined bridge and on one that is
+	// not, a JOIN of an id in use.
+	seq = (&feed.JoinMsg{ID: 1, Bridge: 1, Name: "pair/0-1", Members: []uint32{0, 1}}).Append(nil)
+	seq = (&feed.Request{Kind: feed.MsgSend, ID: 2, Peer: 1, Tag: 3, Bridge: 1, HasBridge: true}).Append(seq)
+	seq = (&feed.Request{Kind: feed.MsgBarrier, ID: 3, Peer: -1, Bridge: 2, HasBridge: true}).Append(seq)
+	seq = (&feed.JoinMsg{ID: 4, Bridge: 1, Name: "x", Members: []uint32{1, 0}}).Append(seq)
+	f.Add(seq)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		a, z := socketPair(t)
 		defer a.Close()
 		errc := make(chan error, 1)
 		go func() {
-			errc <- NewServer(z, newFakeGroup(1, 4)[0], ServerOptions{Members: 1, WriteTimeout: time.Second}).Serve(context.Background())
+			errc <- NewServer(z, newFakeGroup(1, 4)[0], ServerOptions{Members: 1, WriteTimeout: time.Second,
+				Rank: 0, WorldSize: 2, Joiner: fakeJoiner{}}).Serve(context.Background())
 		}()
 		// Drain what the server writes so that it never blocks.
 		drained := make(chan struct{})
@@ -87,4 +95,12 @@ func FuzzServerInput(f *testing.F) {
 		a.Close()
 		<-drained
 	})
+}
+
+// fakeJoiner joins every bridge as a fake group of its own, whose other
+// members never come: its collectives wait until the feed ends.
+type fakeJoiner struct{}
+
+func (fakeJoiner) Join(_ context.Context, j JoinRequest) (*Joined, error) {
+	return &Joined{Bridge: newFakeGroup(len(j.Ranks), 4)[j.Member], Transport: "fake", Close: func(error) {}}, nil
 }

@@ -177,6 +177,15 @@ func (s *Server) handle(r *reader, t feed.MsgType, body []byte, arrived time.Tim
 			return false, protocolError(err)
 		}
 		return false, s.release(m.(*feed.ReleaseMsg), arrived)
+	case t == feed.MsgJoin:
+		if s.version < feed.BridgesVersion {
+			return false, s.refuseMalformed(t, body, fmt.Errorf("join is feed protocol %d; this feed speaks version %d", feed.BridgesVersion, s.version), arrived)
+		}
+		m, err := feed.DecodeBody(feed.MsgJoin, body)
+		if err != nil {
+			return false, s.refuseMalformed(t, body, err, arrived)
+		}
+		return false, s.join(m.(*feed.JoinMsg), arrived)
 	case t == feed.MsgBye:
 		if len(body) != 0 {
 			return false, protocolError(fmt.Errorf("%w: bye: body of %d bytes", feed.ErrMalformed, len(body)))
@@ -199,7 +208,7 @@ func (s *Server) refuseMalformed(t feed.MsgType, body []byte, err error, arrived
 		return err
 	}
 	text := err.Error()
-	if t.IsRequest() {
+	if t.IsRequest() || t == feed.MsgJoin {
 		text = fmt.Sprintf("%s %d: %s", t, id, text)
 	}
 	s.reply(id, feed.StatusBadRequest, text, arrived)

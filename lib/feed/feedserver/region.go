@@ -24,14 +24,25 @@ func inRange(off, n, size uint64) bool {
 }
 
 type region struct {
-	id       uint32
-	mem      []byte
-	shared   uint64 // the id the other members know it by; 0: not shared
-	unreg    func() // ends its registration with the mesh's device; nil: none
+	id  uint32
+	mem []byte
+	fd  int // the client's memfd, kept to offer it to bridges joined later
+	// offers are the lanes it is shared with or registered on (guarded by
+	// rmu; written under shareMu).
+	offers   []offer
 	refs     int
 	released bool
 	relID    uint64
 	relAt    time.Time
+}
+
+// offer is a region's place on one lane: the id that lane's peers know it
+// by (0: not shared), and the end of its registration with the lane's
+// device (nil: none).
+type offer struct {
+	l      *lane
+	shared uint64
+	unreg  func()
 }
 
 func (s *Server) popFD() int {
@@ -53,8 +64,8 @@ func (s *Server) addRegion(m *feed.RegionMsg, arrived time.Time) error {
 		s.reply(m.ID, feed.StatusBadRequest, fmt.Sprintf("region %d: no file descriptor came with the message (send it with SCM_RIGHTS)", m.Region), arrived)
 		return nil
 	}
-	defer s.closeFD(fd)
 	fail := func(format string, args ...any) error {
+		s.closeFD(fd)
 		s.reply(m.ID, feed.StatusBadRequest, fmt.Sprintf("region %d: ", m.Region)+fmt.Sprintf(format, args...), arrived)
 		return nil
 	}
@@ -75,24 +86,89 @@ func (s *Server) addRegion(m *feed.RegionMsg, arrived time.Time) error {
 	if err != nil {
 		return fail("%v", err)
 	}
-	r := &region{id: m.Region, mem: mem}
-	if s.o.Share != nil {
-		if r.shared, err = s.o.Share.Share(fd, mem); err != nil {
-			s.o.Log.Warn("region not shared with the other members: the collectives copy it through the transport", "region", m.Region, "err", err)
+	r := &region{id: m.Region, mem: mem, fd: fd}
+	// Offered to every lane there is, and mapped before another lane is
+	// added (which offers it the regions mapped then).
+	s.shareMu.Lock()
+	for _, l := range s.allLanes() {
+		s.offer(r, l)
+	}
+	shared, registered := 0, 0 // read before another lane may add offers
+	for _, o := range r.offers {
+		if o.shared != 0 {
+			shared++
+		}
+		if o.unreg != nil {
+			registered++
 		}
 	}
-	if s.o.Register != nil {
-		if r.unreg, err = s.o.Register.Register(mem); err != nil {
-			r.unreg = nil
-			s.o.Log.Warn("region not registered with the RDMA device: its sends are copied into staging", "region", m.Region, "err", err)
-		}
-	}
+	bridges := len(r.offers)
 	s.rmu.Lock()
 	s.regions[m.Region] = r
 	s.rmu.Unlock()
-	s.o.Log.Debug("region mapped", "region", m.Region, "bytes", m.Size, "shared", r.shared != 0, "registered", r.unreg != nil)
+	s.shareMu.Unlock()
+	s.o.Log.Debug("region mapped", "region", m.Region, "bytes", m.Size, "shared", shared > 0, "registered", registered > 0, "bridges", bridges)
 	s.reply(m.ID, feed.StatusOK, "", arrived)
 	return nil
+}
+
+// allLanes are bridge 0's lane, if any, and the joined ones.
+func (s *Server) allLanes() []*lane {
+	s.lmu.Lock()
+	defer s.lmu.Unlock()
+	ls := make([]*lane, 0, 1+len(s.lanes))
+	if s.lane0 != nil {
+		ls = append(ls, s.lane0)
+	}
+	for _, l := range s.lanes {
+		ls = append(ls, l)
+	}
+	return ls
+}
+
+// offer shares r with l's peers and registers it with l's device, where l
+// does either; the caller holds shareMu and r cannot be unmapped.
+func (s *Server) offer(r *region, l *lane) {
+	o := offer{l: l}
+	var err error
+	if l.share != nil {
+		if o.shared, err = l.share.Share(r.fd, r.mem); err != nil {
+			o.shared = 0
+			s.o.Log.Warn("region not shared with the other members: the collectives copy it through the transport", "region", r.id, "bridge", l.id, "err", err)
+		}
+	}
+	if l.register != nil {
+		if o.unreg, err = l.register.Register(r.mem); err != nil {
+			o.unreg = nil
+			s.o.Log.Warn("region not registered with the RDMA device: its sends are copied into staging", "region", r.id, "bridge", l.id, "err", err)
+		}
+	}
+	if o.shared != 0 || o.unreg != nil {
+		s.rmu.Lock()
+		r.offers = append(r.offers, o)
+		s.rmu.Unlock()
+	}
+}
+
+// offerRegions offers l, a lane just added, every region mapped; the
+// caller holds shareMu.
+func (s *Server) offerRegions(l *lane) {
+	if l.share == nil && l.register == nil {
+		return
+	}
+	s.rmu.Lock()
+	var rs []*region
+	for _, r := range s.regions {
+		if !r.released && r.mem != nil {
+			r.refs++ // not unmapped while offered
+			rs = append(rs, r)
+		}
+	}
+	s.rmu.Unlock()
+	for _, r := range rs {
+		s.offer(r, l)
+		s.unref(r)
+	}
 }
 
 func (s *Server) closeFD(fd int) {
@@ -124,18 +200,21 @@ func (s *Server) release(m *feed.ReleaseMsg, arrived time.Time) error {
 	return nil
 }
 
-// withdraw stops sharing r and ends its registration (before it is
-// unmapped; no collective uses it then, so no peer reads it and no send
-// is in flight from it).
+// withdraw stops sharing r and ends its registrations, on every lane, and
+// closes its memfd (before it is unmapped; no collective uses it then, so
+// no peer reads it and no send is in flight from it).
 func (s *Server) withdraw(r *region) {
-	if r.shared != 0 {
-		s.o.Share.Unshare(r.shared)
-		r.shared = 0
+	for _, o := range r.offers {
+		if o.shared != 0 {
+			o.l.share.Unshare(o.shared)
+		}
+		if o.unreg != nil {
+			o.unreg()
+		}
 	}
-	if r.unreg != nil {
-		r.unreg()
-		r.unreg = nil
-	}
+	r.offers = nil
+	s.closeFD(r.fd)
+	r.fd = -1
 }
 
 // unmap unmaps a released region and answers its RELEASE.

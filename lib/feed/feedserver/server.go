@@ -11,7 +11,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/gpubridge/gpubridge/lib/collective"
 	"github.com/gpubridge/gpubridge/lib/feed"
 	"github.com/gpubridge/gpubridge/lib/transport"
 	"golang.org/x/sys/unix"
@@ -29,9 +28,18 @@ const (
 
 // ServerOptions configure Serve.
 type ServerOptions struct {
-	// Member is this bridge member's index, Members the number of members;
-	// WELCOME tells the client, and roots and peers are checked against them.
+	// Member is this member's index in bridge 0, Members the number of its
+	// members; WELCOME tells the client, and roots and peers are checked
+	// against them. Without bridge 0 (NewServer's b nil) WELCOME says 0
+	// members.
 	Member, Members int
+	// Rank is this rank's global rank and WorldSize the job's ranks: a JOIN
+	// must name this rank among its members, and ranks of the job only
+	// (WorldSize 0: not checked).
+	Rank, WorldSize int
+	// Joiner sets up the bridges JOIN asks for (feed protocol 4); nil:
+	// JOIN is refused.
+	Joiner Joiner
 	// Transport describes the bridge for WELCOME (Mesh.Describe()).
 	Transport string
 	// MaxRegions bounds the regions mapped at once; MaxRegionBytes one
@@ -61,7 +69,7 @@ type ServerOptions struct {
 	// mesh shares memory. A region that cannot be shared is still served
 	// (the collectives then copy it through the transport).
 	Share transport.Sharer
-	// NoShare turns sharing off.
+	// NoShare turns sharing off (on every bridge).
 	NoShare bool
 	// Register registers every region with the mesh's device while it is
 	// mapped, so that sends from it go out without a copy
@@ -109,11 +117,19 @@ func (e *ProtocolError) Error() string { return "feed protocol error: " + e.Err.
 
 func (e *ProtocolError) Unwrap() error { return e.Err }
 
-// Server serves one feed connection for one bridge member.
+// Server serves one feed connection for one rank: bridge 0 (when it is a
+// leader) and the bridges the client joins.
 type Server struct {
-	o      ServerOptions
-	bridge Bridge
-	conn   *net.UnixConn
+	o     ServerOptions
+	lane0 *lane // bridge 0; nil: none (gbbridge serve --no-bridge)
+	conn  *net.UnixConn
+
+	lmu   sync.Mutex
+	lanes map[uint32]*lane      // joined bridges, by id
+	joins map[uint32]*joinState // JOINs being set up, or failed
+	// shareMu orders the offers of regions to lanes: a region mapped while
+	// a lane is added is offered to it exactly once.
+	shareMu sync.Mutex
 
 	ctx    context.Context // cancelled when the feed is lost or Serve's ctx ends
 	cancel context.CancelCauseFunc
@@ -130,50 +146,36 @@ type Server struct {
 	smu     sync.Mutex
 	streams map[uint64]*call // streamed requests in flight, for READY
 
-	// Collectives run in request order, one at a time, on the goroutine
-	// that read the first of them while none was running (the executor);
-	// it hands the reading of the socket to a standby goroutine first
-	// (role), so that no hand-off to another goroutine delays the call.
-	emu       sync.Mutex
-	pending   []*call // collectives accepted and not yet started, in order
-	executing bool    // a goroutine is draining pending
-	role      chan struct{}
-	reader    *reader
-	readErr   error // why reading ended; set before inputEnd is closed
+	// Collectives of a lane run in request order, one at a time; bridge
+	// 0's on the goroutine that read the first of them while none was
+	// running (the executor), which hands the reading of the socket to a
+	// standby goroutine first (role), so that no hand-off to another
+	// goroutine delays the call; a joined bridge's on a goroutine of its
+	// own. emu guards the lanes' queues.
+	emu     sync.Mutex
+	role    chan struct{}
+	reader  *reader
+	readErr error // why reading ended; set before inputEnd is closed
 
 	wg       sync.WaitGroup
 	inflight atomic.Int64
 	lastID   uint64
 	fds      []int
 	version  uint16
-	fb       *feedback // error-feedback residuals, by key
-
-	bmu    sync.Mutex
-	broken error
+	fb       *feedback // error-feedback residuals, by bridge and key
 
 	callPool sync.Pool
 }
 
-// NewServer returns a server that drives b for the feed on conn. Serve it
+// NewServer returns a server that drives b, bridge 0, for the feed on
+// conn (b nil: no bridge 0, only the bridges the client joins). Serve it
 // once.
 func NewServer(conn *net.UnixConn, b Bridge, o ServerOptions) *Server {
 	o.defaults()
-	if o.Members < 1 {
-		o.Members = 1
-	}
-	if c, ok := b.(*collective.Comm); ok {
-		if o.Share == nil {
-			o.Share, _ = c.Mesh().(transport.Sharer)
-		}
-		if o.Register == nil {
-			o.Register, _ = c.Mesh().(transport.Registrar)
-		}
-	}
-	if o.NoShare {
-		o.Share = nil
-	}
 	s := &Server{
-		o: o, bridge: b, conn: conn,
+		o: o, conn: conn,
+		lanes:    map[uint32]*lane{},
+		joins:    map[uint32]*joinState{},
 		inputEnd: make(chan struct{}),
 		regions:  map[uint32]*region{},
 		streams:  map[uint64]*call{},
@@ -181,16 +183,19 @@ func NewServer(conn *net.UnixConn, b Bridge, o ServerOptions) *Server {
 		wbuf:     make([]byte, 0, 512),
 		fb:       newFeedback(o.MaxFeedbackBytes),
 	}
+	if b != nil {
+		s.o.Members = max(s.o.Members, 1)
+		s.lane0 = newLane(0, "", b, s.o.Member, s.o.Members, s.o.Transport, s.o.Share, s.o.Register, s.o.NoShare)
+	} else {
+		s.o.Member, s.o.Members = 0, 0
+	}
 	s.callPool.New = func() any { return &call{s: s} }
 	return s
 }
 
-// Broken returns the error that broke the bridge during Serve, or nil.
-func (s *Server) Broken() error {
-	s.bmu.Lock()
-	defer s.bmu.Unlock()
-	return s.broken
-}
+// Broken returns the error that broke a bridge during Serve, or nil:
+// bridge 0's, else the first joined bridge's that broke, naming it.
+func (s *Server) Broken() error { return s.brokenLanes() }
 
 // Serve runs the feed until the client says BYE or closes it, or ctx ends.
 // It returns nil after BYE, or after EOF with no request in flight; an
@@ -210,6 +215,7 @@ func (s *Server) Serve(ctx context.Context) (err error) {
 		s.cancel(err)
 		_ = s.conn.Close()
 		s.unmapAll()
+		s.closeLanes(err)
 		s.fb.dropAll()
 	}()
 
@@ -292,11 +298,15 @@ func (s *Server) handshake(r *reader) error {
 		return s.protocolErr(feed.ErrCodeVersion, fmt.Errorf("client speaks feed protocol %d..%d, this gbbridge speaks %d..%d", hello.MinVersion, hello.MaxVersion, feed.MinVersion, feed.Version))
 	}
 	s.version = min(hello.MaxVersion, feed.Version)
+	desc := s.o.Transport
+	if s.lane0 == nil {
+		desc = "none (no bridge 0: gbbridge serve --no-bridge)"
+	}
 	s.o.Log.Debug("feed client", "pid", hello.PID, "name", hello.Name, "version", s.version)
 	w := &feed.WelcomeMsg{
 		Version: s.version, Member: uint32(s.o.Member), Members: uint32(s.o.Members),
 		MaxMessage: feed.MaxMessage, MaxRegions: uint32(s.o.MaxRegions), MaxInflight: uint32(s.o.MaxInflight),
-		MaxRegionBytes: s.o.MaxRegionBytes, Transport: s.o.Transport,
+		MaxRegionBytes: s.o.MaxRegionBytes, Transport: desc,
 	}
 	return s.write(w.Append)
 }

@@ -239,7 +239,7 @@ func TestEveryRequest(t *testing.T) {
 	// Six collectives ran; the barrier between the recv and its send did
 	// not wait for the recv.
 	for i := range cs {
-		assert.Equal(t, uint64(6), e.servers[i].bridge.Seq(), "member %d", i)
+		assert.Equal(t, uint64(6), e.servers[i].lane0.bridge.Seq(), "member %d", i)
 	}
 	for i, c := range cs {
 		require.NoError(t, c.Release(ctx, regs[i]))
@@ -770,11 +770,11 @@ func TestHandshake(t *testing.T) {
 		return readMsg(t, conn), errc
 	}
 	t.Run("version mismatch", func(t *testing.T) {
-		m, errc := answer(t, 4, 5)
+		m, errc := answer(t, 5, 6)
 		em, ok := m.(*feed.ErrorMsg)
 		require.True(t, ok)
 		assert.Equal(t, feed.ErrCodeVersion, em.Code)
-		assert.Contains(t, em.Text, "client speaks feed protocol 4..5, this gbbridge speaks 1..3")
+		assert.Contains(t, em.Text, "client speaks feed protocol 5..6, this gbbridge speaks 1..4")
 		var pe *ProtocolError
 		require.ErrorAs(t, waitErr(t, errc), &pe)
 	})
@@ -782,7 +782,13 @@ func TestHandshake(t *testing.T) {
 		m, _ := answer(t, 1, 9)
 		w, ok := m.(*feed.WelcomeMsg)
 		require.True(t, ok)
-		assert.Equal(t, uint16(3), w.Version)
+		assert.Equal(t, uint16(4), w.Version)
+	})
+	t.Run("version 4 client", func(t *testing.T) {
+		m, _ := answer(t, 4, 4)
+		w, ok := m.(*feed.WelcomeMsg)
+		require.True(t, ok)
+		assert.Equal(t, uint16(4), w.Version)
 	})
 	t.Run("version 3 client", func(t *testing.T) {
 		m, _ := answer(t, 3, 3)

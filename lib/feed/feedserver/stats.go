@@ -35,7 +35,7 @@ func monoNS(t time.Time) uint64 { return uint64(monoBase + int64(t.Sub(monoRef))
 // reusing c's buffers: only for an ok DONE of a data collective, over a
 // bridge that measures them.
 func (s *Server) addStats(c *call, d *feed.DoneMsg) {
-	sb, ok := s.bridge.(StatsBridge)
+	sb, ok := c.lane.bridge.(StatsBridge)
 	if !ok || d.Status != feed.StatusOK || c.req.Kind == feed.MsgBarrier || c.p2p() {
 		return
 	}

@@ -9,23 +9,27 @@ import (
 	"github.com/gpubridge/gpubridge/lib/reduce"
 )
 
-// validate checks a request against the protocol and the bridge: the
-// fields every request has, what its kind takes, whole elements, and
-// overlapping spans. The first problem found is the error.
-func (s *Server) validate(r *feed.Request) error {
+// validate checks a request for bridge 0 (validateOn).
+func (s *Server) validate(r *feed.Request) error { return s.validateOn(r, s.o.Member, s.o.Members) }
+
+// validateOn checks a request against the protocol and the bridge it runs
+// on, of which this server's rank is member of members: the fields every
+// request has, what its kind takes, whole elements, and overlapping spans.
+// The first problem found is the error.
+func (s *Server) validateOn(r *feed.Request, member, members int) error {
 	if err := checkFields(r, s.version); err != nil {
 		return err
 	}
-	if err := checkCodec(r, s.o.Members); err != nil {
+	if err := checkCodec(r, members); err != nil {
 		return err
 	}
-	if err := checkKind(r, s.o.Member, s.o.Members); err != nil {
+	if err := checkKind(r, member, members); err != nil {
 		return err
 	}
 	if err := checkElements(r); err != nil {
 		return err
 	}
-	return checkOverlap(r, s.o.Member)
+	return checkOverlap(r, member)
 }
 
 // checkFields checks flags, codec id and extensions (against the

@@ -477,3 +477,76 @@ func (c *Client) Recv(ctx context.Context, peer int, tag uint32, buf feed.Span) 
 	d, err := c.do(ctx, feed.Request{Kind: feed.MsgRecv, Buf: buf, Peer: int32(peer), Tag: tag})
 	return int(d.Bytes), err
 }
+
+// ---- more bridges (feed protocol 4) ----
+
+// Join asks the server to join bridge id, name, of the given global ranks
+// in member order, and waits until it is set up (docs/FEED.md §3b).
+func (c *Client) Join(ctx context.Context, id uint32, name string, ranks []uint32) error {
+	return c.roundTrip(ctx, feed.MsgJoin, nil, func(b []byte, rid uint64) []byte {
+		return (&feed.JoinMsg{ID: rid, Bridge: id, Name: name, Members: ranks}).Append(b)
+	})
+}
+
+// OnBridge is the client's requests on one bridge: each carries the BRIDGE
+// extension with its id.
+type OnBridge struct {
+	c  *Client
+	id uint32
+}
+
+// On returns the client's requests on bridge id (a joined one; 0 names
+// bridge 0).
+func (c *Client) On(id uint32) *OnBridge { return &OnBridge{c: c, id: id} }
+
+func (b *OnBridge) do(ctx context.Context, r feed.Request) (feed.DoneMsg, error) {
+	r.Bridge, r.HasBridge = b.id, true
+	return b.c.do(ctx, r)
+}
+
+// Do sends a request on the bridge and waits for its DONE.
+func (b *OnBridge) Do(ctx context.Context, r feed.Request) (feed.DoneMsg, error) {
+	r.Bridge, r.HasBridge = b.id, true
+	return b.c.Do(ctx, r)
+}
+
+// AllReduce is Client.AllReduce on the bridge.
+func (b *OnBridge) AllReduce(ctx context.Context, buf feed.Span, dt reduce.DType, op reduce.Op) (feed.DoneMsg, error) {
+	return b.do(ctx, feed.Request{Kind: feed.MsgAllReduce, Buf: buf, DType: dt, Op: op})
+}
+
+// Broadcast is Client.Broadcast on the bridge.
+func (b *OnBridge) Broadcast(ctx context.Context, buf feed.Span, root int) error {
+	_, err := b.do(ctx, feed.Request{Kind: feed.MsgBroadcast, Buf: buf, Peer: int32(root)})
+	return err
+}
+
+// AllGather is Client.AllGather on the bridge.
+func (b *OnBridge) AllGather(ctx context.Context, out, in feed.Span) error {
+	_, err := b.do(ctx, feed.Request{Kind: feed.MsgAllGather, Buf: in, Out: out})
+	return err
+}
+
+// ReduceScatter is Client.ReduceScatter on the bridge.
+func (b *OnBridge) ReduceScatter(ctx context.Context, out, in feed.Span, dt reduce.DType, op reduce.Op) error {
+	_, err := b.do(ctx, feed.Request{Kind: feed.MsgReduceScatter, Buf: in, Out: out, DType: dt, Op: op})
+	return err
+}
+
+// Barrier is Client.Barrier on the bridge.
+func (b *OnBridge) Barrier(ctx context.Context) error {
+	_, err := b.do(ctx, feed.Request{Kind: feed.MsgBarrier})
+	return err
+}
+
+// Send is Client.Send on the bridge: peer is a member index of it.
+func (b *OnBridge) Send(ctx context.Context, peer int, tag uint32, buf feed.Span) error {
+	_, err := b.do(ctx, feed.Request{Kind: feed.MsgSend, Buf: buf, Peer: int32(peer), Tag: tag})
+	return err
+}
+
+// Recv is Client.Recv on the bridge.
+func (b *OnBridge) Recv(ctx context.Context, peer int, tag uint32, buf feed.Span) (int, error) {
+	d, err := b.do(ctx, feed.Request{Kind: feed.MsgRecv, Buf: buf, Peer: int32(peer), Tag: tag})
+	return int(d.Bytes), err
+}
