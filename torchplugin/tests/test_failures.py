@@ -186,6 +186,18 @@ def test_killed_non_leader_with_an_endpoint(tmp_path: Path) -> None:
 
 
 @needs_tools
+def test_killed_endpoint_of_a_non_leader(tmp_path: Path) -> None:
+    """As test_killed_bridge for the gbbridge serve rank 3 (no leader)
+    started on its first exchange: every rank, rank 3 too, fails naming
+    that process."""
+    out = run_fault(tmp_path, TWO_TWO, 3, "bridge", "p2p")
+    cause = root_causes(out, [0, 1, 2, 3])
+    assert f"gbbridge serve of rank 3 (pid {out.fault['pid']})" in cause, cause
+    check_in_time(out, [0, 1, 2, 3], TIMEOUT_S + scale(10))
+    check_clean(out, tmp_path)
+
+
+@needs_tools
 def test_killed_rank_3_1_non_leader(tmp_path: Path) -> None:
     out = run_fault(tmp_path, ["nvidia", "nvidia", "nvidia", "amd"], 1, "kill", "loop")
     cause = root_causes(out, [0, 2, 3])
