@@ -207,10 +207,7 @@ def test_version_4_messages_are_gos() -> None:
     9, and a RECV of 8 int8 bytes from member 0 with tag 2 on bridge 2."""
     from test_feed_protocol import go_seed  # noqa: PLC0415  (tests/ is on sys.path under pytest)
 
-    try:
-        join, recv = go_seed("join-v4"), go_seed("request-bridge-v4")
-    except FileNotFoundError:
-        pytest.skip("this tree has no feed protocol 4 on the Go side yet")
+    join, recv = go_seed("join-v4"), go_seed("request-bridge-v4")
     assert encode_join(12, 2, "shard/1", [1, 4, 9]) == join
     assert (
         encode_request(Kind.RECV, 13, DType.INT8, Op.NONE, 0, Span(1, 0, 8), Span(), 0, 2, bridge=2) == recv

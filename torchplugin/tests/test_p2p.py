@@ -49,8 +49,9 @@ def expected_bridges(islands: list[list[int]], rank: int) -> list[str]:
         ["nvidia", "nvidia", "amd", "amd"],
         ["nvidia", "nvidia", "nvidia", "amd"],
         ["nvidia", "amd"],
+        ["nvidia", "nvidia", "amd", "amd", "amd:b", "amd:b"],
     ],
-    ids=["2+2", "3+1", "1+1"],
+    ids=["2+2", "3+1", "1+1", "2+2+2"],
 )
 def test_every_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vendors: list[str]) -> None:
     monkeypatch.setenv("GPUBRIDGE_P2P_CHUNK", "4096")  # several chunks per message
