@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import queue
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
@@ -130,7 +131,7 @@ class PointToPoint:
         self._device = device
         self._timeout = timeout
         self._chunk = chunk
-        self._threads: set[threading.Thread] = set()
+        self._runner = _Runner(f"gpubridge-{group}-p2p")
         self._lock = threading.Lock()
         self._channels: dict[Hashable, _Channel] = {}
         self._d2h: Any = None  # GPU: the copy streams of the transfers, made on first use
@@ -195,19 +196,70 @@ class PointToPoint:
             after.record(torch.cuda.current_stream(self._device))
             t.record_stream(d2h if op == "send" else h2d)
         xfer = _Transfer(self, op, t, peer, tag, route, ch, ticket, task, after)
-        th = threading.Thread(target=xfer.run, name=f"gpubridge-{self._group}-{op}", daemon=True)
-        with self._lock:
-            self._threads.add(th)
-        th.start()
+        self._runner.submit(xfer.run)
         return Work(task, self._device, self._timeout)
 
     def join(self, secs: float) -> None:
-        """Waits (secs for each at most) for the bridged sends and recvs in
-        flight."""
-        with self._lock:
-            threads = list(self._threads)
-        for th in threads:
-            th.join(secs)
+        """Waits (secs at most) for the bridged sends and recvs in flight,
+        then lets the runner's threads go."""
+        self._runner.close(secs)
+
+
+class _Runner:
+    """The threads that run transfers, kept for the next one (starting a
+    thread costs about 0.1 ms, a good part of a small message's time). A
+    transfer never waits for a thread: when none is idle, one more starts
+    (transfers wait on their peers, and a bounded pool could wait on a peer
+    whose own pool waits on this one). At most _KEEP idle threads stay."""
+
+    _KEEP = 16
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._idle = 0  # threads waiting for work that no submit has claimed
+        self._threads = 0
+        self._busy = 0  # transfers submitted and not finished
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._busy += 1
+            if self._idle > 0:
+                self._idle -= 1
+            else:
+                self._threads += 1
+                threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+        self._q.put(fn)
+
+    def _loop(self) -> None:
+        while True:
+            fn = self._q.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+                    keep = self._idle < self._KEEP
+                    if keep:
+                        self._idle += 1
+                    else:
+                        self._threads -= 1
+            if not keep:
+                return
+
+    def close(self, secs: float) -> None:
+        """Waits (secs at most) until no transfer runs, then stops the idle
+        threads."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._busy == 0, secs)
+            n, self._idle = self._idle, 0
+            self._threads -= n
+        for _ in range(n):
+            self._q.put(None)
 
 
 class _Transfer:
@@ -259,8 +311,6 @@ class _Transfer:
             if ep is not None and held is not None:
                 with contextlib.suppress(Exception):
                     ep.regions.release(*held)
-            with p._lock:
-                p._threads.discard(threading.current_thread())
 
     def _issue(self, fn: Callable[[], _T]) -> _T:
         """Runs fn (which issues this transfer's requests) in its turn."""
