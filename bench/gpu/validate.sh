@@ -7,7 +7,11 @@
 # all_reduce time; training exact, fp8 with and without error feedback;
 # GB_COMPRESS_ARGS and GB_TRAIN_ARGS add arguments to their workers)
 # one-gpu-bench (plugin_bench.py and plugin_train.py as two torchrun nodes of
-# one rank on GPU 0: every call's check and the parameters' digests on a GPU).
+# one rank on GPU 0: every call's check and the parameters' digests on a GPU)
+# p2p (issue 16: p2p_bench.py as two torchrun nodes of one rank, 64 MiB
+# send/recv across the islands against the bridged all_reduce's algbw, every
+# byte checked) pipeline (issue 16: pipeline-bench.sh, tokens/s of the
+# 2-stage pipeline example over gpubridge against NCCL, GPipe and 1F1B).
 # Each step runs one of bench/gpu's scripts under `timeout` (its share of
 # GB_BUDGET_S, default 540 s, so a session fits a 10-minute device call) with
 # its output in $OUT/STEP/, packed into $OUT/STEP.tgz afterwards; the files
@@ -22,9 +26,9 @@ out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
 exec > >(tee -a "$out/validate.log") 2>&1
 # Pass GB_COMMIT: the device machine's copy may carry another HEAD than the tree it got.
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
-all=(plugin-check exchange host-bridge codec trace rebalance overhead one-gpu-bench codec-compile compress compress-train)
+all=(plugin-check exchange host-bridge codec trace rebalance overhead one-gpu-bench codec-compile compress compress-train p2p pipeline)
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=("${all[@]}")
-declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280)
+declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280 [p2p]=120 [pipeline]=240)
 for s in "${steps[@]}"; do [ -n "${share[$s]:-}" ] || { echo "unknown step $s (steps: ${all[*]})"; exit 2; }; done
 budget=${GB_BUDGET_S:-540}; t_end=$(( $(date +%s) + budget ))
 echo "== $(date -u +%FT%TZ) validate: commit $GB_COMMIT; steps ${steps[*]}; $(nproc --all) cores"
@@ -62,6 +66,10 @@ for s in "${steps[@]}"; do
         read -r -a extra <<< "${GB_TRAIN_ARGS:-}"
         two_nodes "$lim" "$d/train.log" bench/gpu/compress_train.py "$d/compress-train.jsonl" "${extra[@]}"
         rc=$?; tail -n 8 "$d/train.log.0"; [ "$rc" -eq 0 ] ;;
+      p2p)
+        two_nodes "$lim" "$d/p2p.log" bench/gpu/p2p_bench.py --sizes 1M,64M --iters 10
+        rc=$?; grep '^{' "$d/p2p.log.0" > "$d/p2p.jsonl"; grep -v '^{' "$d/p2p.log.0" | tail -n 8; [ "$rc" -eq 0 ] ;;
+      pipeline) OUT=$d GB_LIMIT_S=$(( (lim - 10) / 4 )) timeout "$lim" bash bench/gpu/pipeline-bench.sh ;;
       one-gpu-bench)
         rc=0
         two_nodes 80 "$d/bench-gpubridge.log" bench/gpu/plugin_bench.py gpubridge "$d/bench.jsonl" --sizes 1M,256M,1G --iters 10 || rc=1

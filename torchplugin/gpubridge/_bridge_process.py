@@ -10,10 +10,12 @@ import contextlib
 import ctypes
 import json
 import os
+import queue
 import select
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from typing import IO, Any, Final
 
 from gpubridge._feed_protocol import MAX_MESSAGE, FeedError, FeedTimeout
 
-__all__ = ["BridgeProcess", "start_bridge"]
+__all__ = ["BridgeProcess", "start_bridge", "start_bridge_lasting"]
 
 _PR_SET_PDEATHSIG: Final = 1
 
@@ -177,3 +179,56 @@ def start_bridge(
         errf.close()
         raise
     return BridgeProcess(proc, {}, os.fspath(feed), errf)
+
+
+class _Spawner:
+    """One thread of the process that lives as long as it does and forks
+    the gbbridge serve processes started after set-up (a rank's endpoint
+    made on first need, from whatever thread needed it): PR_SET_PDEATHSIG
+    follows the thread that forked, and a caller's thread may end long
+    before the job."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the spawner's thread; its result, or its exception."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="gpubridge-spawner", daemon=True)
+                self._thread.start()
+        reply: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._jobs.put((fn, reply))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    def _loop(self) -> None:
+        while True:
+            fn, reply = self._jobs.get()
+            try:
+                reply.put((True, fn()))
+            except BaseException as e:  # handed to the caller
+                reply.put((False, e))
+
+
+_SPAWNER = _Spawner()
+
+
+def start_bridge_lasting(
+    topology: str | os.PathLike[str],
+    feed: str | os.PathLike[str],
+    *,
+    gbbridge: str | os.PathLike[str] = "gbbridge",
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> BridgeProcess:
+    """:func:`start_bridge` from a thread that lasts as long as the process,
+    so that the child gets SIGTERM only when the process dies, whichever
+    thread asks."""
+    if threading.current_thread() is threading.main_thread():
+        return start_bridge(topology, feed, gbbridge=gbbridge, args=args, env=env)
+    return _SPAWNER.run(lambda: start_bridge(topology, feed, gbbridge=gbbridge, args=args, env=env))  # type: ignore[no-any-return]

@@ -1,6 +1,8 @@
 """A bridged rank's end of the bridge: its ``gbbridge serve``, the feed to
-it, the staging region, and the steps of the collectives that cross the
-bridge. Today the island leaders have one."""
+it, the staging region, the bridges it JOINed besides the leaders' (feed
+protocol 4), and the steps of the collectives that cross the bridge. Island
+leaders start one with the group (bridge 0 is theirs); any other rank on
+its first cross-island need (gpubridge._endpoints), with ``--no-bridge``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import datetime
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
@@ -18,13 +21,13 @@ import torch
 
 from gpubridge import _codec, _gpu, _tools
 from gpubridge import _inflight as fl
-from gpubridge._bridge_process import BridgeProcess, start_bridge
+from gpubridge._bridge_process import BridgeProcess, start_bridge_lasting
 from gpubridge._combine import can_combine, combine
 from gpubridge._dtypes import DTYPES, as_bytes
-from gpubridge._feed import Codec, Done, DType, FeedClient, FeedError, Op, Region
-from gpubridge._feed_protocol import CODEC_VERSION
+from gpubridge._feed import Call, Codec, Done, DType, FeedClient, FeedError, Op, Region
+from gpubridge._feed_protocol import BRIDGES_VERSION, CODEC_VERSION
 from gpubridge._feedback import ErrorFeedback
-from gpubridge._staging import Staging
+from gpubridge._staging import RegionPool, Staging
 
 __all__ = ["BridgeEndpoint"]
 
@@ -68,8 +71,10 @@ class BridgeEndpoint:
         timeout: datetime.timedelta,
         reduce_mode: str = "auto",
         codec: Codec = Codec.RAW,
+        bridge0: bool = True,
     ) -> None:
         self.process = process
+        self.bridge0 = bridge0  # a leader's: serve joined the leaders' bridge at start
         self._rank = rank
         self._members = members  # the bridge's, in member order
         self._device = device
@@ -79,6 +84,7 @@ class BridgeEndpoint:
         self._timeout = timeout
         self._feed: FeedClient | None = None
         self._staging: Staging | None = None
+        self._pool: RegionPool | None = None
         self._codec = codec  # the group's (GPUBRIDGE_COMPRESSION)
         # GPUBRIDGE_BRIDGE_REDUCE; a benchmark or a test may switch it
         # between calls, on every leader alike.
@@ -93,6 +99,11 @@ class BridgeEndpoint:
         # went (bench/gpu/exchange_bench.py sets it).
         self.profile: list[dict[str, float]] | None = None
         self.exchanged = 0  # all_reduces this leader reduced itself
+        # The bridges JOINed on this feed (§3b), by name: their ids, or the
+        # JOIN in flight; one JOIN per name, whichever thread needs it first.
+        self._join_lock = threading.Lock()
+        self._joins: dict[str, tuple[int, Call | None, tuple[int, ...]]] = {}
+        self._next_bridge = itertools.count(1)
 
     @classmethod
     def start(
@@ -107,18 +118,21 @@ class BridgeEndpoint:
         timeout: datetime.timedelta,
         reduce_mode: str = "auto",
         codec: Codec = Codec.RAW,
+        bridge0: bool = True,
     ) -> BridgeEndpoint:
         """Starts gbbridge serve with the topology in workdir; the job's
         store (host, port) and namespace are where it meets the other
-        members."""
+        members. Without bridge0 (a rank that leads no island) it joins no
+        bridge at start (``--no-bridge``: the bridges come by JOIN)."""
         host, port = store
         env = dict(os.environ, GPUBRIDGE_STORE=f"{host}:{port}", GPUBRIDGE_NAMESPACE=namespace)
         isecs = int(max(1.0, timeout.total_seconds()))
-        process = start_bridge(
+        args = ["--timeout", f"{isecs}s", *([] if bridge0 else ["--no-bridge"])]
+        process = start_bridge_lasting(
             workdir / "topology.json", workdir / "feed.sock", gbbridge=_tools.find_tool("gbbridge"),
-            env=env, args=["--timeout", f"{isecs}s"],
+            env=env, args=args,
         )  # fmt: skip
-        return cls(process, rank, members, device, stream, timeout, reduce_mode, codec)
+        return cls(process, rank, members, device, stream, timeout, reduce_mode, codec, bridge0)
 
     def connect(self) -> None:
         """Waits for gbbridge serve's ready line and connects the feed. A
@@ -132,6 +146,13 @@ class BridgeEndpoint:
             )  # fmt: skip
         except FeedError as e:
             raise RuntimeError(f"gpubridge: rank {self._rank}: starting gbbridge serve: {e}") from e
+        if not self.bridge0 and not self._feed.bridges:
+            raise RuntimeError(
+                f"gpubridge: rank {self._rank}: an endpoint outside the leaders' bridge needs a gbbridge "
+                f"serve that speaks feed protocol {BRIDGES_VERSION}; gbbridge serve (pid "
+                f"{self.process.proc.pid}) speaks version {self._feed.version}: use the gbbridge of "
+                "this gpubridge"
+            )
         if self._codec != Codec.RAW and not self._feed.codecs:
             raise RuntimeError(
                 f"gpubridge: rank {self._rank}: GPUBRIDGE_COMPRESSION={self._codec} needs a gbbridge serve "
@@ -139,6 +160,7 @@ class BridgeEndpoint:
                 f"speaks version {self._feed.version}: use the gbbridge of this gpubridge"
             )
         self._staging = Staging(self._feed, self._device, self._stream, self._h2d, self._secs)
+        self._pool = RegionPool(self._feed, self._device)
 
     @property
     def _secs(self) -> float:
@@ -153,6 +175,56 @@ class BridgeEndpoint:
     def staging(self) -> Staging:
         assert self._staging is not None
         return self._staging
+
+    @property
+    def regions(self) -> RegionPool:
+        """The regions of point-to-point transfers."""
+        assert self._pool is not None
+        return self._pool
+
+    # ---- more bridges (feed protocol 4) ----
+
+    def join(self, name: str, members: tuple[int, ...]) -> int:
+        """The id of the bridge called name (members: the topology's ranks
+        in member order, this rank among them) on this feed, JOINed on
+        first use; every member must ask for the same name and members. A
+        failed JOIN raises RuntimeError naming the bridge, and so does every
+        later use of it."""
+        call: Call | None
+        with self._join_lock:
+            got = self._joins.get(name)
+            if got is None:
+                bid = next(self._next_bridge)
+                try:
+                    call = self.feed.start_join(bid, name, members)
+                except FeedError as exc:
+                    raise self._join_error(name, members, exc) from exc
+                self._joins[name] = (bid, call, members)
+            else:
+                bid, call, had = got
+                if had != members:
+                    raise RuntimeError(
+                        f"gpubridge: rank {self._rank}: bridge {name} was joined with ranks "
+                        f"{list(had)}, now asked for with {list(members)}"
+                    )
+        if call is not None:
+            try:
+                call.wait()
+            except FeedError as exc:
+                raise self._join_error(name, members, exc) from exc
+            with self._join_lock:
+                self._joins[name] = (bid, None, members)
+        return bid
+
+    def _join_error(self, name: str, members: tuple[int, ...], exc: FeedError) -> RuntimeError:
+        ranks = ", ".join(str(m) for m in members)
+        return RuntimeError(f"rank {self._rank}: joining bridge {name} (ranks {ranks}): {exc}")
+
+    @property
+    def bridges(self) -> list[str]:
+        """The names of the bridges this feed JOINed (or is joining)."""
+        with self._join_lock:
+            return sorted(self._joins)
 
     # ---- the bridged steps ----
 
@@ -369,6 +441,8 @@ class BridgeEndpoint:
         if self._staging is not None:
             with contextlib.suppress(Exception):
                 self._staging.drop()
+        if self._pool is not None:
+            self._pool.close()
         feed, self._feed = self._feed, None
         if feed is not None:
             if abort or feed.error is not None:

@@ -1,5 +1,5 @@
 """Client of the feed protocol of ``gbbridge serve`` (docs/FEED.md, versions 1
-to 3).
+to 4).
 
 The plugin puts a tensor's bytes in a shared-memory :class:`Region` (a sealed
 memfd that ``gbbridge serve`` maps too) and asks for a collective over the
@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gpubridge._feed_protocol import (
+    BRIDGES_VERSION,
     CALLER_REDUCES_VERSION,
     CODEC_VERSION,
     FLAG_CALLER_REDUCES,
@@ -61,6 +62,7 @@ from gpubridge._feed_protocol import (
     decode_welcome,
     encode_bye,
     encode_hello,
+    encode_join,
     encode_ready,
     encode_region,
     encode_release,
@@ -165,6 +167,11 @@ class Call:
         """Says that input bytes [0, end) of this streamed request are in the
         region (end never goes back; a smaller one is ignored by the server)."""
         self.client._write(encode_ready(self.id, end))
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits until the request finished, whatever its outcome (which
+        :meth:`wait` raises); :class:`FeedTimeout` at the deadline."""
+        self.client._await(lambda: self.finished, self.client._deadline(timeout))
 
     def wait(self, timeout: float | None = None) -> Done:
         """Waits for DONE (``timeout`` seconds, default: the client's);
@@ -475,6 +482,7 @@ class FeedClient:
         caller_reduces: bool = False,
         codec: Codec = Codec.RAW,
         feedback_key: int | None = None,
+        bridge: int | None = None,
         on_progress: ProgressFn | None = None,
     ) -> Call:
         """Sends a request and returns its :class:`Call`. With ``streamed``,
@@ -483,8 +491,10 @@ class FeedClient:
         not block). ``caller_reduces`` (all_reduce, version 2) asks for the
         inputs unreduced (see :meth:`start_exchange`). ``codec`` packs the
         bridged transfers and ``feedback_key`` names the residual of a lossy
-        all_reduce (version 3, docs/FEED.md §3a); a server that speaks an
-        older version is refused here, before anything is sent."""
+        all_reduce (version 3, docs/FEED.md §3a); ``bridge`` runs it on a
+        bridge this feed JOINed (version 4, §3b; None: bridge 0). What a
+        server of an older version does not speak is refused here, before
+        anything is sent."""
         if kind < Kind.ALL_REDUCE:
             raise ValueError(f"gpubridge feed: {kind} is not a request")
         dt, o, c = DType.of(dtype), Op.of(op), Codec(codec)
@@ -494,13 +504,41 @@ class FeedClient:
                 f"gpubridge feed: {what} needs feed protocol {CODEC_VERSION}; this gbbridge serve speaks "
                 f"version {self.version} (compression needs a gbbridge that speaks {CODEC_VERSION})"
             )
+        if bridge is not None and not self.bridges:
+            raise FeedError(self._needs_bridges(f"bridge {bridge}"))
         flags = (FLAG_STREAMED if streamed else 0) | (FLAG_CALLER_REDUCES if caller_reduces else 0)
 
         k = Call(self, kind, on_progress)
         self._send(
-            k, lambda rid: encode_request(kind, rid, dt, o, flags, buf, out, peer, tag, c, feedback_key)
+            k,
+            lambda rid: encode_request(kind, rid, dt, o, flags, buf, out, peer, tag, c, feedback_key, bridge),
         )
         return k
+
+    def _needs_bridges(self, what: str) -> str:
+        return (
+            f"gpubridge feed: {what} needs feed protocol {BRIDGES_VERSION} (more bridges on one feed); "
+            f"this gbbridge serve speaks version {self.version}: use the gbbridge of this gpubridge"
+        )
+
+    def start_join(self, bridge: int, name: str, members: Sequence[int]) -> Call:
+        """Sends JOIN (version 4, docs/FEED.md §3b): this feed's gbbridge
+        joins the bridge called name, whose members are these ranks of the
+        topology in member order, as bridge id bridge (ids are the
+        client's: 1 … 2^31, one per bridge). Its DONE comes once every
+        member joined and the mesh is up; wait() raises
+        :class:`RequestError` for a JOIN refused before anything (status
+        1) and :class:`BridgeError` for a set-up that failed (status 2:
+        the message names the member and the step)."""
+        if not self.bridges:
+            raise FeedError(self._needs_bridges(f"joining bridge {name}"))
+        k = Call(self, Kind.JOIN, None)
+        self._send(k, lambda rid: encode_join(rid, bridge, name, members))
+        return k
+
+    def join(self, bridge: int, name: str, members: Sequence[int], timeout: float | None = None) -> Done:
+        """JOIN and wait for its DONE (see :meth:`start_join`)."""
+        return self.start_join(bridge, name, members).wait(timeout)
 
     def request(self, kind: Kind, timeout: float | None = None, **kw: Any) -> Done:
         """Sends a request and waits for its DONE."""
@@ -575,6 +613,12 @@ class FeedClient:
         return self.version >= CALLER_REDUCES_VERSION
 
     @property
+    def bridges(self) -> bool:
+        """Whether the server joins more bridges (JOIN, the BRIDGE
+        extension: feed protocol 4)."""
+        return self.version >= BRIDGES_VERSION
+
+    @property
     def codecs(self) -> bool:
         """Whether the server takes codecs other than raw and error-feedback
         keys (feed protocol 3)."""
@@ -628,18 +672,24 @@ class FeedClient:
 
     def send(
         self, region: Region, offset: int, nbytes: int, peer: int, tag: int = 0,
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, bridge: int | None = None,
     ) -> Done:  # fmt: skip
-        """Sends the bytes to member peer with tag."""
-        return self.request(Kind.SEND, timeout, buf=region.span(offset, nbytes), peer=peer, tag=tag)
+        """Sends the bytes to member peer (of bridge; None: bridge 0) with
+        tag."""
+        return self.request(
+            Kind.SEND, timeout, buf=region.span(offset, nbytes), peer=peer, tag=tag, bridge=bridge
+        )
 
     def recv(
         self, region: Region, offset: int, nbytes: int, peer: int, tag: int = 0,
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, bridge: int | None = None,
     ) -> int:  # fmt: skip
-        """Receives the next message from member peer with tag into the
-        bytes; returns its length."""
-        return self.request(Kind.RECV, timeout, buf=region.span(offset, nbytes), peer=peer, tag=tag).nbytes
+        """Receives the next message from member peer (of bridge; None:
+        bridge 0) with tag into the bytes; returns its length."""
+        d = self.request(
+            Kind.RECV, timeout, buf=region.span(offset, nbytes), peer=peer, tag=tag, bridge=bridge
+        )
+        return d.nbytes
 
     # -- closing --
 

@@ -1,4 +1,4 @@
-"""The feed protocol of ``gbbridge serve`` (docs/FEED.md, versions 1 to 3): its
+"""The feed protocol of ``gbbridge serve`` (docs/FEED.md, versions 1 to 4): its
 constants, numbering, errors and message codec.
 
 This mirrors ``lib/feed`` (Go), which is the reference; only the wire format
@@ -9,7 +9,9 @@ is repeated here. Decoders bound every read by the message body and raise
 
 from __future__ import annotations
 
+import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Final
@@ -17,8 +19,10 @@ from typing import Any, Final
 import numpy as np
 
 __all__ = [
+    "BRIDGES_VERSION",
     "BRIDGE_STATS_TAG",
     "BRIDGE_STATS_VERSION",
+    "BRIDGE_TAG",
     "CALLER_REDUCES_VERSION",
     "CODEC_VERSION",
     "EXT_CRITICAL",
@@ -27,6 +31,9 @@ __all__ = [
     "FLAG_STREAMED",
     "HEADER_SIZE",
     "MAGIC",
+    "MAX_BRIDGE_ID",
+    "MAX_BRIDGE_MEMBERS",
+    "MAX_BRIDGE_NAME",
     "MAX_MESSAGE",
     "MAX_TEXT",
     "MIN_VERSION",
@@ -47,6 +54,8 @@ __all__ = [
     "Span",
     "Status",
     "Welcome",
+    "check_bridge",
+    "check_bridge_id",
     "decode_bridge_stats",
     "decode_bye",
     "decode_done",
@@ -55,6 +64,7 @@ __all__ = [
     "decode_welcome",
     "encode_bye",
     "encode_hello",
+    "encode_join",
     "encode_ready",
     "encode_region",
     "encode_release",
@@ -64,13 +74,16 @@ __all__ = [
     "parse_header",
 ]
 
-VERSION: Final = 3
+VERSION: Final = 4
 MIN_VERSION: Final = 1
 # The version that brought FLAG_CALLER_REDUCES.
 CALLER_REDUCES_VERSION: Final = 2
 # The version that gave the request's codec byte its meaning and brought
 # FEEDBACK_KEY (§3a); before it every request says codec 0.
 CODEC_VERSION: Final = 3
+# The version that brought JOIN and the BRIDGE extension (§3b): more
+# bridges on one feed; before it every request runs on bridge 0.
+BRIDGES_VERSION: Final = 4
 MAGIC: Final = 0x44464247  # "GBFD" little-endian
 HEADER_SIZE: Final = 8
 MAX_MESSAGE: Final = 64 << 10
@@ -91,6 +104,16 @@ _BRIDGE_PEERS_CUT: Final = 1
 # A request's extension tag 2 (version 3, critical): the u64 error-feedback
 # key of a lossy all_reduce (gbbridge keeps a residual per key).
 FEEDBACK_KEY_TAG: Final = 2
+# A request's extension tag 3 (version 4, critical): the u32 id of the
+# bridge it runs on, one the feed JOINed (without it: bridge 0).
+BRIDGE_TAG: Final = 3
+# JOIN's limits (§3b): the bridge's name (its key in the store), its
+# members, and the ids a client may give it.
+MAX_BRIDGE_NAME: Final = 128
+MIN_BRIDGE_MEMBERS: Final = 2
+MAX_BRIDGE_MEMBERS: Final = 1024
+MAX_BRIDGE_ID: Final = 1 << 31
+_BRIDGE_NAME = re.compile(r"[A-Za-z0-9/_-]+")
 
 _HEADER = struct.Struct("<IHH")
 _REQUEST = struct.Struct("<QBBBBIIIQQQQiI")
@@ -118,6 +141,7 @@ class Kind(IntEnum):
     READY = 7
     PROGRESS = 8
     DONE = 9
+    JOIN = 10
     ALL_REDUCE = 16
     BROADCAST = 17
     ALL_GATHER = 18
@@ -364,17 +388,55 @@ def encode_hello(pid: int, name: str) -> bytes:
 
 def encode_request(
     kind: Kind, request_id: int, dtype: DType, op: Op, flags: int, buf: Span, out: Span, peer: int, tag: int,
-    codec: Codec = Codec.RAW, feedback_key: int | None = None,
+    codec: Codec = Codec.RAW, feedback_key: int | None = None, bridge: int | None = None,
 ) -> bytes:  # fmt: skip
-    """A request (§3); codec is the body's byte 10 and feedback_key the
-    FEEDBACK_KEY extension (version 3, §3a)."""
+    """A request (§3); codec is the body's byte 10, feedback_key the
+    FEEDBACK_KEY extension (version 3, §3a) and bridge the BRIDGE extension
+    (version 4, §3b: the id of a JOINed bridge; None: bridge 0)."""
     body = _REQUEST.pack(
         request_id, dtype, op, codec, 0, flags, buf.region, out.region,
         buf.offset, buf.nbytes, out.offset, out.nbytes, peer, tag,
     )  # fmt: skip
     if feedback_key is not None:
         body += _EXT.pack(FEEDBACK_KEY_TAG | EXT_CRITICAL, _U64.size) + _U64.pack(feedback_key)
+    if bridge is not None:
+        check_bridge_id(bridge)
+        body += _EXT.pack(BRIDGE_TAG | EXT_CRITICAL, _U32.size) + _U32.pack(bridge)
     return _encode(kind, body)
+
+
+def check_bridge_id(bridge: int) -> None:
+    """ValueError unless bridge is an id a client may JOIN (1 … 2^31)."""
+    if not 1 <= bridge <= MAX_BRIDGE_ID:
+        raise ValueError(f"gpubridge feed: bridge id {bridge} is outside 1..{MAX_BRIDGE_ID}")
+
+
+def check_bridge(name: str, members: Sequence[int]) -> None:
+    """ValueError unless name and members make a JOIN gbbridge takes
+    (§3b): a name of letters, digits, '/', '-', '_' of at most 128 bytes,
+    2 … 1024 distinct members, none negative."""
+    if not _BRIDGE_NAME.fullmatch(name) or len(name) > MAX_BRIDGE_NAME:
+        raise ValueError(
+            f"gpubridge feed: bridge name {name!r} is not 1..{MAX_BRIDGE_NAME} letters, digits, '/', '-', '_'"
+        )
+    if not MIN_BRIDGE_MEMBERS <= len(members) <= MAX_BRIDGE_MEMBERS:
+        raise ValueError(
+            f"gpubridge feed: bridge {name}: {len(members)} members, "
+            f"{MIN_BRIDGE_MEMBERS}..{MAX_BRIDGE_MEMBERS} allowed"
+        )
+    if len(set(members)) != len(members) or any(not 0 <= m < 1 << 32 for m in members):
+        raise ValueError(f"gpubridge feed: bridge {name}: members {list(members)} are not distinct ranks")
+
+
+def encode_join(request_id: int, bridge: int, name: str, members: Sequence[int]) -> bytes:
+    """JOIN (version 4, §3b): join the bridge called name, whose members are
+    these ranks of the topology in member order, as bridge id bridge of
+    this feed."""
+    check_bridge_id(bridge)
+    check_bridge(name, members)
+    body = struct.pack("<QII", request_id, bridge, 0) + _text(name) + struct.pack("<H", len(members))
+    body += struct.pack(f"<{len(members)}I", *members)
+    return _encode(Kind.JOIN, body)
 
 
 def encode_region(request_id: int, region_id: int, size: int) -> bytes:

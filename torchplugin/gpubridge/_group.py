@@ -6,6 +6,8 @@ runs discovery, then builds this rank's parts: its island group
 (:mod:`gpubridge._island`), and on a leader of a bridged group its end of the
 bridge (:mod:`gpubridge._endpoint`: gbbridge serve, the feed, the staging
 region); no rank returns before every rank has (:mod:`gpubridge._setup`).
+Any other rank gets an endpoint on its first cross-island need
+(:mod:`gpubridge._endpoints`).
 torch calls the collectives here: each call's arguments are checked
 (:mod:`gpubridge._checks`) and the collective goes to the group's worker
 (:mod:`gpubridge._worker`), which runs the algorithm
@@ -34,6 +36,7 @@ from gpubridge._checks import Checks
 from gpubridge._collectives import Collectives
 from gpubridge._discovery import store_address
 from gpubridge._endpoint import BridgeEndpoint
+from gpubridge._endpoints import Endpoints
 from gpubridge._failure import Breaker, read_pids
 from gpubridge._feed import Op
 from gpubridge._island import IslandGroup
@@ -79,7 +82,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         self._device = torch.device("cpu")
         self._stream: Any = None  # GPU: the worker's
         self._island: IslandGroup | None = None
-        self._endpoint: BridgeEndpoint | None = None
+        self._endpoints: Endpoints | None = None
         self._breaker = Breaker(store, rank, size, on_break=self._break_links, why_dead=self._dead_bridge)
         self._dir = _setup.private_dir()
         self.created = next(_CREATED)
@@ -105,10 +108,12 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             raise
         assert self._island is not None
         self._checks: Checks = Checks(size, self._device)
+        assert self._endpoints is not None
         self._algo: Collectives = Collectives(self._layout, self._island, self._endpoint, self._policy.codec)
         self._p2p: PointToPoint = PointToPoint(
-            group, self._layout, self._island, self._endpoint, self._breaker, self._device, timeout
-        )
+            group, self._layout, self._island, self._endpoints, self._breaker, self._device, timeout,
+            self._policy.p2p_chunk,
+        )  # fmt: skip
         compare = self._compare_calls if _check_calls.enabled() else None
         self._worker: Worker = Worker(group, self._device, self._stream, timeout, self._breaker, compare)
         w = self._worker
@@ -134,12 +139,18 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self._device = _setup.use_gpu(self._rank)  # only now: discovery passed
             self._stream = _gpu.new_stream(self._device)
         self._island = IslandGroup.join(self._store, layout, self._timeout)
+        self._endpoints = Endpoints(
+            self._dir, store_address(self._store), str(topo["namespace"]), layout, self._device, self._stream,
+            self._timeout, self._policy.bridge_reduce, self._policy.codec,
+        )  # fmt: skip
         if layout.bridged and layout.is_leader:
-            self._endpoint = BridgeEndpoint.start(
-                self._dir, store_address(self._store), str(topo["namespace"]), self._rank, layout.members,
-                self._device, self._stream, self._timeout, self._policy.bridge_reduce, self._policy.codec,
-            )  # fmt: skip
-            self._endpoint.connect()
+            self._endpoints.start_leader()
+
+    @property
+    def _endpoint(self) -> BridgeEndpoint | None:
+        """This rank's end of the bridge, if it has one up (a leader's from
+        the start; another rank's once it needed one)."""
+        return self._endpoints.current if self._endpoints is not None else None
 
     # ---- identity ----
 
@@ -452,14 +463,13 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         """After a failure: aborts the feed (gbbridge sends abort frames to
         the other members) and drops the island group (its closed
         connections wake the island's peers)."""
-        if self._endpoint is not None:
-            self._endpoint.abort()
+        if self._endpoints is not None:
+            self._endpoints.abort()
         if self._island is not None:
             self._island.abort()
 
     def _dead_bridge(self) -> str | None:
-        ep = self._endpoint
-        return ep.exit_reason() if ep is not None else None
+        return self._endpoints.exit_reason() if self._endpoints is not None else None
 
     def shutdown(self) -> None:
         self._close(abort=False)
@@ -484,9 +494,11 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
     def _release(self, abort: bool) -> None:
         """Stops gbbridge serve, drops the island group and the private
         directory (also when set-up failed half way)."""
-        ep, self._endpoint = self._endpoint, None
-        if ep is not None:
-            self.bridge_exit = ep.close(abort or self._breaker.error is not None)
+        eps = self._endpoints
+        if eps is not None:
+            rc = eps.close(abort or self._breaker.error is not None)
+            if rc is not None:
+                self.bridge_exit = rc
         if self._island is not None:
             self._island.close(abort)
         _setup.remove_private_dir(self._dir)

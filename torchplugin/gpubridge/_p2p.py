@@ -1,30 +1,114 @@
 """Point-to-point: send and recv inside an island on the native group (tags
-as the native group treats them); across islands between leaders only, on a
-region of their own, through gbbridge's tagged SEND/RECV (which never wait
-behind collectives). On GPUs across islands is refused for now (its staging
-copies are not written); between non-leaders of different islands a message
-would need a relay on both leaders, which do not take part in the call, so
-it is refused on both ranks, naming the leaders."""
+as the native group treats them); across islands between any two ranks
+through gbbridge's tagged SEND/RECV, which never wait behind collectives.
+
+Two island leaders use the leaders' bridge (bridge 0); any other pair a
+2-member bridge of its own, ``pair/<lo>-<hi>`` (gpubridge._endpoints),
+JOINed by both ranks on first use, on an endpoint started then if the rank
+has none (feed protocol 4). A tensor goes as messages of at most
+GPUBRIDGE_P2P_CHUNK bytes (a setting every rank shares, so both ends cut it
+alike) through a pooled feed region: on GPUs each chunk's copy to the host
+runs on a copy stream and its SEND starts once that copy is done, and each
+received chunk is copied to the GPU as soon as its RECV is done, so copies
+overlap the wire. Sends and receives are apart, so both directions can be
+in flight at once (1F1B does that).
+
+Order. Messages of one (peer, tag) keep their order: each transfer takes a
+ticket when it is called and issues its requests in ticket order. gbbridge
+runs every SEND and RECV request on a goroutine of its own, so two requests
+of one (peer, tag) in flight at once may reach the bridge in either order:
+the chunks of a (peer, tag) therefore go round-robin over LANES wire tags
+(``lane << 24 | tag``), and a lane takes its next request only once its
+previous one is done. Both ends count the chunks of the (peer, tag) alike,
+so chunk i is on lane i mod LANES on both, and up to LANES chunks are in
+flight. Tags across islands are therefore 0 to 2^24 - 1."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import queue
 import threading
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import torch
 
+from gpubridge import _gpu
 from gpubridge import _inflight as fl
 from gpubridge._dtypes import as_bytes
 from gpubridge._endpoint import BridgeEndpoint
+from gpubridge._endpoints import Endpoints, pair_bridge
 from gpubridge._failure import Breaker
-from gpubridge._feed import Kind
+from gpubridge._feed import Call, FeedClient, Kind, Span
 from gpubridge._island import IslandGroup
 from gpubridge._layout import Layout
 from gpubridge._worker import Task, Work
 
-__all__ = ["PointToPoint"]
+__all__ = ["PointToPoint", "Route"]
+
+_T = TypeVar("_T")
+
+
+class Route:
+    """Where a cross-island message to or from a peer goes: a bridge (name
+    None: bridge 0) and the peer's member index on it."""
+
+    __slots__ = ("member", "members", "name")
+
+    def __init__(self, name: str | None, members: tuple[int, ...], member: int) -> None:
+        self.name, self.members, self.member = name, members, member
+
+
+# Wire tags per (peer, tag): chunks in flight at once on one (peer, tag).
+LANES = 4
+_LANE_SHIFT = 24
+MAX_TAG = (1 << _LANE_SHIFT) - 1
+
+
+class _Channel:
+    """The messages of one direction, bridge, peer and tag: transfers issue
+    their requests in the order they were called (tickets), chunk i on lane
+    i mod LANES, one request per lane at a time."""
+
+    def __init__(self, tag: int) -> None:
+        self._cond = threading.Condition()
+        self._next = 0  # the next ticket handed out
+        self._turn = 0  # the ticket whose turn it is
+        self._tag = tag
+        self._chunks = 0  # chunks issued so far (in turn only)
+        self._lanes: list[Call | None] = [None] * LANES
+
+    def issue(self, start: Callable[[int], Call], secs: float) -> Call:
+        """In turn: starts the next chunk's request (start(wire tag)) on its
+        lane, once the lane's previous request finished."""
+        lane = self._chunks % LANES
+        self._chunks += 1
+        prev = self._lanes[lane]
+        if prev is not None:
+            prev.join(secs)
+        call = start(lane << _LANE_SHIFT | self._tag)
+        self._lanes[lane] = call
+        return call
+
+    def ticket(self) -> int:
+        with self._cond:
+            t = self._next
+            self._next += 1
+            return t
+
+    def wait_turn(self, ticket: int, secs: float, what: str) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._turn == ticket, secs):
+                raise RuntimeError(
+                    f"{what}: the transfer called before it with the same peer and tag was not issued "
+                    f"within {secs:g} s"
+                )
+
+    def done(self, ticket: int) -> None:
+        with self._cond:
+            self._turn = ticket + 1
+            self._cond.notify_all()
 
 
 class PointToPoint:
@@ -33,19 +117,34 @@ class PointToPoint:
         group: str,
         layout: Layout,
         island: IslandGroup,
-        endpoint: BridgeEndpoint | None,
+        endpoints: Endpoints,
         breaker: Breaker,
         device: torch.device,
         timeout: datetime.timedelta,
+        chunk: int,
     ) -> None:
         self._group = group
         self._layout = layout
         self._island = island
-        self._endpoint = endpoint
+        self._endpoints = endpoints
         self._breaker = breaker
         self._device = device
         self._timeout = timeout
-        self._threads: set[threading.Thread] = set()
+        self._chunk = chunk
+        self._runner = _Runner(f"gpubridge-{group}-p2p")
+        self._lock = threading.Lock()
+        self._channels: dict[Hashable, _Channel] = {}
+        self._d2h: Any = None  # GPU: the copy streams of the transfers, made on first use
+        self._h2d: Any = None
+
+    def route(self, peer: int) -> Route:
+        """The bridge of messages to or from peer (a rank of another
+        island)."""
+        lay = self._layout
+        if lay.is_leader and lay.island_of(peer).leader == peer:
+            return Route(None, lay.members, lay.members.index(peer))
+        name, members = pair_bridge(lay.rank, peer)
+        return Route(name, members, members.index(peer))
 
     def start(self, op: str, t: torch.Tensor, peer: int, tag: int) -> Any:
         """A send (op "send") or recv of t to or from rank peer; returns its
@@ -57,64 +156,244 @@ class PointToPoint:
         if peer_island.label == lay.island.label:
             local = lay.island.ranks.index(peer)
             return self._island.send(t, local, tag) if op == "send" else self._island.recv(t, local, tag)
-        if not (lay.is_leader and peer_island.leader == peer):
-            raise RuntimeError(
-                f"gpubridge: {op} between rank {lay.rank} (island {lay.island.label}) and rank {peer} "
-                f"(island {peer_island.label}): point-to-point across islands runs between island leaders "
-                f"only (ranks {', '.join(str(m) for m in lay.members)})"
-            )
-        if self._device.type == "cuda":
-            raise RuntimeError(
-                f"gpubridge: {op} across islands is not supported on GPUs yet (CPU tensors only)"
-            )
-        return self._bridged(op, t, lay.members.index(peer), tag)
+        return self._bridged(op, t, peer, tag)
+
+    def _channel(self, key: Hashable, tag: int) -> _Channel:
+        with self._lock:
+            ch = self._channels.get(key)
+            if ch is None:
+                ch = self._channels[key] = _Channel(tag)
+            return ch
+
+    def _streams(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._d2h is None:
+                self._d2h = _gpu.new_stream(self._device)
+                self._h2d = _gpu.new_stream(self._device)
+            return self._d2h, self._h2d
 
     def _bridged(self, op: str, t: torch.Tensor, peer: int, tag: int) -> Work:
-        """A send or recv between leaders over the bridge, on a region of its
-        own, completed by a thread of its own (SEND and RECV run concurrently
-        in gbbridge, so an isend/irecv pair never waits on the other)."""
-        assert self._endpoint is not None
-        feed = self._endpoint.feed
+        """A send or recv across islands, completed by a thread of its own
+        (SEND and RECV run concurrently in gbbridge, so an isend/irecv pair
+        never waits on the other)."""
         self._breaker.refuse(op)
-        fut: Any = torch.futures.Future()
-        src = as_bytes(t)
-        nb = src.numel()
-        region = feed.map_region(max(nb, 1))
-        box = {"host": torch.frombuffer(region.mem, dtype=torch.uint8, count=max(nb, 1))[:nb]}
-        if op == "send":
-            box["host"].copy_(src)
-        call = feed.start(Kind.SEND if op == "send" else Kind.RECV, region.span(0, nb), peer=peer, tag=tag)
+        if not 0 <= tag <= MAX_TAG:
+            raise RuntimeError(
+                f"gpubridge: {op} with tag {tag}: tags of point-to-point across islands are 0..{MAX_TAG}"
+            )
+        route = self.route(peer)
+        ch = self._channel((op, route.name, route.member, tag), tag)
+        ticket = ch.ticket()
+        gpu = self._device.type == "cuda"
+        fut: Any = torch.futures.Future(devices=[self._device]) if gpu else torch.futures.Future()
+        nb = t.numel() * t.element_size()
         entry = fl.Entry(self._group, 0, op, nb, fl.P2P, threading.current_thread().name)
         task = Task(entry, lambda e: None, fut, [t])
-
-        def run() -> None:
-            fl.enter(entry)
-            try:
-                d = call.wait()
-                if op == "recv":
-                    if d.nbytes != nb:
-                        raise RuntimeError(f"recv: got {d.nbytes} bytes, the tensor holds {nb}")
-                    src.copy_(box["host"])
-                task.done.set()
-                fut.set_result([t])
-            except BaseException as exc:
-                task.exc = self._breaker.fail(entry, exc)
-                task.done.set()
-                fut.set_exception(task.exc)
-            finally:
-                fl.leave()
-                box.clear()  # the view goes before its mapping
-                with contextlib.suppress(Exception):
-                    feed.release(region)
-                self._threads.discard(threading.current_thread())
-
-        th = threading.Thread(target=run, name=f"gpubridge-{self._group}-{op}", daemon=True)
-        self._threads.add(th)
-        th.start()
+        after: Any = None  # GPU: the caller's stream up to this call
+        if gpu:
+            d2h, h2d = self._streams()
+            after = _gpu.new_event()
+            after.record(torch.cuda.current_stream(self._device))
+            t.record_stream(d2h if op == "send" else h2d)
+        xfer = _Transfer(self, op, t, peer, tag, route, ch, ticket, task, after)
+        self._runner.submit(xfer.run)
         return Work(task, self._device, self._timeout)
 
     def join(self, secs: float) -> None:
-        """Waits (secs for each at most) for the bridged sends and recvs in
-        flight."""
-        for th in list(self._threads):
-            th.join(secs)
+        """Waits (secs at most) for the bridged sends and recvs in flight,
+        then lets the runner's threads go."""
+        self._runner.close(secs)
+
+
+class _Runner:
+    """The threads that run transfers, kept for the next one (starting a
+    thread costs about 0.1 ms, a good part of a small message's time). A
+    transfer never waits for a thread: when none is idle, one more starts
+    (transfers wait on their peers, and a bounded pool could wait on a peer
+    whose own pool waits on this one). At most _KEEP idle threads stay."""
+
+    _KEEP = 16
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._idle = 0  # threads waiting for work that no submit has claimed
+        self._threads = 0
+        self._busy = 0  # transfers submitted and not finished
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._busy += 1
+            if self._idle > 0:
+                self._idle -= 1
+            else:
+                self._threads += 1
+                threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+        self._q.put(fn)
+
+    def _loop(self) -> None:
+        while True:
+            fn = self._q.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+                    keep = self._idle < self._KEEP
+                    if keep:
+                        self._idle += 1
+                    else:
+                        self._threads -= 1
+            if not keep:
+                return
+
+    def close(self, secs: float) -> None:
+        """Waits (secs at most) until no transfer runs, then stops the idle
+        threads."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._busy == 0, secs)
+            n, self._idle = self._idle, 0
+            self._threads -= n
+        for _ in range(n):
+            self._q.put(None)
+
+
+class _Transfer:
+    """One cross-island send or recv, run on its own thread."""
+
+    def __init__(
+        self, p2p: PointToPoint, op: str, t: torch.Tensor, peer: int, tag: int, route: Route, ch: _Channel,
+        ticket: int, task: Task, after: Any,
+    ) -> None:  # fmt: skip
+        self.p, self.op, self.t, self.peer, self.tag = p2p, op, t, peer, tag
+        self.route, self.ch, self.ticket, self.task, self.after = route, ch, ticket, task, after
+        self.gpu = p2p._device.type == "cuda"
+        self.secs = p2p._timeout.total_seconds()
+        self.what = f"{op} {'to' if op == 'send' else 'from'} rank {peer} (tag {tag})"
+        self.passed = False  # this transfer's turn on its channel is over
+
+    def run(self) -> None:
+        p, task = self.p, self.task
+        fl.enter(task.entry)
+        ep: BridgeEndpoint | None = None
+        held: tuple[Any, torch.Tensor] | None = None
+        try:
+            ep = p._endpoints.get()
+            bridge = None if self.route.name is None else ep.join(self.route.name, self.route.members)
+            src = as_bytes(self.t)
+            n = src.numel()
+            held = ep.regions.acquire(max(n, 1))
+            region, host = held
+            step = p._chunk
+            spans = [(a, min(n, a + step)) for a in range(0, n, step)] or [(0, 0)]
+            sync: Any = None
+            if self.op == "send":
+                self._send(ep, bridge, src, host, region, spans)
+            else:
+                sync = self._recv(ep, bridge, src, host, region, spans)
+            task.event = sync
+            task.done.set()
+            if sync is not None:  # the region is reused once its copies are out
+                _gpu.wait_event(sync, f"the copies of a {self.what} to the GPU", self.secs)
+            task.fut.set_result([self.t])
+        except BaseException as exc:
+            self._pass_turn()
+            held = None  # the group breaks: its regions go with the feed
+            task.exc = p._breaker.fail(task.entry, RuntimeError(f"{self.what}: {exc}"))
+            task.done.set()
+            task.fut.set_exception(task.exc)
+        finally:
+            fl.leave()
+            if ep is not None and held is not None:
+                with contextlib.suppress(Exception):
+                    ep.regions.release(*held)
+
+    def _issue(self, fn: Callable[[], _T]) -> _T:
+        """Runs fn (which issues this transfer's requests) in its turn."""
+        self.ch.wait_turn(self.ticket, self.secs + 60.0, self.what)
+        try:
+            return fn()
+        finally:
+            self.passed = True
+            self.ch.done(self.ticket)
+
+    def _start(self, feed: FeedClient, kind: Kind, span: Span, bridge: int | None) -> Call:
+        """The request of one chunk, on its lane (in this transfer's turn)."""
+        peer = self.route.member
+        return self.ch.issue(
+            lambda wire: feed.start(kind, span, peer=peer, tag=wire, bridge=bridge), self.secs + 60.0
+        )
+
+    def _pass_turn(self) -> None:
+        """A transfer that failed before its turn still passes it on in
+        order, so those after it run (and fail on their own: the group is
+        broken now)."""
+        if not self.passed:
+            self.passed = True
+            with contextlib.suppress(Exception):
+                self.ch.wait_turn(self.ticket, self.secs + 60.0, self.what)
+            self.ch.done(self.ticket)
+
+    def _send(
+        self, ep: BridgeEndpoint, bridge: int | None, src: torch.Tensor, host: torch.Tensor, region: Any,
+        spans: list[tuple[int, int]],
+    ) -> None:  # fmt: skip
+        feed, p = ep.feed, self.p
+        ready: list[Any] = []
+        if self.gpu:
+            # Every chunk's copy to the host is queued at once on the copy
+            # stream, after the caller's work on the tensor; each SEND
+            # starts when its chunk's copy is done.
+            with _gpu.on_stream(p._device, p._d2h):
+                p._d2h.wait_event(self.after)
+                for a, b in spans:
+                    host[a:b].copy_(src[a:b], non_blocking=True)
+                    ev = _gpu.new_event()
+                    ev.record(p._d2h)
+                    ready.append(ev)
+
+        def issue() -> list[Call]:
+            calls = []
+            for k, (a, b) in enumerate(spans):
+                if self.gpu:
+                    _gpu.wait_event(ready[k], f"the copy of a {self.what} to the host", self.secs)
+                else:
+                    host[a:b].copy_(src[a:b])
+                calls.append(self._start(feed, Kind.SEND, region.span(a, b - a), bridge))
+            return calls
+
+        for c in self._issue(issue):
+            c.wait()
+
+    def _recv(
+        self, ep: BridgeEndpoint, bridge: int | None, dst: torch.Tensor, host: torch.Tensor, region: Any,
+        spans: list[tuple[int, int]],
+    ) -> Any:  # fmt: skip
+        """Returns the event after the copies to the GPU (None on CPU)."""
+        feed, p = ep.feed, self.p
+        calls = self._issue(
+            lambda: [self._start(feed, Kind.RECV, region.span(a, b - a), bridge) for a, b in spans]
+        )
+        if self.gpu:
+            p._h2d.wait_event(self.after)
+        for (a, b), c in zip(spans, calls, strict=True):
+            got = c.wait().nbytes
+            if got != b - a:
+                raise RuntimeError(
+                    f"bytes [{a}, {b}) of the tensor ({dst.numel()} bytes): got a message of {got} bytes "
+                    f"(the sender's tensor has another size, or GPUBRIDGE_P2P_CHUNK differs)"
+                )
+            if self.gpu:
+                with _gpu.on_stream(p._device, p._h2d):
+                    dst[a:b].copy_(host[a:b], non_blocking=True)
+            else:
+                dst[a:b].copy_(host[a:b])
+        if not self.gpu:
+            return None
+        ev = _gpu.new_event()
+        ev.record(p._h2d)
+        return ev

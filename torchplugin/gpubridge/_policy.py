@@ -1,7 +1,9 @@
 """The settings every rank of a group must agree on, read when the group is
 created: ``GPUBRIDGE_COMPRESSION`` (the codec of the bridged collectives,
-docs/COMPRESSION.md "Compression on the bridge") and
-``GPUBRIDGE_BRIDGE_REDUCE`` (where two island leaders reduce).
+docs/COMPRESSION.md "Compression on the bridge"), ``GPUBRIDGE_BRIDGE_REDUCE``
+(where two island leaders reduce) and ``GPUBRIDGE_P2P_CHUNK`` (the bytes of
+one bridged message of a point-to-point transfer: both ends must cut a
+tensor alike).
 
 Both go to discovery as settings (``--setting compression=fp8``), so a rank
 that says otherwise fails every rank there, naming it; a value that is no
@@ -21,15 +23,31 @@ import torch
 from gpubridge._feed_protocol import Codec, Op
 
 __all__ = [
+    "DEFAULT_P2P_CHUNK",
     "REDUCE_MODES",
     "Policy",
     "codec_takes",
     "for_all_reduce",
     "for_transfer",
+    "parse_bytes",
     "parse_codec",
 ]
 
 REDUCE_MODES: Final = ("auto", "host", "caller")
+DEFAULT_P2P_CHUNK: Final = 4 << 20
+_UNITS: Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_bytes(v: str) -> int:
+    """A byte count: digits with an optional K, M or G (powers of 1024, any
+    case, an optional B or iB after). ValueError otherwise."""
+    s = v.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = s[-1:] if s[-1:] in ("k", "m", "g") else ""
+    digits = s[: len(s) - len(unit)]
+    if not digits.isdigit():
+        raise ValueError(f"{v!r} is not a byte count")
+    return int(digits) * _UNITS[unit]
+
 
 # The names lib/codec's Parse takes (with or without "/v1", any case).
 _NAMES: Final[dict[str, Codec]] = {
@@ -86,6 +104,7 @@ class Policy:
     codec: Codec = Codec.RAW
     bridge_reduce: str = "auto"
     problems: list[str] = field(default_factory=list)
+    p2p_chunk: int = DEFAULT_P2P_CHUNK
 
     @classmethod
     def read(cls) -> Policy:
@@ -102,9 +121,25 @@ class Policy:
         if mode not in REDUCE_MODES:
             problems.append(f"GPUBRIDGE_BRIDGE_REDUCE={mode!r} is not one of {', '.join(REDUCE_MODES)}")
             mode = "auto"
-        return cls(codec, mode, problems)
+        chunk_s = os.environ.get("GPUBRIDGE_P2P_CHUNK", "")
+        chunk = DEFAULT_P2P_CHUNK
+        if chunk_s:
+            try:
+                chunk = parse_bytes(chunk_s)
+                if chunk < 1:
+                    raise ValueError(chunk_s)
+            except ValueError:
+                chunk = DEFAULT_P2P_CHUNK
+                problems.append(
+                    f"GPUBRIDGE_P2P_CHUNK={chunk_s!r} is not a byte count of at least 1 (e.g. 4M)"
+                )
+        return cls(codec, mode, problems, chunk)
 
     def settings(self) -> dict[str, str]:
         """What discovery compares between ranks (a rank with a problem is
         left out of the comparison: its problem fails discovery already)."""
-        return {"compression": str(self.codec), "bridge_reduce": self.bridge_reduce}
+        return {
+            "compression": str(self.codec),
+            "bridge_reduce": self.bridge_reduce,
+            "p2p_chunk": str(self.p2p_chunk),
+        }

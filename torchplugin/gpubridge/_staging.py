@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from gpubridge import _gpu
 from gpubridge import _inflight as fl
 from gpubridge._feed import FeedClient, FeedError, Region
 
-__all__ = ["Staging"]
+__all__ = ["RegionPool", "Staging"]
 
 MIN_REGION = 1 << 20
 
@@ -94,3 +95,70 @@ class Staging:
         stream on GPUs."""
         e.set_step(fl.COPY_BACK)
         dst.copy_(host, non_blocking=self._gpu)
+
+
+class RegionPool:
+    """Feed regions for point-to-point transfers, several in use at once
+    (a send and a recv both in flight, each on a region of its own), kept
+    for reuse: sizes are powers of two from 1 MiB, page-locked once on
+    GPUs (a cudaHostRegister of 64 MiB costs milliseconds). At most
+    keep_bytes of free regions are kept; the rest are released."""
+
+    def __init__(self, feed: FeedClient, device: torch.device, keep_bytes: int = 512 << 20) -> None:
+        self._feed = feed
+        self._gpu = device.type == "cuda"
+        self._keep = keep_bytes
+        self._lock = threading.Lock()
+        self._free: dict[int, list[tuple[Region, torch.Tensor]]] = {}
+        self._free_bytes = 0
+        self._closed = False
+
+    def acquire(self, nbytes: int) -> tuple[Region, torch.Tensor]:
+        """A region of at least nbytes and a uint8 tensor over all of it."""
+        size = max(MIN_REGION, 1 << max(0, nbytes - 1).bit_length())
+        with self._lock:
+            if self._closed:
+                raise FeedError("gpubridge: the endpoint is closed")
+            free = self._free.get(size)
+            if free:
+                self._free_bytes -= size
+                return free.pop()
+        r = self._feed.map_region(size)
+        t = torch.frombuffer(r.mem, dtype=torch.uint8, count=size)
+        if self._gpu:
+            try:
+                _gpu.host_register(t.data_ptr(), size, f"the {size}-byte point-to-point region")
+            except BaseException:
+                del t
+                with contextlib.suppress(FeedError):
+                    self._feed.release(r)
+                raise
+        return r, t
+
+    def release(self, region: Region, t: torch.Tensor) -> None:
+        """Gives a region back (its copies done)."""
+        with self._lock:
+            if not self._closed and self._free_bytes + region.size <= self._keep:
+                self._free.setdefault(region.size, []).append((region, t))
+                self._free_bytes += region.size
+                return
+        self._drop(region, t)
+
+    def _drop(self, region: Region, t: torch.Tensor) -> None:
+        if self._gpu:
+            _gpu.host_unregister(t.data_ptr())
+        del t
+        if self._feed.error is None:
+            with contextlib.suppress(FeedError):
+                self._feed.release(region)
+
+    def close(self) -> None:
+        """Releases the free regions; those in use go with the feed."""
+        with self._lock:
+            self._closed = True
+            free = [x for lst in self._free.values() for x in lst]
+            self._free.clear()
+            self._free_bytes = 0
+        for r, t in free:
+            with contextlib.suppress(Exception):
+                self._drop(r, t)

@@ -8,7 +8,10 @@ argv: OUTDIR VICTIM MODE WORKLOAD.
   SIGKILLs its own gbbridge serve child and carries on).
 - WORKLOAD: ``loop`` (an all_reduce of a 256 KiB gradient per step), ``ddp``
   (DistributedDataParallel) or ``fsdp`` (FSDP2's fully_shard on the world
-  mesh), each on a small model.
+  mesh), each on a small model; or ``p2p`` (2+2: per step each rank
+  exchanges 64 KiB with the rank at its place in the other island, both
+  directions at once, so the non-leaders have endpoints of their own, then
+  an all_reduce).
 
 The fault comes at step 5. Every rank that is still running writes
 OUTDIR/rank<R>.json with the error it got, when, and what
@@ -94,7 +97,20 @@ def model() -> nn.Module:
 threading.Thread(target=watchdog, daemon=True).start()
 step = 0
 try:
-    if workload == "loop":
+    if workload == "p2p":
+        world = dist.get_world_size()
+        peer = (rank + world // 2) % world
+        mine, got, grad = torch.full((1 << 14,), float(rank)), torch.zeros(1 << 14), torch.ones(1 << 10)
+        for step in range(1000):
+            if step == FAULT_STEP and rank == victim:
+                fault()
+            works = [dist.isend(mine, peer, tag=1), dist.irecv(got, peer, tag=1)]
+            for w in works:
+                w.wait()
+            assert torch.equal(got, torch.full((1 << 14,), float(peer))), got[:4]
+            dist.all_reduce(grad)
+            time.sleep(0.01)
+    elif workload == "loop":
         grad = torch.ones(1 << 16)
         for step in range(1000):
             if step == FAULT_STEP and rank == victim:

@@ -66,12 +66,14 @@ def test_bad_codec_names(name: str) -> None:
 def test_policy_settings_and_problems(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GPUBRIDGE_COMPRESSION", raising=False)
     monkeypatch.delenv("GPUBRIDGE_BRIDGE_REDUCE", raising=False)
+    monkeypatch.delenv("GPUBRIDGE_P2P_CHUNK", raising=False)
     p = Policy.read()
     assert (p.codec, p.bridge_reduce, p.problems) == (Codec.RAW, "auto", [])
-    assert p.settings() == {"compression": "raw", "bridge_reduce": "auto"}
+    chunk = str(4 << 20)
+    assert p.settings() == {"compression": "raw", "bridge_reduce": "auto", "p2p_chunk": chunk}
     monkeypatch.setenv("GPUBRIDGE_COMPRESSION", "MXFP8/v1")
     monkeypatch.setenv("GPUBRIDGE_BRIDGE_REDUCE", "caller")
-    assert Policy.read().settings() == {"compression": "fp8", "bridge_reduce": "caller"}
+    assert Policy.read().settings() == {"compression": "fp8", "bridge_reduce": "caller", "p2p_chunk": chunk}
     monkeypatch.setenv("GPUBRIDGE_COMPRESSION", "fp4")
     monkeypatch.setenv("GPUBRIDGE_BRIDGE_REDUCE", "gpu")
     assert Policy.read().problems == [
@@ -158,7 +160,7 @@ class _OldServer:
 
 @pytest.mark.parametrize("version", [2, 3])
 def test_feed_client_and_server_versions(version: int) -> None:
-    """The client offers versions 1..3 and takes a server of version 2 too:
+    """The client offers versions 1..4 and takes a server of version 2 too:
     raw requests say codec 0 and carry no extension; a codec or an
     error-feedback key is refused before anything is sent unless the
     server speaks version 3."""

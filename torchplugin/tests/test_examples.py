@@ -4,6 +4,7 @@ one does (ci/demo.sh runs the DDP example in full)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ needs_tools = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("example", ["ddp_train.py", "fsdp_train.py"])
+@pytest.mark.parametrize("example", ["ddp_train.py", "fsdp_train.py", "pipeline_train.py"])
 def test_help_needs_neither_torch_nor_gpubridge(tmp_path: Path, example: str) -> None:
     """python -S -I: no site-packages (so no torch) and no PYTHONPATH."""
     cmd = [sys.executable, "-S", "-I", str(EXAMPLES / example)]
@@ -51,3 +52,26 @@ def test_fsdp_example_reports_the_bridge(tmp_path: Path) -> None:
     bridge = [ln for ln in lines if ln.startswith("bridge: ")]
     assert len(bridge) == 1 and bridge[0].startswith("bridge: leaders [0, 1] over "), p.stderr[-3000:]
     assert any(ln.endswith("parameters identical on every rank") for ln in lines), p.stderr[-3000:]
+
+
+@needs_tools
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_example_is_exact(tmp_path: Path, schedule: str) -> None:
+    """Stage 0 on the nvidia island, stage 1 on the amd one: activations and
+    their gradients cross over gpubridge's point-to-point, and every rank's
+    parameters and the last stage's losses equal a single-process run of
+    the same schedule's arithmetic bit for bit (--check)."""
+    env = dict(os.environ, PYTHONPATH=str(PKG), GPUBRIDGE_BIN_DIR=str(BIN), OMP_NUM_THREADS="1")
+    env["GPUBRIDGE_SIM_VENDORS"] = "nvidia,amd"
+    for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE", "GPUBRIDGE_P2P_CHUNK"):
+        env.pop(k, None)
+    env["GPUBRIDGE_P2P_CHUNK"] = "2K"  # an activation (8 KiB) goes as several messages
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(EXAMPLES / "pipeline_train.py"), "--schedule", schedule, "--steps", "3", "--check", "--json"]
+    cmd += ["--dim", "32", "--layers", "2", "--seq-len", "32", "--vocab", "64"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scale(180))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert sorted(r["stage"] for r in rows) == [0, 1], p.stdout
+    assert all(r["check"] == "bit-exact" and r["schedule"] == schedule for r in rows), rows
+    assert "island nvidia: ranks [0], leader 0, gloo" in p.stderr, p.stderr[-3000:]

@@ -172,6 +172,32 @@ def test_killed_rank_without_call_checks(tmp_path: Path, workload: str, victim: 
 
 
 @needs_tools
+def test_killed_non_leader_with_an_endpoint(tmp_path: Path) -> None:
+    """2+2, every rank exchanging with its counterpart in the other island,
+    so non-leaders 1 and 3 run gbbridge serve of their own (pair/1-3): rank 3
+    SIGKILLed fails every survivor with one root cause naming it, and no
+    gbbridge serve is left (rank 3's goes with it: PDEATHSIG, though it was
+    started from a thread that is not the main one)."""
+    out = run_fault(tmp_path, TWO_TWO, 3, "kill", "p2p")
+    cause = root_causes(out, [0, 1, 2])
+    assert f"rank 3 (pid {out.pids[3]}) no longer running" in cause, cause
+    check_in_time(out, [0, 1, 2], TIMEOUT_S + scale(10))
+    check_clean(out, tmp_path)
+
+
+@needs_tools
+def test_killed_endpoint_of_a_non_leader(tmp_path: Path) -> None:
+    """As test_killed_bridge for the gbbridge serve rank 3 (no leader)
+    started on its first exchange: every rank, rank 3 too, fails naming
+    that process."""
+    out = run_fault(tmp_path, TWO_TWO, 3, "bridge", "p2p")
+    cause = root_causes(out, [0, 1, 2, 3])
+    assert f"gbbridge serve of rank 3 (pid {out.fault['pid']})" in cause, cause
+    check_in_time(out, [0, 1, 2, 3], TIMEOUT_S + scale(10))
+    check_clean(out, tmp_path)
+
+
+@needs_tools
 def test_killed_rank_3_1_non_leader(tmp_path: Path) -> None:
     out = run_fault(tmp_path, ["nvidia", "nvidia", "nvidia", "amd"], 1, "kill", "loop")
     cause = root_causes(out, [0, 2, 3])

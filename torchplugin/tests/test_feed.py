@@ -38,6 +38,7 @@ from gpubridge._feed import (
     RequestError,
     Status,
 )
+from gpubridge._feed_protocol import VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / "bin"
@@ -150,7 +151,9 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             )  # fmt: skip
         for rank, b in enumerate(bridges):
             r = b.wait_ready(TIMEOUT)
-            assert r["member"] == rank and r["members"] == 2 and r["feed_version"] == 4 and r["bridge0"], r
+            assert (
+                r["member"] == rank and r["members"] == 2 and r["feed_version"] == VERSION and r["bridge0"]
+            ), r
 
         def connect(rank: int) -> FeedClient:
             return FeedClient.connect(bridges[rank].feed, timeout=TIMEOUT, request_timeout=TIMEOUT)
@@ -159,7 +162,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             clients = list(ex.map(connect, [0, 1]))
         for rank, c in enumerate(clients):
             assert c.member == rank and c.members == 2
-            assert c.welcome is not None and c.welcome.version == 3 and c.codecs
+            assert c.welcome is not None and c.welcome.version == VERSION and c.codecs and c.bridges
 
         yield Pair(store, bridges, clients, procs)
 

@@ -36,6 +36,7 @@ TORCH = {
     "gpubridge._collectives": "the algorithms on tensors",
     "gpubridge._p2p": "send and recv of tensors",
     "gpubridge._endpoint": "copies of tensors into the feed region",
+    "gpubridge._endpoints": "the device of the endpoint it starts (through gpubridge._endpoint)",
     "gpubridge._combine": "the caller's reduction of tensors",
     "gpubridge._staging": "the feed region as a tensor",
     "gpubridge._island": "the native island group",
