@@ -39,7 +39,7 @@ run() {  # run NAME BACKEND SCHEDULE: 2 ranks, rows appended
     unset GPUBRIDGE_SIM_VENDORS GPUBRIDGE_SPLIT_TEST
     grep '^{' "$log" >> "$rows"
   elif [ "$backend" = gpubridge ]; then
-    GPUBRIDGE_SPLIT_TEST=node two_nodes "${GB_LIMIT_S:-240}" "$log" examples/pipeline_train.py \
+    GPUBRIDGE_SPLIT_TEST=half two_nodes "${GB_LIMIT_S:-240}" "$log" examples/pipeline_train.py \
       --backend gpubridge --schedule "$sched" --json "${args[@]}" || rc=1
     cat "$log".0 "$log".1 | grep '^{' >> "$rows"
   else
