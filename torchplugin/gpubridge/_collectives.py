@@ -131,9 +131,16 @@ class Collectives:
         full = flat if n == k * s else torch.zeros(k * s, dtype=t.dtype, device=t.device)
         if full is not flat:
             full[:n].copy_(flat)
-        shard = torch.empty(s, dtype=t.dtype, device=t.device)
-        self._island.reduce_scatter(e, shard, full, op)  # full is scratch from here
         i = lay.island_rank
+        if self._island.gloo:
+            # Gloo's reduce_scatter all-reduces the whole input: k reduces of
+            # one shard each (onto the rank that bridges it) move half as much.
+            for j in range(k):
+                self._island.reduce(e, full[j * s : (j + 1) * s], op, root_local=j)
+            shard = full[i * s : (i + 1) * s].clone()
+        else:
+            shard = torch.empty(s, dtype=t.dtype, device=t.device)
+            self._island.reduce_scatter(e, shard, full, op)  # full is scratch from here
         name, members = shard_bridge(lay, i)
         all_reduce_on(self._endpoint_now(), e, shard, name, members, Op.SUM if op == Op.AVG else op, c)
         if op == Op.AVG:

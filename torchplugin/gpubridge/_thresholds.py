@@ -87,7 +87,11 @@ class Thresholds:
         return json.dumps(doc, indent=1, sort_keys=False) + "\n"
 
 
-# Measured on the dev box (2 cores, 4 CPU ranks as 2 + 2, shm bridges;
-# docs/BENCHMARKS.md, "all_reduce policies"). Rewritten from the numbers
-# there; a job measures its own with gpubridge.tune.
-BUILTIN: Final = Thresholds(flat_max_bytes=-1, sharded_min_bytes=-1)
+# From the dev box (2 cores, 4 CPU ranks as 2 + 2, shm bridges; docs/
+# BENCHMARKS.md, "all_reduce policies"): flat beat reduce-bridge-broadcast
+# at every size measured, and sharded never did. Flat stops at 32 KiB,
+# gbbridge's recursive doubling range: above it the simulation pits Gloo
+# over loopback TCP (its islands) against shared memory, which says
+# nothing of NCCL islands on GPUs. A job measures its own with
+# gpubridge.tune.
+BUILTIN: Final = Thresholds(flat_max_bytes=32 << 10, sharded_min_bytes=-1)

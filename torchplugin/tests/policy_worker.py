@@ -1,7 +1,7 @@
 """A rank of a test job of the all_reduce policies (run by torchrun from
 test_policies.py).
 
-argv: VENDORS OUTDIR POLICY [MODE]. VENDORS as in backend_worker.py
+argv: VENDORS OUTDIR POLICY [MODE [THRESHOLDS]]. VENDORS as in backend_worker.py
 (VENDOR:NAME for a third island); POLICY goes to GPUBRIDGE_POLICY ("rank1:P"
 gives rank 1 policy P and the others "sharded": a mismatch). MODE:
 
@@ -10,8 +10,8 @@ gives rank 1 policy P and the others "sharded": a mismatch). MODE:
   order), and of random float32 data bit for bit against the policy's
   documented reference order (gpubridge._policies), computed here from
   every rank's input, and the same on every rank;
-- ``tiny``: a 4-byte and a 4000-byte all_reduce (the test's thresholds file
-  sends the first flat);
+- ``tiny``: a 4-byte and a 4000-byte all_reduce (the thresholds file
+  THRESHOLDS sends the first flat);
 - ``leaders``: all_reduces of a few sizes only.
 
 Writes OUTDIR/rank<R>.json: {"ok": true, ...} or {"error": text}.
@@ -39,6 +39,8 @@ if island:
 if policy.startswith("rank1:"):
     policy = policy.removeprefix("rank1:") if rank == 1 else "sharded"
 os.environ["GPUBRIDGE_POLICY"] = policy
+if len(sys.argv) > 5:
+    os.environ["GPUBRIDGE_THRESHOLDS"] = sys.argv[5]
 
 import gpubridge  # noqa: E402,F401  (registers the backend)
 

@@ -25,8 +25,11 @@ WORKER = HERE / "policy_worker.py"
 V22 = ["nvidia", "nvidia", "amd", "amd"]
 
 
-def launch(tmp_path: Path, vendors: list[str], policy: str, mode: str = "check") -> list[dict[str, Any]]:
-    rc, results, out = run_job(tmp_path, WORKER, len(vendors), [",".join(vendors), str(tmp_path), policy, mode])
+def launch(
+    tmp_path: Path, vendors: list[str], policy: str, mode: str = "check", *extra: str
+) -> list[dict[str, Any]]:
+    args = [",".join(vendors), str(tmp_path), policy, mode, *extra]
+    rc, results, out = run_job(tmp_path, WORKER, len(vendors), args)
     for r, res in enumerate(results):
         assert res.get("ok"), f"rank {r}: {res.get('error')}\n{out[-6000:]}"
     assert rc == 0, out[-6000:]
@@ -115,11 +118,10 @@ def test_policy_bit_for_bit(tmp_path: Path, policy: str, vendors: list[str], ran
 
 
 @needs_tools
-def test_auto_sends_a_tiny_all_reduce_flat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_sends_a_tiny_all_reduce_flat(tmp_path: Path) -> None:
     f = tmp_path / "thresholds.json"
     f.write_text(Thresholds(flat_max_bytes=64, sharded_min_bytes=-1).to_json({}))
-    monkeypatch.setenv("GPUBRIDGE_THRESHOLDS", str(f))
-    results = launch(tmp_path, V22, "auto", "tiny")
+    results = launch(tmp_path, V22, "auto", "tiny", str(f))
     for r, res in enumerate(results):
         assert res["policies"] == {"flat": 1, "reduce-bridge-broadcast": 1}, (r, res["policies"])
         assert "flat" in res["bridges"], (r, res["bridges"])
