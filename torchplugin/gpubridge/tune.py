@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpubridge.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--write-thresholds", metavar="FILE", required=True, help="where rank 0 writes them")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per all_reduce (default {DEFAULT_SIZES})")
-    p.add_argument("--iters", type=int, default=20, help="calls per policy and size, in 4 rounds (at least 4)")
+    p.add_argument(
+        "--iters", type=int, default=20, help="calls per policy and size, in 4 rounds (at least 4)"
+    )
     p.add_argument("--timeout", type=int, default=600, help="seconds, for the process groups")
     args = p.parse_args(argv)
     sizes = sorted({max(4, parse_bytes(s) // 4 * 4) for s in args.sizes.split(",") if s.strip()})
@@ -106,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                 times[k] += _timed(pg, t, k, max(1, iters // 4), want)
         med = torch.tensor([statistics.median(times[k]) for k in policies], dtype=torch.float64)
         dist.all_reduce(med, op=dist.ReduceOp.MAX, group=gloo)
-        row = {"bytes": size, "iters": len(times[RBB]), "us": {k: round(v * 1e6, 1) for k, v in zip(policies, med.tolist(), strict=True)}}
-        rows.append(row)
+        us = {k: round(v * 1e6, 1) for k, v in zip(policies, med.tolist(), strict=True)}
+        rows.append({"bytes": size, "iters": len(times[RBB]), "us": us})
         if rank == 0:
-            print(f"gpubridge.tune: {size} bytes: " + ", ".join(f"{k} {v} us" for k, v in row["us"].items()), file=sys.stderr)
+            line = ", ".join(f"{k} {v} us" for k, v in us.items())
+            print(f"gpubridge.tune: {size} bytes: {line}", file=sys.stderr)
     th = pick(rows)
     if rank == 0:
         doc = th.to_json(

@@ -19,6 +19,7 @@ from gpubridge._layout import Island, Layout
 from gpubridge._policies import choose, flat_bridge, shard_bridge, shard_count
 from gpubridge._policy import Policy
 from gpubridge._thresholds import BUILTIN, SCHEMA, Thresholds, ThresholdsError
+from gpubridge.tune import pick
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "policy_worker.py"
@@ -142,3 +143,21 @@ def test_reduce_bridge_broadcast_starts_no_extra_serve(tmp_path: Path) -> None:
         assert res["policies"] == {"reduce-bridge-broadcast": 3}, (r, res)
         assert res["endpoint"] == (res["role"] == "leader") and not res["lazily_started"], (r, res)
         assert res["bridges"] == [], (r, res)
+
+
+def test_tune_picks_thresholds_from_measurements() -> None:
+    """flat up to the last size of its unbroken lead over
+    reduce-bridge-broadcast; sharded from the first size of its unbroken
+    lead over both, above flat's range."""
+    rbb, flat, sh = "reduce-bridge-broadcast", "flat", "sharded"
+
+    def row(n: int, r: float, f: float, s: float | None = None) -> dict[str, Any]:
+        return {"bytes": n, "us": {rbb: r, flat: f, **({sh: s} if s is not None else {})}}
+
+    rows = [row(4, 10, 5, 20), row(64, 10, 6, 20), row(1024, 10, 12, 20), row(1 << 20, 100, 120, 60)]
+    rows.append(row(1 << 24, 900, 950, 500))
+    assert (pick(rows).flat_max_bytes, pick(rows).sharded_min_bytes) == (64, 1 << 20)
+    rows[3] = row(1 << 20, 100, 120, 110)  # lead broken at 1 MiB: from 16 MiB
+    assert pick(rows).sharded_min_bytes == 1 << 24
+    no_shards = [row(4, 10, 50), row(64, 10, 5)]  # flat behind at the smallest size: never
+    assert (pick(no_shards).flat_max_bytes, pick(no_shards).sharded_min_bytes) == (-1, -1)
