@@ -64,7 +64,7 @@ class Collectives:
         self.thresholds = thresholds
         # all_reduces across islands per policy that ran, for the stats
         self.policy_calls: dict[str, int] = {}
-        self._said: set[str] = set()  # fallbacks already logged
+        self.fallbacks: list[str] = []  # why a policy fell back, each said once
 
     def _bridge(self) -> BridgeEndpoint:
         """The leader's endpoint (bridge 0)."""
@@ -95,8 +95,8 @@ class Collectives:
         c = for_all_reduce(self.codec if codec is None else codec, t.dtype, op)
         e.codec = str(c)
         ch = choose(policy or self.policy, self.thresholds, lay, t.numel() * t.element_size(), c.lossy)
-        if ch.fallback is not None and ch.fallback not in self._said:
-            self._said.add(ch.fallback)
+        if ch.fallback is not None and ch.fallback not in self.fallbacks:
+            self.fallbacks.append(ch.fallback)
             log.warning("gpubridge: rank %d: %s", lay.rank, ch.fallback)
         self.policy_calls[ch.policy] = self.policy_calls.get(ch.policy, 0) + 1
         if ch.policy == FLAT:

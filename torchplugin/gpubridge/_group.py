@@ -207,6 +207,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         return {
             "schema": "gpubridge.stats/v1", "rank": self._rank, "collectives": w.seq, "ops": w.stats(),
             "all_reduce_policies": dict(self._algo.policy_calls),
+            "all_reduce_fallbacks": list(self._algo.fallbacks),
         }  # fmt: skip
 
     @property

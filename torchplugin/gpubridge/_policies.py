@@ -17,7 +17,8 @@ the bridges the every-rank policies run on.
   bridge's member order; shard 0 reuses bridge 0 when its members are the
   leaders), all k bridges at once, island all_gather. Islands of unequal
   size (3+1) or of one rank fall back to reduce-bridge-broadcast (said once
-  in the log; the group's stats count the calls under the policy that ran).
+  in the log and in the group's stats, ``all_reduce_fallbacks``; the stats
+  count the calls under the policy that ran).
 - ``auto``: flat up to the thresholds' flat_max_bytes, sharded from
   sharded_min_bytes when the islands are equal, reduce-bridge-broadcast
   between (gpubridge._thresholds).

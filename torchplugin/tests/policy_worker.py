@@ -179,6 +179,7 @@ def main() -> int:
         "role": topo["self"]["role"],
         "islands": [i["ranks"] for i in topo["islands"]],
         "policies": pg.stats()["all_reduce_policies"],
+        "fallbacks": pg.stats()["all_reduce_fallbacks"],
         "endpoint": ep is not None,
         "lazily_started": pg._endpoints.lazily_started,
         "bridges": ep.bridges if ep is not None else [],
