@@ -8,12 +8,17 @@ dist.new_group(backend="gloo") after init). One torchrun worker per rank.
 Usage:
     torchrun --standalone --nproc-per-node 4 bench/gpu/plugin_overhead.py OUT.jsonl
         [--iters 2000] [--warmup 200] [--rounds 10] [--size 4] [--check-calls]
+        [--policies flat,reduce-bridge-broadcast]
 
 With --check-calls a second gpubridge group, made with GPUBRIDGE_CHECK_CALLS=1,
 is timed in the same alternating blocks: the row then gives the call checks'
 cost per call (check_calls_cost_median_us) against the same group without them.
 
-Both groups are warmed up, then timed in --rounds alternating blocks (the
+With --policies, one more gpubridge group per policy, made with
+GPUBRIDGE_POLICY set to it (the default group runs the job's own, auto
+unless set), is timed in the same blocks: rows "policy:<name>".
+
+The groups are warmed up, then timed in --rounds alternating blocks (the
 order flips every round, so drift and neighbours hit both alike); every call
 is timed on its own with a monotonic clock, back to back, the tensor refilled
 (untimed) before each call and checked after the last. The row gives median,
@@ -71,6 +76,11 @@ def main() -> int:
         action="store_true",
         help="also time a second gpubridge group made with GPUBRIDGE_CHECK_CALLS=1 (the cost of call checks)",
     )
+    p.add_argument(
+        "--policies",
+        default="",
+        help="comma-separated GPUBRIDGE_POLICY values: one more gpubridge group timed per policy",
+    )
     args = p.parse_args()
 
     rank = int(os.environ["RANK"])
@@ -86,6 +96,15 @@ def main() -> int:
         timeout = timedelta(seconds=args.timeout)
         groups["gpubridge_checked"] = dist.new_group(backend="gpubridge", timeout=timeout)
         os.environ["GPUBRIDGE_CHECK_CALLS"] = "0"
+    for pol in [x for x in args.policies.split(",") if x]:
+        # The policy is a group's setting, read when it is made.
+        old = os.environ.get("GPUBRIDGE_POLICY")
+        os.environ["GPUBRIDGE_POLICY"] = pol
+        groups[f"policy:{pol}"] = dist.new_group(backend="gpubridge", timeout=timedelta(seconds=args.timeout))
+        if old is None:
+            del os.environ["GPUBRIDGE_POLICY"]
+        else:
+            os.environ["GPUBRIDGE_POLICY"] = old
 
     t = torch.empty(max(1, args.size // 4), dtype=torch.float32)
     fill = float(rank + 1)
@@ -134,6 +153,7 @@ def main() -> int:
         "gloo": stats["gloo"],
         "ratio_median": stats["gpubridge"]["median_us"] / stats["gloo"]["median_us"],
         "ratio_p90": stats["gpubridge"]["p90_us"] / stats["gloo"]["p90_us"],
+        "ratio_p99": stats["gpubridge"]["p99_us"] / stats["gloo"]["p99_us"],
         "ratio_slowest_rank_median": stats["gpubridge"]["slowest_rank_median_us"]
         / stats["gloo"]["slowest_rank_median_us"],
         "gpubridge_version": getattr(gb, "__version__", None),
@@ -147,6 +167,11 @@ def main() -> int:
         row["gpubridge_checked"] = c
         row["check_calls_cost_median_us"] = c["median_us"] - stats["gpubridge"]["median_us"]
         row["check_calls_ratio_median"] = c["median_us"] / stats["gpubridge"]["median_us"]
+    for k in groups:
+        if k.startswith("policy:"):
+            row[k] = stats[k]
+            row[f"{k}:ratio_median"] = stats[k]["median_us"] / stats["gloo"]["median_us"]
+            row[f"{k}:ratio_p99"] = stats[k]["p99_us"] / stats["gloo"]["p99_us"]
     if isinstance(topo, dict):
         row["islands"] = [i.get("ranks") for i in topo.get("islands", [])]
         row["bridge"] = (topo.get("bridge") or {}).get("transport")
@@ -166,7 +191,12 @@ def main() -> int:
             f"plugin_overhead: {world} ranks, {row['size']}-byte all_reduce x {row['iters']}: "
             f"gpubridge median {g['median_us']:.1f} us p90 {g['p90_us']:.1f} us; "
             f"gloo median {o['median_us']:.1f} us p90 {o['p90_us']:.1f} us; "
-            f"ratio median {row['ratio_median']:.2f}x p90 {row['ratio_p90']:.2f}x"
+            f"ratio median {row['ratio_median']:.2f}x p90 {row['ratio_p90']:.2f}x p99 {row['ratio_p99']:.2f}x"
+            + "".join(
+                f"; {k} median {stats[k]['median_us']:.1f} us p99 {stats[k]['p99_us']:.1f} us"
+                for k in groups
+                if k.startswith("policy:")
+            )
             + (
                 f"; with call checks median {row['gpubridge_checked']['median_us']:.1f} us "
                 f"(+{row['check_calls_cost_median_us']:.1f} us)"

@@ -1,8 +1,11 @@
 """The collectives' algorithms on one rank, from the island steps and, when
 the group spans islands, the bridged steps of the island leaders.
 
-all_reduce: island reduce onto the leader, bridge all_reduce, island
-broadcast. broadcast: from the root inside its island, over the bridge from
+all_reduce: by the group's policy (gpubridge._policies, GPUBRIDGE_POLICY):
+island reduce onto the leader, bridge all_reduce, island broadcast
+(reduce-bridge-broadcast); every rank on one bridge (flat); or island
+reduce_scatter, shard i over rank i's bridge, island all_gather (sharded).
+broadcast: from the root inside its island, over the bridge from
 its island's leader, inside the other islands. all_gather: island
 all_gather, the leaders all-gather their islands' blocks over the bridge
 (each padded to the largest island, so 3+1 works), the leader puts the
@@ -16,42 +19,71 @@ only on floating sums and averages, zstd on every bridged collective."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 
 import torch
 
 from gpubridge import _inflight as fl
+from gpubridge._bridged import all_reduce_on
 from gpubridge._dtypes import as_bytes
 from gpubridge._endpoint import BridgeEndpoint
+from gpubridge._endpoints import Endpoints
 from gpubridge._feed import Codec, Op
 from gpubridge._island import IslandGroup
 from gpubridge._layout import Layout
-from gpubridge._policy import for_all_reduce, for_transfer
+from gpubridge._policies import choose, flat_bridge, shard_bridge, shard_count
+from gpubridge._policy import AUTO, FLAT, RBB, SHARDED, for_all_reduce, for_transfer
+from gpubridge._thresholds import BUILTIN, Thresholds
+
+log = logging.getLogger("gpubridge")
 
 __all__ = ["Collectives"]
 
 
 class Collectives:
-    """endpoint: this rank's end of the bridge (leaders of a bridged group),
-    or None; codec: the group's compression (GPUBRIDGE_COMPRESSION)."""
+    """endpoints: this rank's endpoint of the group (the leaders' is up
+    from the start; another rank's starts when a policy needs it); codec:
+    the group's compression (GPUBRIDGE_COMPRESSION); policy, thresholds:
+    GPUBRIDGE_POLICY and GPUBRIDGE_THRESHOLDS."""
 
     def __init__(
-        self, layout: Layout, island: IslandGroup, endpoint: BridgeEndpoint | None, codec: Codec = Codec.RAW
+        self,
+        layout: Layout,
+        island: IslandGroup,
+        endpoints: Endpoints | None,
+        codec: Codec = Codec.RAW,
+        policy: str = AUTO,
+        thresholds: Thresholds = BUILTIN,
     ) -> None:
         self._layout = layout
         self._island = island
-        self._endpoint = endpoint
+        self._endpoints = endpoints
         self.codec = codec
+        self.policy = policy
+        self.thresholds = thresholds
+        # all_reduces across islands per policy that ran, for the stats
+        self.policy_calls: dict[str, int] = {}
+        self.fallbacks: list[str] = []  # why a policy fell back, each said once
 
     def _bridge(self) -> BridgeEndpoint:
-        assert self._endpoint is not None
-        return self._endpoint
+        """The leader's endpoint (bridge 0)."""
+        ep = self._endpoints.current if self._endpoints is not None else None
+        assert ep is not None
+        return ep
 
     def all_reduce(
-        self, e: fl.Entry, t: torch.Tensor, op: Op, codec: Codec | None = None, key: Hashable | None = None
+        self,
+        e: fl.Entry,
+        t: torch.Tensor,
+        op: Op,
+        codec: Codec | None = None,
+        key: Hashable | None = None,
+        policy: str | None = None,
     ) -> None:
         """codec: this call's compression instead of the group's; key: the
-        error-feedback residual of a lossy one (None: none is kept)."""
+        error-feedback residual of a lossy one (None: none is kept);
+        policy: this call's instead of the group's (gpubridge.tune)."""
         if t.numel() == 0:
             return
         lay = self._layout
@@ -62,6 +94,65 @@ class Collectives:
             return
         c = for_all_reduce(self.codec if codec is None else codec, t.dtype, op)
         e.codec = str(c)
+        ch = choose(policy or self.policy, self.thresholds, lay, t.numel() * t.element_size(), c.lossy)
+        if ch.fallback is not None and ch.fallback not in self.fallbacks:
+            self.fallbacks.append(ch.fallback)
+            log.warning("gpubridge: rank %d: %s", lay.rank, ch.fallback)
+        self.policy_calls[ch.policy] = self.policy_calls.get(ch.policy, 0) + 1
+        if ch.policy == FLAT:
+            self._flat(e, t, op, c)
+        elif ch.policy == SHARDED:
+            self._sharded(e, t, op, c)
+        else:
+            assert ch.policy == RBB, ch.policy
+            self._reduce_bridge_broadcast(e, t, op, c, key)
+
+    def _endpoint_now(self) -> BridgeEndpoint:
+        """This rank's endpoint, started now if it has none yet."""
+        assert self._endpoints is not None
+        return self._endpoints.get()
+
+    def _flat(self, e: fl.Entry, t: torch.Tensor, op: Op, c: Codec) -> None:
+        """Every rank on the flat bridge, one all_reduce."""
+        name, members = flat_bridge(self._layout)
+        all_reduce_on(self._endpoint_now(), e, t, name, members, Op.SUM if op == Op.AVG else op, c)
+        if op == Op.AVG:
+            t.div_(self._layout.size)
+
+    def _sharded(self, e: fl.Entry, t: torch.Tensor, op: Op, c: Codec) -> None:
+        """Island reduce_scatter into k shards (t padded to k equal ones),
+        shard i over rank i's bridge, island all_gather."""
+        lay = self._layout
+        k = shard_count(lay)
+        assert k is not None
+        n = t.numel()
+        s = -(-n // k)
+        flat = t.view(-1)
+        full = flat if n == k * s else torch.zeros(k * s, dtype=t.dtype, device=t.device)
+        if full is not flat:
+            full[:n].copy_(flat)
+        i = lay.island_rank
+        if self._island.gloo:
+            # Gloo's reduce_scatter all-reduces the whole input: k reduces of
+            # one shard each (onto the rank that bridges it) move half as much.
+            for j in range(k):
+                self._island.reduce(e, full[j * s : (j + 1) * s], op, root_local=j)
+            shard = full[i * s : (i + 1) * s].clone()
+        else:
+            shard = torch.empty(s, dtype=t.dtype, device=t.device)
+            self._island.reduce_scatter(e, shard, full, op)  # full is scratch from here
+        name, members = shard_bridge(lay, i)
+        all_reduce_on(self._endpoint_now(), e, shard, name, members, Op.SUM if op == Op.AVG else op, c)
+        if op == Op.AVG:
+            shard.div_(lay.size)
+        self._island.all_gather(e, full, shard, fl.ISLAND_GATHER)
+        if full is not flat:
+            flat.copy_(full[:n])
+
+    def _reduce_bridge_broadcast(
+        self, e: fl.Entry, t: torch.Tensor, op: Op, c: Codec, key: Hashable | None
+    ) -> None:
+        lay = self._layout
         self._island.reduce(e, t, op)
         if lay.is_leader:
             self._bridge().all_reduce(e, t, Op.SUM if op == Op.AVG else op, c, key if c.lossy else None)

@@ -42,7 +42,7 @@ from gpubridge._feed import Op
 from gpubridge._island import IslandGroup
 from gpubridge._layout import Layout
 from gpubridge._p2p import PointToPoint
-from gpubridge._policy import Policy, parse_codec
+from gpubridge._policy import POLICIES, Policy, parse_codec
 from gpubridge._worker import Worker
 
 __all__ = ["BACKEND_NAME", "GpubridgeProcessGroup", "find_group", "live_groups"]
@@ -109,7 +109,10 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         assert self._island is not None
         self._checks: Checks = Checks(size, self._device)
         assert self._endpoints is not None
-        self._algo: Collectives = Collectives(self._layout, self._island, self._endpoint, self._policy.codec)
+        pol = self._policy
+        self._algo: Collectives = Collectives(
+            self._layout, self._island, self._endpoints, pol.codec, pol.policy, pol.thresholds
+        )
         self._p2p: PointToPoint = PointToPoint(
             group, self._layout, self._island, self._endpoints, self._breaker, self._device, timeout,
             self._policy.p2p_chunk,
@@ -201,7 +204,11 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         so their device time shows up in the next step that waits for it (the
         leader's copy into the region)."""
         w = self._worker
-        return {"schema": "gpubridge.stats/v1", "rank": self._rank, "collectives": w.seq, "ops": w.stats()}
+        return {
+            "schema": "gpubridge.stats/v1", "rank": self._rank, "collectives": w.seq, "ops": w.stats(),
+            "all_reduce_policies": dict(self._algo.policy_calls),
+            "all_reduce_fallbacks": list(self._algo.fallbacks),
+        }  # fmt: skip
 
     @property
     def device(self) -> torch.device:
@@ -264,6 +271,23 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         return self._worker.submit(
             "allreduce_compressed", t.nbytes, lambda e: self._algo.all_reduce(e, t, rop, c, feedback_key),
             [t], opts=opts, detail=rop.name, codec=str(c),
+        )  # fmt: skip
+
+    def allreduce_with_policy(self, tensor: torch.Tensor, policy: str, async_op: bool = False) -> Any:
+        """A SUM all_reduce of tensor in place under policy (one of
+        gpubridge._policy.POLICIES) instead of the group's: what
+        ``python -m gpubridge.tune`` measures. Every rank passes the same
+        policy. Returns its Work."""
+        self._breaker.refuse("allreduce_with_policy")
+        self._checks.tensor("allreduce_with_policy", tensor)
+        if policy not in POLICIES:
+            raise RuntimeError(f"gpubridge: allreduce_with_policy: {policy!r} is not one of {POLICIES}")
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = async_op
+        t = tensor
+        return self._worker.submit(
+            "allreduce", t.nbytes, lambda e: self._algo.all_reduce(e, t, Op.SUM, policy=policy), [t],
+            opts=opts, detail=f"SUM {policy}",
         )  # fmt: skip
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:

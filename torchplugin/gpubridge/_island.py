@@ -57,13 +57,13 @@ class IslandGroup:
         e.set_step(step)
         work.wait()
 
-    def reduce(self, e: fl.Entry, t: torch.Tensor, op: Op) -> None:
-        """Reduces onto the island's leader."""
+    def reduce(self, e: fl.Entry, t: torch.Tensor, op: Op, root_local: int | None = None) -> None:
+        """Reduces onto root_local (default: the island's leader)."""
         if self._pg is None:
             return
         o = dist.ReduceOptions()
         o.reduceOp = NATIVE_OP[op]
-        o.rootRank = self._leader_local
+        o.rootRank = self._leader_local if root_local is None else root_local
         o.rootTensor = 0
         self._run(e, fl.ISLAND_REDUCE, self._pg.reduce([t], o))
 
@@ -111,6 +111,12 @@ class IslandGroup:
             o = dist.ReduceScatterOptions()
             o.reduceOp = NATIVE_OP[op]
             self._run(e, fl.NATIVE, pg._reduce_scatter_base(out, full, o))
+
+    @property
+    def gloo(self) -> bool:
+        """The native group is Gloo's (whose reduce_scatter is an all_reduce
+        of the whole input)."""
+        return isinstance(self._pg, ProcessGroupGloo)
 
     def scatter(self, e: fl.Entry, out: torch.Tensor, chunks: list[torch.Tensor]) -> None:
         """Scatters the leader's chunks (one per island rank; none elsewhere)."""

@@ -3,9 +3,11 @@ created: ``GPUBRIDGE_COMPRESSION`` (the codec of the bridged collectives,
 docs/COMPRESSION.md "Compression on the bridge"), ``GPUBRIDGE_BRIDGE_REDUCE``
 (where two island leaders reduce) and ``GPUBRIDGE_P2P_CHUNK`` (the bytes of
 one bridged message of a point-to-point transfer: both ends must cut a
-tensor alike).
+tensor alike), ``GPUBRIDGE_POLICY`` (how an all_reduce across islands
+runs: gpubridge._policies) and ``GPUBRIDGE_THRESHOLDS`` (the sizes at which
+``auto`` changes policy, gpubridge._thresholds; compared by digest).
 
-Both go to discovery as settings (``--setting compression=fp8``), so a rank
+They go to discovery as settings (``--setting compression=fp8``), so a rank
 that says otherwise fails every rank there, naming it; a value that is no
 setting at all goes as a problem of this rank, with the same effect. Which
 codec a call then uses (:func:`for_all_reduce`, :func:`for_transfer`) is
@@ -21,9 +23,11 @@ from typing import Final
 import torch
 
 from gpubridge._feed_protocol import Codec, Op
+from gpubridge._thresholds import BUILTIN, Thresholds, ThresholdsError
 
 __all__ = [
     "DEFAULT_P2P_CHUNK",
+    "POLICIES",
     "REDUCE_MODES",
     "Policy",
     "codec_takes",
@@ -34,6 +38,12 @@ __all__ = [
 ]
 
 REDUCE_MODES: Final = ("auto", "host", "caller")
+# GPUBRIDGE_POLICY's values (gpubridge._policies says what each does).
+AUTO: Final = "auto"
+RBB: Final = "reduce-bridge-broadcast"
+SHARDED: Final = "sharded"
+FLAT: Final = "flat"
+POLICIES: Final = (AUTO, RBB, SHARDED, FLAT)
 DEFAULT_P2P_CHUNK: Final = 4 << 20
 _UNITS: Final = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -105,6 +115,8 @@ class Policy:
     bridge_reduce: str = "auto"
     problems: list[str] = field(default_factory=list)
     p2p_chunk: int = DEFAULT_P2P_CHUNK
+    policy: str = AUTO
+    thresholds: Thresholds = BUILTIN
 
     @classmethod
     def read(cls) -> Policy:
@@ -133,7 +145,18 @@ class Policy:
                 problems.append(
                     f"GPUBRIDGE_P2P_CHUNK={chunk_s!r} is not a byte count of at least 1 (e.g. 4M)"
                 )
-        return cls(codec, mode, problems, chunk)
+        policy = os.environ.get("GPUBRIDGE_POLICY", AUTO).strip().lower() or AUTO
+        if policy not in POLICIES:
+            problems.append(f"GPUBRIDGE_POLICY={policy!r} is not one of {', '.join(POLICIES)}")
+            policy = AUTO
+        thresholds = BUILTIN
+        path = os.environ.get("GPUBRIDGE_THRESHOLDS", "")
+        if path:
+            try:
+                thresholds = Thresholds.read(path)
+            except ThresholdsError as e:
+                problems.append(f"GPUBRIDGE_THRESHOLDS: {e}")
+        return cls(codec, mode, problems, chunk, policy, thresholds)
 
     def settings(self) -> dict[str, str]:
         """What discovery compares between ranks (a rank with a problem is
@@ -142,4 +165,6 @@ class Policy:
             "compression": str(self.codec),
             "bridge_reduce": self.bridge_reduce,
             "p2p_chunk": str(self.p2p_chunk),
+            "policy": self.policy,
+            "thresholds": self.thresholds.digest,
         }

@@ -11,8 +11,9 @@ VENDOR:ISLAND per rank). MODE:
   between every pair; every received byte checked against what its sender
   made. The rank records whether it has an endpoint and which bridges it
   joined.
-- ``leaders``: collectives, P2P inside islands and between leaders only:
-  no rank that leads no island may have started an endpoint.
+- ``leaders``: collectives (GPUBRIDGE_POLICY=reduce-bridge-broadcast), P2P
+  inside islands and between leaders only: no rank that leads no island may
+  have started an endpoint.
 
 Writes OUTDIR/rank<R>.json: {"ok": true, ...} or {"error": text}.
 """
@@ -35,6 +36,8 @@ mode = sys.argv[3]
 os.environ["GPUBRIDGE_VENDOR"], _, island = vendors[rank].partition(":")
 if island:
     os.environ["GPUBRIDGE_SIM_ISLAND"] = island
+if mode == "leaders":  # auto would send the small all_reduces flat (every rank on a bridge)
+    os.environ["GPUBRIDGE_POLICY"] = "reduce-bridge-broadcast"
 
 import gpubridge  # noqa: E402,F401  (registers the backend)
 

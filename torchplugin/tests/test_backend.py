@@ -83,7 +83,7 @@ def job_env(tmp_path: Path) -> dict[str, str]:
     )  # fmt: skip
     for k in (
         "GPUBRIDGE_VENDOR", "GPUBRIDGE_SIM_ISLAND", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE",
-        "GPUBRIDGE_COMPRESSION",
+        "GPUBRIDGE_COMPRESSION", "GPUBRIDGE_POLICY", "GPUBRIDGE_THRESHOLDS",
     ):  # fmt: skip
         env.pop(k, None)
     env.pop("TORCHELASTIC_RUN_ID", None)

@@ -45,10 +45,12 @@ class Outcome:
 
 
 def run_fault(
-    tmp_path: Path, vendors: list[str], victim: int, mode: str, workload: str, check_calls: bool = True
-) -> Outcome:
+    tmp_path: Path, vendors: list[str], victim: int, mode: str, workload: str, check_calls: bool = True,
+    extra: dict[str, str] | None = None,
+) -> Outcome:  # fmt: skip
     """Runs the job with the fault; check_calls=False runs it as users do by
-    default, without GPUBRIDGE_CHECK_CALLS (the suite otherwise has it on)."""
+    default, without GPUBRIDGE_CHECK_CALLS (the suite otherwise has it on);
+    extra: more environment for every rank."""
     store = dist.TCPStore(
         "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=scale(60)), wait_for_workers=False
     )
@@ -60,6 +62,7 @@ def run_fault(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
             GPUBRIDGE_VENDOR=v, GPUBRIDGE_NAMESPACE=f"fault-{tmp_path.name}",
             KILL_TEST_TIMEOUT=str(TIMEOUT_S), GPUBRIDGE_CHECK_CALLS="1" if check_calls else "0",
+            **(extra or {}),
         )  # fmt: skip
         log = (tmp_path / f"rank{r}.log").open("wb")
         cmd = [sys.executable, str(HERE / "fault_worker.py"), str(tmp_path), str(victim), mode, workload]
@@ -251,6 +254,18 @@ def test_killed_bridge(tmp_path: Path, workload: str, victim: int) -> None:
     cause = root_causes(out, survivors)
     assert f"gbbridge serve of rank {victim} (pid {out.fault['pid']})" in cause, cause
     check_in_time(out, survivors, TIMEOUT_S + scale(10))
+    check_clean(out, tmp_path)
+
+
+@needs_tools
+def test_killed_non_leader_bridge_under_flat(tmp_path: Path) -> None:
+    """GPUBRIDGE_POLICY=flat: DDP's all_reduces put every rank on the flat
+    bridge, so non-leader 3 runs a gbbridge serve of its own; SIGKILLed,
+    every rank, its own too, fails naming it, and nothing is left."""
+    out = run_fault(tmp_path, TWO_TWO, 3, "bridge", "ddp", extra={"GPUBRIDGE_POLICY": "flat"})
+    cause = root_causes(out, [0, 1, 2, 3])
+    assert f"gbbridge serve of rank 3 (pid {out.fault['pid']})" in cause, cause
+    check_in_time(out, [0, 1, 2, 3], TIMEOUT_S + scale(10))
     check_clean(out, tmp_path)
 
 

@@ -363,7 +363,10 @@ def check_bridge_parts(per_rank: list[list[dict[str, Any]]]) -> None:
 
 def test_traced_job_and_gbtrace(tmp_path: Path) -> None:
     trace = tmp_path / "trace"
-    res = run_job(tmp_path, "loop", "40", extra={"GPUBRIDGE_TRACE": str(trace)})
+    # The leaders' path (check_bridge_parts): auto would send the small
+    # all_reduces over the flat bridge of every rank.
+    extra = {"GPUBRIDGE_TRACE": str(trace), "GPUBRIDGE_POLICY": "reduce-bridge-broadcast"}
+    res = run_job(tmp_path, "loop", "40", extra=extra)
     assert all(r.get("ok") for r in res), logs(tmp_path)
     files = sorted(p.name for p in trace.iterdir())
     assert files == [f"rank-{r}.jsonl" for r in range(4)], files
