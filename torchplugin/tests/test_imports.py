@@ -52,6 +52,9 @@ TORCH = {
     "gpubridge._feedback": "error-feedback residuals, tensors",
     "gpubridge._policy": "which dtypes a codec packs",
     "gpubridge._compressed": "the compressed DDP communication hook",
+    "gpubridge._bridged": "an all_reduce of tensors over a joined bridge",
+    "gpubridge._policies": "the codec's dtypes (through gpubridge._policy)",
+    "gpubridge.tune": "times all_reduces of tensors on the live job",
 }
 
 
