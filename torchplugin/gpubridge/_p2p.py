@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
@@ -44,6 +46,8 @@ from gpubridge._feed import Call, FeedClient, Kind, Span
 from gpubridge._island import IslandGroup
 from gpubridge._layout import Layout
 from gpubridge._worker import Task, Work
+
+log = logging.getLogger("gpubridge")
 
 __all__ = ["PointToPoint", "Route"]
 
@@ -221,6 +225,7 @@ class _Runner:
         self._idle = 0  # threads waiting for work that no submit has claimed
         self._threads = 0
         self._busy = 0  # transfers submitted and not finished
+        self._started: list[threading.Thread] = []  # joined by close
 
     def submit(self, fn: Callable[[], None]) -> None:
         with self._cond:
@@ -229,7 +234,10 @@ class _Runner:
                 self._idle -= 1
             else:
                 self._threads += 1
-                threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+                th = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._started = [t for t in self._started if t.is_alive()]
+                self._started.append(th)
+                th.start()
         self._q.put(fn)
 
     def _loop(self) -> None:
@@ -240,6 +248,9 @@ class _Runner:
             try:
                 fn()
             finally:
+                # An idle thread must not keep its last transfer (its
+                # tensors, future and events) alive until the process ends.
+                fn = None
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()
@@ -252,14 +263,25 @@ class _Runner:
                 return
 
     def close(self, secs: float) -> None:
-        """Waits (secs at most) until no transfer runs, then stops the idle
-        threads."""
+        """Waits (secs at most) until no transfer runs, stops the idle
+        threads and joins them, so none is left running torch code while
+        the process exits."""
+        deadline = time.monotonic() + secs
         with self._cond:
             self._cond.wait_for(lambda: self._busy == 0, secs)
             n, self._idle = self._idle, 0
             self._threads -= n
+            started, self._started = self._started, []
         for _ in range(n):
             self._q.put(None)
+        for th in started:
+            th.join(max(0.0, deadline - time.monotonic()))
+        left = sum(th.is_alive() for th in started)
+        if left:
+            log.warning(
+                "gpubridge: %d point-to-point transfer thread(s) of %s still running after %g s",
+                left, self._name, secs,
+            )  # fmt: skip
 
 
 class _Transfer:

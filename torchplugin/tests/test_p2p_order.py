@@ -5,13 +5,15 @@ called; and GPUBRIDGE_P2P_CHUNK as a setting."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
 from gpubridge._endpoints import pair_bridge
-from gpubridge._p2p import LANES, MAX_TAG, _Channel
+from gpubridge._p2p import LANES, MAX_TAG, _Channel, _Runner
 from gpubridge._policy import DEFAULT_P2P_CHUNK, Policy, parse_bytes
 
 
@@ -105,3 +107,26 @@ def test_p2p_chunk_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("GPUBRIDGE_P2P_CHUNK", bad)
         p = Policy.read()
         assert p.problems == [f"GPUBRIDGE_P2P_CHUNK={bad!r} is not a byte count of at least 1 (e.g. 4M)"]
+
+
+def test_runner_close_joins_its_threads_and_drops_their_transfers() -> None:
+    """A transfer's thread is kept for the next one, but it must not keep
+    the last transfer (its tensors and future) alive, and close joins every
+    thread, so none runs torch code while the process exits."""
+
+    class Transfer:
+        def run(self) -> None:
+            time.sleep(0.01)
+
+    runner = _Runner("test-p2p")
+    held = [Transfer() for _ in range(3)]
+    refs = [weakref.ref(t) for t in held]
+    for t in held:
+        runner.submit(t.run)
+    threads = [th for th in threading.enumerate() if th.name == "test-p2p"]
+    assert threads
+    del held, t
+    runner.close(30.0)
+    assert not any(th.is_alive() for th in threads)
+    gc.collect()
+    assert all(r() is None for r in refs)
