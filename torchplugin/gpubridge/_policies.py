@@ -35,7 +35,8 @@ bit, on every rank), for islands I_0 … I_{m-1} in bridge member order:
   (lib/collective: S_0 op S_1 for two islands; the ring or recursive
   doubling order of the whole buffer for more).
 - sharded: S_j = the island reduce_scatter of I_j (the native library's
-  order; Gloo runs it as an all_reduce), then shard i's bridge all_reduce
+  order; on Gloo islands k reduces instead, shard i onto the island's rank
+  i, each in Gloo's reduce order), then shard i's bridge all_reduce
   of S_0[i] … S_{m-1}[i] (two islands: S_0 op S_1, as above; more: the
   ring order taken over the shard, whose segments start at the shard's
   start). With two ranks per island both island steps are a single a op b,

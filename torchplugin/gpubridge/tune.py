@@ -45,10 +45,18 @@ DEFAULT_SIZES = "4,64,1K,4K,16K,32K,64K,256K,1M,4M,16M"
 def _timed(pg: GpubridgeProcessGroup, t: torch.Tensor, policy: str, iters: int, want: float) -> list[float]:
     """Seconds of each of iters all_reduces of t under policy."""
     out = []
+    # On a GPU wait() returns once the work is queued on the stream: time
+    # until the device is done, or the island steps go unmeasured.
+    def sync() -> None:
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
+
     for _ in range(iters):
         t.fill_(float(pg.rank() + 1))
+        sync()
         a = time.perf_counter()
         pg.allreduce_with_policy(t, policy).wait()
+        sync()
         out.append(time.perf_counter() - a)
     if not bool((t == want).all()):
         raise SystemExit(f"rank {pg.rank()}: {policy} all_reduce gave {t[:4].tolist()}, want {want}")
