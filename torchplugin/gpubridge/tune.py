@@ -45,6 +45,7 @@ DEFAULT_SIZES = "4,64,1K,4K,16K,32K,64K,256K,1M,4M,16M"
 def _timed(pg: GpubridgeProcessGroup, t: torch.Tensor, policy: str, iters: int, want: float) -> list[float]:
     """Seconds of each of iters all_reduces of t under policy."""
     out = []
+
     # On a GPU wait() returns once the work is queued on the stream: time
     # until the device is done, or the island steps go unmeasured.
     def sync() -> None:
