@@ -224,3 +224,29 @@ func randomBytesF32(r *rand.Rand, b []byte) {
 		binary.LittleEndian.PutUint32(b[k:], math.Float32bits(float32(r.NormFloat64())))
 	}
 }
+
+// TestServeJoinWaitsAsLongAsACollective: members JOIN a bridge when each
+// first needs it, which may be as far apart as a collective may wait, so
+// the meeting waits for the longer of --setup-timeout and --timeout, not
+// for the set-up's alone.
+func TestServeJoinWaitsAsLongAsACollective(t *testing.T) {
+	c := newCluster(t)
+	extra := []string{"--no-bridge", "--setup-timeout", "1s", "--timeout", testenv.Scale(60 * time.Second).String()}
+	ps := map[int]*serveProc{1: start(t, c.args(t, 1, extra...), true), 3: start(t, c.args(t, 3, extra...), true)}
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(90*time.Second))
+	defer cancel()
+	pair := []uint32{1, 3}
+	errs := make(chan error, 2)
+	for _, r := range []int{1, 3} {
+		cl := dial(t, ps[r])
+		go func() {
+			if r == 3 {
+				time.Sleep(3 * time.Second) // past rank 1's --setup-timeout
+			}
+			errs <- cl.Join(ctx, 1, "late/1-3", pair)
+		}()
+	}
+	for range 2 {
+		require.NoError(t, <-errs, "stderr of rank 1:\n%s\nrank 3:\n%s", ps[1].stderr.String(), ps[3].stderr.String())
+	}
+}

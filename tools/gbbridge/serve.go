@@ -205,10 +205,14 @@ func (s *serving) Join(ctx context.Context, j feedserver.JoinRequest) (*feedserv
 	c := s.c
 	who := fmt.Sprintf("rank %d (member %d of bridge %q)", s.rank, j.Member, j.Name)
 	log := s.log.With("bridge", j.ID, "name", j.Name)
+	// Members JOIN when each first needs the bridge (a point-to-point
+	// peer, a policy's first call), which may be as far apart as a
+	// collective may wait for its members: not only --setup-timeout.
+	meet := max(c.SetupTimeout, c.Timeout)
 	m, err := bridge.Join(ctx, bridge.Config{Store: s.store, Namespace: s.topo.Namespace, Name: who, Bridge: j.Name,
 		Mesh: transport.Config{Self: j.Member, Members: members, Transport: bridge.NamedTransport(members, s.topo.Bridge.Transport),
 			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
-			Timeout: c.SetupTimeout, RingBytes: int(c.ShmRing), Log: log, Process: "gbbridge serve"},
+			Timeout: meet, RingBytes: int(c.ShmRing), Log: log, Process: "gbbridge serve"},
 		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, Timeout: c.Timeout, Log: log},
 	})
 	if err != nil {
