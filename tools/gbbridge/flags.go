@@ -20,36 +20,30 @@ import (
 type byteSize int64
 
 func (b *byteSize) Decode(ctx *kong.DecodeContext) error {
+	v, err := popSize(ctx, false)
+	*b = byteSize(v)
+	return err
+}
+
+// popSize reads a size flag's value; with off, "0" and "off" are 0.
+func popSize(ctx *kong.DecodeContext, off bool) (int64, error) {
 	var s string
 	if err := ctx.Scan.PopValueInto("size", &s); err != nil {
-		return err
+		return 0, err
 	}
-	v, err := harness.ParseSize(s)
-	if err != nil {
-		return err
+	if off && (s == "0" || s == "off") {
+		return 0, nil
 	}
-	*b = byteSize(v)
-	return nil
+	return harness.ParseSize(s)
 }
 
 // smallSize is --small: bytes like byteSize, or 0 (or "off") for none.
 type smallSize int64
 
 func (b *smallSize) Decode(ctx *kong.DecodeContext) error {
-	var s string
-	if err := ctx.Scan.PopValueInto("size", &s); err != nil {
-		return err
-	}
-	if s == "0" || s == "off" {
-		*b = 0
-		return nil
-	}
-	v, err := harness.ParseSize(s)
-	if err != nil {
-		return err
-	}
+	v, err := popSize(ctx, true)
 	*b = smallSize(v)
-	return nil
+	return err
 }
 
 // memberFlags are what selftest and bench share: how members meet and how
