@@ -99,7 +99,11 @@ def test_expected_differences_are_not_degradation(uniform: tuple[Path, list[dict
     d, results = uniform
     assert all(r["plans"] == [[0, [12, 12, 12, 12]]] for r in results)
     rc, plain = gbtrace("stragglers", "--op", "all_reduce", str(d / "trace"))
-    assert rc == 1 and plain[-1]["flagged"] == [2, 3], plain[-1]  # the plain detector: the slow island
+    # The plain detector, for contrast, flags the slow island. It judges
+    # against the fastest ranks, so the host's load can make it flag a fast
+    # rank too (rank 0 once, beside the race tests): that is its weakness,
+    # not what this test is about.
+    assert rc == 1 and {2, 3} <= set(plain[-1]["flagged"]), plain[-1]
     # Compute is judged here, not links: the transfers of 4 ranks and 2
     # gbbridge serves on 2 cores follow the host's load, and a load that
     # changed after the calibration window made every rank's transfer twice
