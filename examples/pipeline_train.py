@@ -219,8 +219,11 @@ def main(a: argparse.Namespace) -> int:
     mine = stages[rank]
     mb = a.batch_size // a.microbatches
     dt = getattr(torch, a.dtype)
+    # The activation between the stages needs its gradient: torch 2.15's
+    # stages take requires_grad from these shapes (without it the last stage
+    # sends no gradient back and the first stage's backward fails).
     ins = [torch.empty(mb, a.seq_len, dtype=torch.long, device="meta"),
-           torch.empty(mb, a.seq_len, a.dim, dtype=dt, device="meta")]  # fmt: skip
+           torch.empty(mb, a.seq_len, a.dim, dtype=dt, device="meta", requires_grad=True)]  # fmt: skip
     outs = [ins[1], torch.empty(mb, a.seq_len, a.vocab, dtype=dt, device="meta")]
     stage = PipelineStage(mine, rank, 2, device, input_args=ins[rank], output_args=outs[rank])
     kind = ScheduleGPipe if a.schedule == "gpipe" else Schedule1F1B
