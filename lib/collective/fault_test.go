@@ -177,39 +177,47 @@ func TestCancelled(t *testing.T) {
 }
 
 // TestPeerClosed: a member's communicator closed mid-collective makes the
-// others fail promptly, naming it.
+// others fail promptly, naming it: on the ring (256 KiB) and, from 3
+// members, on recursive doubling (rdSmall).
 func TestPeerClosed(t *testing.T) {
-	for _, members := range []int{2, 3, 4} {
-		t.Run(fmt.Sprint(members), func(t *testing.T) {
-			timeout := testenv.Scale(20 * time.Second)
-			cl := newCluster(t, members, 2, Options{ChunkBytes: testChunk, Timeout: timeout})
-			victim := members - 1
-			start := time.Now()
-			errs := cl.each(func(m int, c *Comm) error {
-				buf := make([]byte, 256<<10)
-				var p *Progress
-				if m == victim {
-					// Half the input is ready, then the member goes away.
-					p = &Progress{Ready: func(ctx context.Context, end int) error {
-						if end > len(buf)/2 {
-							go func() { _ = c.Close() }()
-							<-ctx.Done()
-							return ctx.Err()
-						}
-						return nil
-					}}
+	for _, size := range []int{256 << 10, rdSmall} {
+		for _, members := range []int{2, 3, 4, 5} {
+			t.Run(fmt.Sprintf("%d/%d", size, members), func(t *testing.T) { testPeerClosed(t, members, size) })
+		}
+	}
+}
+
+func testPeerClosed(t *testing.T, members, size int) {
+	timeout := testenv.Scale(20 * time.Second)
+	cl := newCluster(t, members, 2, Options{ChunkBytes: testChunk, Timeout: timeout})
+	victim := members - 1
+	start := time.Now()
+	errs := cl.each(func(m int, c *Comm) error {
+		buf := make([]byte, size)
+		var p *Progress
+		if m == victim {
+			// Half the input is ready, then the member goes away.
+			p = &Progress{Ready: func(ctx context.Context, end int) error {
+				if end > len(buf)/2 {
+					go func() { _ = c.Close() }()
+					<-ctx.Done()
+					return ctx.Err()
 				}
-				return c.AllReduce(context.Background(), buf, reduce.Float32, reduce.Sum, p)
-			})
-			assert.Less(t, time.Since(start), timeout/2, "promptly, not at the timeout")
-			require.ErrorIs(t, errs[victim], ErrClosed)
-			for m, err := range errs[:victim] {
-				require.Error(t, err, "member %d", m)
-				t.Logf("member %d: %v", m, err)
-				assert.ErrorContains(t, err, fmt.Sprintf("member %d", victim))
-				assert.NotErrorIs(t, err, context.DeadlineExceeded)
-			}
-		})
+				return nil
+			}}
+		}
+		return c.AllReduce(context.Background(), buf, reduce.Float32, reduce.Sum, p)
+	})
+	assert.Less(t, time.Since(start), timeout/2, "promptly, not at the timeout")
+	require.ErrorIs(t, errs[victim], ErrClosed)
+	for m, err := range errs[:victim] {
+		require.Error(t, err, "member %d", m)
+		t.Logf("member %d: %v", m, err)
+		assert.ErrorContains(t, err, fmt.Sprintf("member %d", victim))
+		assert.NotErrorIs(t, err, context.DeadlineExceeded)
+	}
+	if size <= rdSmall && members >= 3 {
+		assert.Equal(t, AlgoRecursiveDoubling, cl.comms[0].AllReduceOrder(size), "the algorithm the call ran")
 	}
 }
 
