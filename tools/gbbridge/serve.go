@@ -36,6 +36,7 @@ type serveCmd struct {
 	ShmRing       byteSize      `help:"Size of each shared-memory ring (shm transport)." default:"8M" placeholder:"BYTES"`
 	MaxFeedback   byteSize      `help:"Cap on the error-feedback residuals the feed keeps (4 bytes per value of each keyed buffer a lossy all_reduce compresses); a request that would pass it is refused (docs/FEED.md §3a)." default:"64G" placeholder:"SIZE"`
 	DieWithParent bool          `help:"Exit when the parent process (the rank) dies (PR_SET_PDEATHSIG)." default:"true" negatable:""`
+	ParentPID     int           `help:"With --die-with-parent: the pid the parent says it has; exit 2 at start if the parent is another (it died between spawning and this check). 0: whichever parent this process has at start." default:"0" name:"parent-pid" placeholder:"PID"`
 	NoBridge      bool          `help:"Start no bridge 0 (the leaders' bridge): serve only the feed, whose client joins the bridges it needs (JOIN, docs/FEED.md §3b); for a rank that leads no island. The topology is the same." name:"no-bridge"`
 }
 
@@ -51,7 +52,7 @@ func (c *serveCmd) Run(env *cli.Env) error {
 		return cli.CannotRun(err)
 	}
 	if c.DieWithParent {
-		if err := cli.DieWithParent(); err != nil {
+		if err := cli.DieWithParent(c.ParentPID); err != nil {
 			return cli.CannotRun(err)
 		}
 	}

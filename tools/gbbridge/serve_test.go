@@ -534,6 +534,13 @@ func TestServeRefuses(t *testing.T) {
 		assert.Equal(t, 2, p.wait(t))
 		assert.Contains(t, p.stderr.String(), "--store is required")
 	})
+	t.Run("parent already gone", func(t *testing.T) {
+		// The spawner says it is pid 1: this test is the parent, so serve
+		// must take the spawner for dead and refuse to start.
+		code, stderr := run(t, "serve", "--topology", c.topoFile(t, 0, "tcp"), "--store", c.store, "--feed", feedPath, "--parent-pid", "1")
+		assert.Equal(t, 2, code)
+		assert.Contains(t, stderr, "parent process 1 already exited")
+	})
 	t.Run("feed path exists", func(t *testing.T) {
 		require.NoError(t, os.WriteFile(feedPath, nil, 0o600))
 		defer os.Remove(feedPath)

@@ -25,7 +25,7 @@ type serveCmd struct {
 
 func (c *serveCmd) Run(env *cli.Env) error {
 	if c.DieWithParent {
-		if err := cli.DieWithParent(); err != nil {
+		if err := cli.DieWithParent(0); err != nil {
 			return cli.CannotRun(err)
 		}
 	}

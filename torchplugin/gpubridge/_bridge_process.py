@@ -7,7 +7,6 @@ The feed itself (the socket and the regions) is :mod:`gpubridge._feed`.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import queue
@@ -19,27 +18,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, Final
+from typing import IO, Any
 
 from gpubridge._feed_protocol import MAX_MESSAGE, FeedError, FeedTimeout
 
 __all__ = ["BridgeProcess", "start_bridge", "start_bridge_lasting"]
-
-_PR_SET_PDEATHSIG: Final = 1
-
-
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """A preexec_fn: SIGTERM when the parent dies. PR_SET_PDEATHSIG follows
-    the thread that forked: spawn from a thread that lives as long as the
-    job (the main thread)."""
-
-    def pre() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl
-            os._exit(1)
-
-    return pre
 
 
 @dataclass
@@ -160,10 +143,13 @@ def start_bridge(
     :meth:`BridgeProcess.wait_ready` next. The ready line comes once the
     bridge is up, so with several members on one host start them all before
     waiting for any. The child gets SIGTERM when the thread that called this
-    dies (PR_SET_PDEATHSIG follows the thread that forked): call it from a
-    thread that lives as long as the job."""
+    dies (serve's own ``--die-with-parent``, PR_SET_PDEATHSIG, which follows
+    the thread that forked): call it from a thread that lives as long as the
+    job. ``--parent-pid`` makes serve exit at start if this process died
+    before it got there. No ``preexec_fn``: forking a threaded interpreter
+    to run Python in the child can deadlock; subprocess spawns without it."""
     cmd = [os.fspath(gbbridge), "serve", "--topology", os.fspath(topology), "--feed", os.fspath(feed)]
-    cmd += list(args)
+    cmd += ["--parent-pid", str(os.getpid()), *args]
     errf = tempfile.TemporaryFile()  # noqa: SIM115 (the BridgeProcess owns it)
     try:
         proc = subprocess.Popen(
@@ -172,7 +158,6 @@ def start_bridge(
             stdout=subprocess.PIPE,
             stderr=errf,
             env=None if env is None else dict(env),
-            preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509 (the point of it)
             close_fds=True,
         )
     except BaseException:
