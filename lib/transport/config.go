@@ -49,6 +49,12 @@ type Config struct {
 	// half of it is handed to Recv's fn in place; larger frames are split
 	// and reassembled (one more copy). 2 x the chunk size double-buffers.
 	RingBytes int
+	// Spin is how long a shm waiter checks its ring before it sleeps on
+	// the futex (default DefaultSpin, at most MaxSpin). Waking a sleeper
+	// costs tens of microseconds on virtual machines, several times a
+	// small call's whole work; spinning longer pays for itself when every
+	// process has a core of its own, and steals the peer's core when not.
+	Spin time.Duration
 	// Log receives setup events and refused connections (default: discard).
 	Log *slog.Logger
 	// Process names the program that runs Establish on every member (they
@@ -74,6 +80,8 @@ const (
 	DefaultStreams   = 8
 	DefaultTimeout   = 60 * time.Second
 	DefaultRingBytes = 8 << 20
+	DefaultSpin      = 5 * time.Microsecond
+	MaxSpin          = 10 * time.Millisecond
 	MaxStreams       = 64
 	minRingBytes     = 64 << 10
 	maxRingBytes     = 1 << 30
@@ -105,6 +113,12 @@ func (c *Config) normalize() error {
 		return fmt.Errorf("ring of %d bytes (at most %d allowed)", c.RingBytes, maxRingBytes)
 	}
 	c.RingBytes = max(c.RingBytes, minRingBytes)
+	if c.Spin == 0 {
+		c.Spin = DefaultSpin
+	}
+	if c.Spin < 0 || c.Spin > MaxSpin {
+		return fmt.Errorf("spin of %v (0..%v allowed)", c.Spin, MaxSpin)
+	}
 	if c.Log == nil {
 		c.Log = slog.New(slog.DiscardHandler)
 	}

@@ -32,6 +32,11 @@ func TestExchange(t *testing.T) {
 						// Small rings: 4 MiB frames take the split path.
 						b.set(func(c *Config) { c.RingBytes = 1 << 20 })
 					}
+					if crc {
+						// shm waiters that spin long (GPUBRIDGE_SPIN_US)
+						// must see the same frames.
+						b.set(func(c *Config) { c.Spin = 200 * time.Microsecond })
+					}
 					meshes := b.mustEstablish(t)
 					sizes := sizes
 					if n > 2 {
@@ -344,6 +349,8 @@ func TestBadConfig(t *testing.T) {
 		{Store: c, Members: ms, Self: 2, Transport: "tcp"},
 		{Store: c, Members: ms, Transport: "verbs"},
 		{Store: c, Members: ms, Transport: "tcp", Streams: MaxStreams + 1},
+		{Store: c, Members: ms, Transport: "shm", Spin: -time.Microsecond},
+		{Store: c, Members: ms, Transport: "shm", Spin: MaxSpin + time.Microsecond},
 		{Members: ms, Transport: "tcp"},
 	} {
 		_, err := Establish(context.Background(), cfg)

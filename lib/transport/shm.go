@@ -58,7 +58,7 @@ import (
 // hands fn a view of it in place; larger frames are cut into segments and
 // reassembled in a per-stream buffer.
 //
-// Waiting: spin for shmSpin, then sleep on the futex word (FUTEX_WAIT on
+// Waiting: spin for Config.Spin, then sleep on the futex word (FUTEX_WAIT on
 // the shared mapping) with a timeout of shmPoll, after which the waiter
 // checks its context, the mesh, the peer's state word and whether the
 // peer's process is alive (pidfd, else kill 0), so an idle bridge uses no
@@ -76,7 +76,6 @@ const (
 	wrapMark    = 0xFFFFFFFF
 	recFirst    = 1
 	recLast     = 2
-	shmSpin     = 5 * time.Microsecond
 	shmPoll     = 10 * time.Millisecond
 	shmMagic    = "GBSHMv1\x00"
 	ctlRingCap  = 1<<20 + 4096
@@ -245,6 +244,8 @@ type shmMesh struct {
 	ownPath string
 	maps    [][]byte
 	share   *shmShare // memory shared with the peers (shm_share.go)
+
+	spin time.Duration // Config.Spin
 
 	closing  atomic.Bool
 	aborting atomic.Bool
@@ -432,7 +433,7 @@ func pidAlive(pid int) bool {
 
 // wait blocks until ready returns true. seq and waiting are the futex word
 // and the flag of this side; peerClosed reports the other side's close.
-// It spins for shmSpin, then sleeps on the futex in slices of shmPoll,
+// It spins for the mesh's spin, then sleeps on the futex in slices of shmPoll,
 // checking ctx, the mesh and the peer between them.
 func (s *shmStream) wait(ctx context.Context, op string, ready func() bool, seq, waiting, peerState *atomic.Uint32, abort bool) error {
 	if ready() {
@@ -443,7 +444,7 @@ func (s *shmStream) wait(ctx context.Context, op string, ready func() bool, seq,
 		if ready() {
 			return nil
 		}
-		if i%16 == 0 && time.Since(t0) > shmSpin {
+		if i%16 == 0 && time.Since(t0) > s.m.spin {
 			break
 		}
 	}

@@ -34,7 +34,7 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 	dataCap := (uint64(s.cfg.RingBytes)+4095)&^4095 + 4096
 	lay := shmLayout{size: n, streams: s.cfg.Streams, dataCap: dataCap, ctlCap: min(dataCap, ctlRingCap)}
 	m := &shmMesh{meshBase: meshBase[*shmStream]{self: self, size: n, streams: s.cfg.Streams, crc: s.cfg.CRC},
-		pids: make([]int, n), pidfds: make([]int, n), dead: make([]atomic.Bool, n), done: make(chan struct{})}
+		spin: s.cfg.Spin, pids: make([]int, n), pidfds: make([]int, n), dead: make([]atomic.Bool, n), done: make(chan struct{})}
 	for i := range m.pidfds {
 		m.pidfds[i] = -1
 	}

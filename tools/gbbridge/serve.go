@@ -34,6 +34,7 @@ type serveCmd struct {
 	Interface     string        `help:"Network interface to listen on and advertise. Default: the one that routes to the store's host." env:"GPUBRIDGE_IFNAME" placeholder:"NAME"`
 	ListenHost    string        `help:"IP address (or host name) to listen on and advertise; wins over --interface." placeholder:"ADDR"`
 	ShmRing       byteSize      `help:"Size of each shared-memory ring (shm transport)." default:"8M" placeholder:"BYTES"`
+	SpinUS        int           `help:"Microseconds a shm stream's waiter checks its ring before sleeping (waking a sleeper costs tens of microseconds on a VM: spin longer when every process has a core); the plugin's feed client spins as long for its answers." default:"5" env:"GPUBRIDGE_SPIN_US" name:"spin-us" placeholder:"US"`
 	MaxFeedback   byteSize      `help:"Cap on the error-feedback residuals the feed keeps (4 bytes per value of each keyed buffer a lossy all_reduce compresses); a request that would pass it is refused (docs/FEED.md §3a)." default:"64G" placeholder:"SIZE"`
 	DieWithParent bool          `help:"Exit when the parent process (the rank) dies (PR_SET_PDEATHSIG)." default:"true" negatable:""`
 	ParentPID     int           `help:"With --die-with-parent: the pid the parent says it has; exit 2 at start if the parent is another (it died between spawning and this check). 0: whichever parent this process has at start." default:"0" name:"parent-pid" placeholder:"PID"`
@@ -50,6 +51,9 @@ func (c *serveCmd) Run(env *cli.Env) error {
 	topo, err := c.readTopology(env)
 	if err != nil {
 		return cli.CannotRun(err)
+	}
+	if c.SpinUS < 0 || time.Duration(c.SpinUS)*time.Microsecond > transport.MaxSpin {
+		return cli.CannotRun(fmt.Errorf("--spin-us %d: 0..%d allowed", c.SpinUS, transport.MaxSpin.Microseconds()))
 	}
 	if c.DieWithParent {
 		if err := cli.DieWithParent(c.ParentPID); err != nil {
@@ -131,7 +135,7 @@ func (c *serveCmd) setUp(env *cli.Env, topo *discover.Topology) (*serving, error
 	s.member, err = bridge.Join(env.Ctx, bridge.Config{Store: addr, Namespace: topo.Namespace, Name: s.who,
 		Mesh: transport.Config{Self: ms.Member, Members: ms.Members, Transport: ms.Transport,
 			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
-			Timeout: c.SetupTimeout, RingBytes: int(c.ShmRing), Log: s.log, Process: "gbbridge serve"},
+			Timeout: c.SetupTimeout, RingBytes: int(c.ShmRing), Spin: c.spin(), Log: s.log, Process: "gbbridge serve"},
 		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, Timeout: c.Timeout, Log: s.log},
 	})
 	if err != nil {
@@ -213,7 +217,7 @@ func (s *serving) Join(ctx context.Context, j feedserver.JoinRequest) (*feedserv
 	m, err := bridge.Join(ctx, bridge.Config{Store: s.store, Namespace: s.topo.Namespace, Name: who, Bridge: j.Name,
 		Mesh: transport.Config{Self: j.Member, Members: members, Transport: bridge.NamedTransport(members, s.topo.Bridge.Transport),
 			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
-			Timeout: meet, RingBytes: int(c.ShmRing), Log: log, Process: "gbbridge serve"},
+			Timeout: meet, RingBytes: int(c.ShmRing), Spin: c.spin(), Log: log, Process: "gbbridge serve"},
 		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, Timeout: c.Timeout, Log: log},
 	})
 	if err != nil {
@@ -233,4 +237,9 @@ func setupCause(ctx context.Context, err error) error {
 		return fmt.Errorf("%w (stopped: %v)", err, context.Cause(ctx))
 	}
 	return err
+}
+
+// spin is the shm waiters' spin; 0 means none (Config's zero is its default).
+func (c *serveCmd) spin() time.Duration {
+	return max(time.Duration(c.SpinUS)*time.Microsecond, time.Nanosecond)
 }

@@ -534,6 +534,11 @@ func TestServeRefuses(t *testing.T) {
 		assert.Equal(t, 2, p.wait(t))
 		assert.Contains(t, p.stderr.String(), "--store is required")
 	})
+	t.Run("spin out of range", func(t *testing.T) {
+		code, stderr := run(t, "serve", "--topology", c.topoFile(t, 0, "tcp"), "--store", c.store, "--feed", feedPath, "--spin-us", "20000")
+		assert.Equal(t, 2, code)
+		assert.Contains(t, stderr, "--spin-us 20000: 0..10000 allowed")
+	})
 	t.Run("parent already gone", func(t *testing.T) {
 		// The spawner says it is pid 1: this test is the parent, so serve
 		// must take the spawner for dead and refuse to start.

@@ -142,7 +142,7 @@ class BridgeEndpoint:
             self.process.wait_ready(float(min(isecs, 120)))
             self._feed = FeedClient.connect(
                 self.process.feed, timeout=60.0, name=f"gpubridge rank {self._rank}",
-                request_timeout=isecs + 60.0,
+                request_timeout=isecs + 60.0, spin=spin_seconds(),
             )  # fmt: skip
         except FeedError as e:
             raise RuntimeError(f"gpubridge: rank {self._rank}: starting gbbridge serve: {e}") from e
@@ -734,3 +734,23 @@ class _Exchange:
             "wire_ms": (self.t_last - t_start) * 1e3, "server_ms": server_us / 1e3,
             "host_ms": (time.perf_counter() - t0) * 1e3,
         })  # fmt: skip
+
+
+MAX_SPIN_US = 10_000  # gbbridge serve's --spin-us limit
+
+
+def spin_seconds() -> float:
+    """GPUBRIDGE_SPIN_US (microseconds): how long the feed client checks for
+    an answer before sleeping in poll. gbbridge serve reads the same
+    variable for its shm waits (--spin-us). Unset: the client does not
+    spin."""
+    raw = os.environ.get("GPUBRIDGE_SPIN_US", "").strip()
+    if not raw:
+        return 0.0
+    try:
+        us = int(raw)
+    except ValueError:
+        us = -1
+    if not 0 <= us <= MAX_SPIN_US:
+        raise ValueError(f"GPUBRIDGE_SPIN_US={raw!r}: an integer number of microseconds, 0..{MAX_SPIN_US}")
+    return us / 1e6

@@ -29,6 +29,7 @@ from testenv import scale
 
 from gpubridge._bridge_process import BridgeProcess, start_bridge
 from gpubridge._combine import combine
+from gpubridge._endpoint import spin_seconds
 from gpubridge._feed import (
     BridgeError,
     DType,
@@ -526,3 +527,30 @@ def test_peer_killed_mid_exchange(pair: Pair) -> None:
     c0.abort()
     c1.abort()
     assert pair.bridges[0].wait(TIMEOUT) == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        (None, 0.0),
+        ("", 0.0),
+        ("0", 0.0),
+        ("150", 150e-6),
+        (" 10000 ", 10e-3),
+        ("10001", None),
+        ("-1", None),
+        ("1.5", None),
+        ("x", None),
+    ],
+)
+def test_spin_setting(monkeypatch: pytest.MonkeyPatch, raw: str | None, want: float | None) -> None:
+    """GPUBRIDGE_SPIN_US: whole microseconds within gbbridge serve's --spin-us range, else a clear error."""
+    if raw is None:
+        monkeypatch.delenv("GPUBRIDGE_SPIN_US", raising=False)
+    else:
+        monkeypatch.setenv("GPUBRIDGE_SPIN_US", raw)
+    if want is None:
+        with pytest.raises(ValueError, match=r"GPUBRIDGE_SPIN_US=.*0\.\.10000"):
+            spin_seconds()
+    else:
+        assert spin_seconds() == pytest.approx(want)

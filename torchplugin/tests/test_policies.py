@@ -123,7 +123,10 @@ def test_policy_bit_for_bit(tmp_path: Path, policy: str, vendors: list[str], ran
 
 
 @needs_tools
-def test_auto_sends_a_tiny_all_reduce_flat(tmp_path: Path) -> None:
+def test_auto_sends_a_tiny_all_reduce_flat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With spinning waits (the latency setting for hosts with a core per
+    # process): the feed client and every serve's shm streams spin.
+    monkeypatch.setenv("GPUBRIDGE_SPIN_US", "200")
     f = tmp_path / "thresholds.json"
     f.write_text(Thresholds(flat_max_bytes=64, sharded_min_bytes=-1).to_json({}))
     results = launch(tmp_path, V22, "auto", "tiny", str(f))
