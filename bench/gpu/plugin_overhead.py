@@ -161,6 +161,7 @@ def main() -> int:
         "host": socket.gethostname(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
+        "spin_us": os.environ.get("GPUBRIDGE_SPIN_US"),  # None: the defaults (serve 5, client 0)
     }
     if "gpubridge_checked" in stats:
         c = stats["gpubridge_checked"]

@@ -11,7 +11,12 @@
 # p2p (issue 16: p2p_bench.py as two torchrun nodes of one rank, 64 MiB
 # send/recv across the islands against the bridged all_reduce's algbw, every
 # byte checked) pipeline (issue 16: pipeline-bench.sh, tokens/s of the
-# 2-stage pipeline example over gpubridge against NCCL, GPipe and 1F1B).
+# 2-stage pipeline example over gpubridge against NCCL, GPipe and 1F1B)
+# latency (issue 16: the 4-byte all_reduce of 4 CPU ranks, flat and
+# reduce-bridge-broadcast against Gloo, for each GPUBRIDGE_SPIN_US in
+# GB_SPINS (default "- 50 200 1000"; -: unset); and BenchmarkServeLatency
+# when gbtest/gbbridge.test was built and carried:
+# go test -c -o gbtest/gbbridge.test ./tools/gbbridge).
 # Each step runs one of bench/gpu's scripts under `timeout` (its share of
 # GB_BUDGET_S, default 540 s, so a session fits a 10-minute device call) with
 # its output in $OUT/STEP/, packed into $OUT/STEP.tgz afterwards; the files
@@ -26,9 +31,9 @@ out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
 exec > >(tee -a "$out/validate.log") 2>&1
 # Pass GB_COMMIT: the device machine's copy may carry another HEAD than the tree it got.
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
-all=(plugin-check exchange host-bridge codec trace rebalance overhead one-gpu-bench codec-compile compress compress-train p2p pipeline)
+all=(plugin-check exchange host-bridge codec trace rebalance overhead one-gpu-bench codec-compile compress compress-train p2p pipeline latency)
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=("${all[@]}")
-declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280 [p2p]=120 [pipeline]=240)
+declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=150 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280 [p2p]=120 [pipeline]=240 [latency]=240)
 for s in "${steps[@]}"; do [ -n "${share[$s]:-}" ] || { echo "unknown step $s (steps: ${all[*]})"; exit 2; }; done
 budget=${GB_BUDGET_S:-540}; t_end=$(( $(date +%s) + budget ))
 echo "== $(date -u +%FT%TZ) validate: commit $GB_COMMIT; steps ${steps[*]}; $(nproc --all) cores"
@@ -70,6 +75,25 @@ for s in "${steps[@]}"; do
         two_nodes "$lim" "$d/p2p.log" bench/gpu/p2p_bench.py --sizes 1M,64M --iters 10
         rc=$?; grep '^{' "$d/p2p.log.0" > "$d/p2p.jsonl"; grep -v '^{' "$d/p2p.log.0" | tail -n 8; [ "$rc" -eq 0 ] ;;
       pipeline) OUT=$d GB_LIMIT_S=$(( (lim - 10) / 4 )) timeout "$lim" bash bench/gpu/pipeline-bench.sh ;;
+      latency)
+        rc=0
+        if [ -x gbtest/gbbridge.test ]; then
+          GPUBRIDGE_BIN=$PWD/bin timeout 60 gbtest/gbbridge.test -test.run '^$' -test.bench BenchmarkServeLatency \
+            -test.benchtime 1x > "$d/serve-latency.txt" 2>&1 || rc=1
+          grep -E 'Benchmark|ok|FAIL' "$d/serve-latency.txt" | tail -n 4
+        fi
+        read -r -a spins <<< "${GB_SPINS:-- 50 200 1000}"
+        per=$(( (lim - 70) / ${#spins[@]} ))
+        for sp in "${spins[@]}"; do
+          ( [ "$sp" = - ] || export GPUBRIDGE_SPIN_US=$sp
+            GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=1 timeout "$per" \
+              python3 -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
+              bench/gpu/plugin_overhead.py "$d/latency.jsonl" --policies flat,reduce-bridge-broadcast \
+              --rounds 4 --iters 500 > "$d/latency-$sp.log" 2>&1 ) || rc=1
+          echo "  spin $sp: $(tail -n 1 "$d/latency.jsonl" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("gloo %.0f us, flat %.2fx p99 %.2fx, rbb %.2fx" % (r["gloo"]["median_us"], r["policy:flat:ratio_median"], r["policy:flat:ratio_p99"], r["policy:reduce-bridge-broadcast:ratio_median"]))' 2>&1)"
+        done
+        cp "$d/latency.jsonl" "$out/latency.jsonl" 2>/dev/null
+        [ "$rc" -eq 0 ] ;;
       one-gpu-bench)
         rc=0
         two_nodes 80 "$d/bench-gpubridge.log" bench/gpu/plugin_bench.py gpubridge "$d/bench.jsonl" --sizes 1M,256M,1G --iters 10 || rc=1
