@@ -29,7 +29,7 @@ from testenv import scale
 
 from gpubridge._bridge_process import BridgeProcess, start_bridge
 from gpubridge._combine import combine
-from gpubridge._endpoint import spin_seconds
+from gpubridge._endpoint import AUTO_SPIN_US, spin_us
 from gpubridge._feed import (
     BridgeError,
     DType,
@@ -531,26 +531,30 @@ def test_peer_killed_mid_exchange(pair: Pair) -> None:
 
 @pytest.mark.parametrize(
     ("raw", "want"),
-    [
-        (None, 0.0),
-        ("", 0.0),
-        ("0", 0.0),
-        ("150", 150e-6),
-        (" 10000 ", 10e-3),
-        ("10001", None),
-        ("-1", None),
-        ("1.5", None),
-        ("x", None),
-    ],
+    [("0", 0), ("150", 150), (" 10000 ", 10000), ("10001", None), ("-1", None), ("1.5", None), ("x", None)],
 )
-def test_spin_setting(monkeypatch: pytest.MonkeyPatch, raw: str | None, want: float | None) -> None:
+def test_spin_setting(monkeypatch: pytest.MonkeyPatch, raw: str, want: int | None) -> None:
     """GPUBRIDGE_SPIN_US: whole microseconds within gbbridge serve's --spin-us range, else a clear error."""
-    if raw is None:
-        monkeypatch.delenv("GPUBRIDGE_SPIN_US", raising=False)
-    else:
-        monkeypatch.setenv("GPUBRIDGE_SPIN_US", raw)
+    monkeypatch.setenv("GPUBRIDGE_SPIN_US", raw)
     if want is None:
-        with pytest.raises(ValueError, match=r"GPUBRIDGE_SPIN_US=.*0\.\.10000"):
-            spin_seconds()
+        with pytest.raises(ValueError, match=r"GPUBRIDGE_SPIN_US=.*auto, or whole microseconds 0\.\.10000"):
+            spin_us()
     else:
-        assert spin_seconds() == pytest.approx(want)
+        assert spin_us() == want
+
+
+@pytest.mark.parametrize(("raw", "local", "cpus", "want"), [
+    (None, "4", 16, AUTO_SPIN_US), ("auto", "4", 8, AUTO_SPIN_US), ("auto", "4", 7, None),
+    (None, None, 2, AUTO_SPIN_US), (None, "4", 2, None), (None, "junk", 1, None),
+])  # fmt: skip
+def test_spin_auto(
+    monkeypatch: pytest.MonkeyPatch, raw: str | None, local: str | None, cpus: int, want: int | None
+) -> None:
+    """auto spins only when every local rank and its serve have a core."""
+    for k, v in (("GPUBRIDGE_SPIN_US", raw), ("LOCAL_WORLD_SIZE", local)):
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+    assert spin_us() == want
