@@ -754,12 +754,13 @@ def spin_us() -> int | None:
     an answer before sleeping in poll, and gbbridge serve's shm waiters
     before sleeping on their futex (--spin-us). ``auto`` (or unset):
     AUTO_SPIN_US when this rank's CPUs (its affinity) give every local rank
-    and its gbbridge serve a core of their own, else None (no spinning in
+    and its gbbridge serve a core of their own (local ranks:
+    LOCAL_WORLD_SIZE, else SLURM_NTASKS_PER_NODE, else 1), else None (no spinning in
     the client, serve's default). Waking a sleeper costs tens of
     microseconds on a VM; spinning where cores are shared steals them."""
     raw = os.environ.get("GPUBRIDGE_SPIN_US", "").strip()
     if raw in ("", "auto"):
-        local = _int_env("LOCAL_WORLD_SIZE", 1)
+        local = _int_env("LOCAL_WORLD_SIZE", _int_env("SLURM_NTASKS_PER_NODE", 1))
         return AUTO_SPIN_US if len(os.sched_getaffinity(0)) >= 2 * local else None
     try:
         us = int(raw)

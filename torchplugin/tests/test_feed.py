@@ -551,6 +551,7 @@ def test_spin_auto(
     monkeypatch: pytest.MonkeyPatch, raw: str | None, local: str | None, cpus: int, want: int | None
 ) -> None:
     """auto spins only when every local rank and its serve have a core."""
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     for k, v in (("GPUBRIDGE_SPIN_US", raw), ("LOCAL_WORLD_SIZE", local)):
         if v is None:
             monkeypatch.delenv(k, raising=False)
@@ -558,3 +559,6 @@ def test_spin_auto(
             monkeypatch.setenv(k, v)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
     assert spin_us() == want
+    if local is None:  # under srun without torchrun: the tasks per node count
+        monkeypatch.setenv("SLURM_NTASKS_PER_NODE", str(cpus))
+        assert spin_us() is None
