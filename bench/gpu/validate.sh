@@ -16,7 +16,8 @@
 # reduce-bridge-broadcast against Gloo, for each GPUBRIDGE_SPIN_US in
 # GB_SPINS (default "- 50 200 1000"; -: unset); and BenchmarkServeLatency
 # when gbtest/gbbridge.test was built and carried:
-# go test -c -o gbtest/gbbridge.test ./tools/gbbridge).
+# go test -c -o gbtest/gbbridge.test ./tools/gbbridge; then one traced
+# run whose phase medians bench/trace_phases.py writes to latency-phases.json).
 # Each step runs one of bench/gpu's scripts under `timeout` (its share of
 # GB_BUDGET_S, default 540 s, so a session fits a 10-minute device call) with
 # its output in $OUT/STEP/, packed into $OUT/STEP.tgz afterwards; the files
@@ -92,6 +93,11 @@ for s in "${steps[@]}"; do
               --rounds 4 --iters 500 > "$d/latency-$sp.log" 2>&1 ) || rc=1
           echo "  spin $sp: $(tail -n 1 "$d/latency.jsonl" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("gloo %.0f us, flat %.2fx p99 %.2fx, rbb %.2fx" % (r["gloo"]["median_us"], r["policy:flat:ratio_median"], r["policy:flat:ratio_p99"], r["policy:reduce-bridge-broadcast:ratio_median"]))' 2>&1)"
         done
+        # One traced run (spin as the defaults pick): where a call's time goes.
+        GPUBRIDGE_TRACE=$d/trace GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=1 timeout 60 \
+          python3 -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
+          bench/gpu/plugin_overhead.py "$d/traced.jsonl" --rounds 2 --iters 500 > "$d/traced.log" 2>&1 || rc=1
+        python3 bench/trace_phases.py "$d/trace/rank-0.jsonl" | tee "$out/latency-phases.json" || rc=1
         cp "$d/latency.jsonl" "$out/latency.jsonl" 2>/dev/null
         [ "$rc" -eq 0 ] ;;
       one-gpu-bench)
