@@ -83,8 +83,8 @@ const (
 	MaxStreams       = 64
 	// DefaultP2PStreams is what lib/bridge asks for (Config.P2PStreams).
 	DefaultP2PStreams = 4
-	minRingBytes     = 64 << 10
-	maxRingBytes     = 1 << 30
+	minRingBytes      = 64 << 10
+	maxRingBytes      = 1 << 30
 )
 
 // wireStreams is the number of streams per pair besides the control
