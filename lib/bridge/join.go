@@ -26,7 +26,9 @@ type Config struct {
 	// Mesh are the transport's settings. Join sets its Store. Members nil:
 	// every member publishes its host in the store and reads the others'.
 	// Transport is the requested kind (transport.Choose). Timeout bounds
-	// the whole join; Log also receives the store's events.
+	// the whole join; Log also receives the store's events. P2PStreams 0
+	// is transport.DefaultP2PStreams (large point-to-point messages are
+	// striped over them), negative none.
 	Mesh transport.Config
 	// Comm are the communicator's settings.
 	Comm collective.Options
@@ -108,6 +110,12 @@ func Join(ctx context.Context, c Config) (*Member, error) {
 	if c.Mesh.Transport, _, err = transport.Choose(c.Mesh.Transport, c.Mesh.Members); err != nil {
 		sc.Close()
 		return nil, fail("choose the transport", err)
+	}
+	switch {
+	case c.Mesh.P2PStreams == 0:
+		c.Mesh.P2PStreams = transport.DefaultP2PStreams
+	case c.Mesh.P2PStreams < 0:
+		c.Mesh.P2PStreams = 0
 	}
 	mesh, err := transport.Establish(ctx, c.Mesh)
 	if err != nil {

@@ -584,7 +584,7 @@ func realMeshes(t testing.TB, kind transport.Kind, members, streams int) []trans
 }
 
 // realMeshesRing is realMeshes with shm data rings of ringBytes.
-func realMeshesRing(t testing.TB, kind transport.Kind, members, streams, ringBytes int) []transport.Mesh {
+func realMeshesRing(t testing.TB, kind transport.Kind, members, streams, ringBytes int, p2pStreams ...int) []transport.Mesh {
 	t.Helper()
 	addr := storetest.Start(t)
 	host, err := os.Hostname()
@@ -604,6 +604,9 @@ func realMeshesRing(t testing.TB, kind transport.Kind, members, streams, ringByt
 		t.Cleanup(func() { _ = st.Close() })
 		cfg := transport.Config{Store: st.Prefix("job-" + strings.ReplaceAll(t.Name(), "/", "-")), Self: i, Members: infos,
 			Transport: kind, Streams: streams, ListenHost: "127.0.0.1", Timeout: testenv.Scale(30 * time.Second), RingBytes: ringBytes}
+		if len(p2pStreams) > 0 {
+			cfg.P2PStreams = p2pStreams[0]
+		}
 		wg.Go(func() { meshes[i], errs[i] = transport.Establish(ctx, cfg) })
 	}
 	wg.Wait()

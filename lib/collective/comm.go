@@ -106,6 +106,9 @@ func invalid(format string, a ...any) error {
 type Comm struct {
 	mesh                transport.Mesh
 	self, size, streams int
+	p2p                 int // point-to-point streams per peer (striped messages); 0: none
+	stripeMin           int // the smallest message striped (defaultStripeMin; tests lower it)
+	stripeUnit          int // the smallest frame of a striped message (defaultStripeFrame)
 	chunk               int
 	small               int // Options.SmallBytes resolved: -1 off
 	workers             int
@@ -153,6 +156,9 @@ func newComm(mesh transport.Mesh, o Options, maxUnexpected int64) *Comm {
 		self:          mesh.Self(),
 		size:          mesh.Size(),
 		streams:       mesh.Streams(),
+		p2p:           mesh.P2PStreams(),
+		stripeMin:     defaultStripeMin,
+		stripeUnit:    defaultStripeFrame,
 		chunk:         o.ChunkBytes,
 		workers:       o.Workers,
 		timeout:       o.Timeout,
@@ -184,9 +190,12 @@ func newComm(mesh transport.Mesh, o Options, maxUnexpected int64) *Comm {
 			continue
 		}
 		c.bnote[p] = make(chan struct{}, 1)
-		c.peers[p] = newPeer()
-		c.wg.Add(1)
+		c.peers[p] = newPeer(c.p2p)
+		c.wg.Add(1 + c.p2p)
 		go c.dispatch(p)
+		for i := range c.p2p {
+			go c.dispatchP2P(p, i)
+		}
 	}
 	return c
 }
@@ -301,8 +310,16 @@ func (c *Comm) lose(peer int, err error) {
 		close(c.lostCh)
 	}
 	c.mu.Unlock()
-	c.peers[peer].lost = err
-	close(c.peers[peer].gone)
+	pr := c.peers[peer]
+	closed := false
+	pr.goneMu.Do(func() {
+		pr.lost = err
+		close(pr.gone)
+		closed = true
+	})
+	if !closed {
+		return // a reader of another of its streams told it first
+	}
 	// A peer that closed its end in order (it finished, like this member
 	// will) is news only when a later call needs it.
 	if errors.Is(err, transport.ErrPeerClosed) {

@@ -312,7 +312,9 @@
 // # Point-to-point
 //
 // Send(peer, tag, buf) and Recv(peer, tag, buf) carry messages on the
-// control stream to peer, apart from the data streams. Messages match by
+// control stream to peer and, from 512 KiB, on the mesh's point-to-point
+// streams (transport.Mesh.P2PStream), apart from the data streams, so they
+// never wait for or disturb a collective running at the same time. Messages match by
 // (source, tag): a Recv takes the next message from that peer with that
 // tag, whatever is pending on other tags, so many tags can be in flight at
 // once and a Recv for tag B completes while tag A's message waits for its
@@ -323,16 +325,38 @@
 // concurrent Sends on different tags may interleave, which the receiver
 // undoes by tag; Sends on the same tag go one after the other.
 //
-// On each member one goroutine per peer reads the control stream: a frame
-// for a posted Recv is copied straight from the transport's buffer into the
-// Recv's buffer; otherwise the message is queued. Queued ("unexpected")
+// Striped messages: a message of at least 512 KiB, when the mesh has
+// point-to-point streams (P of them; lib/bridge asks for 4), is announced
+// on the control stream by one KindP2P frame flagged FlagStripe (Seq and
+// Step as above, Chunk 0) whose 12-byte payload is the message's length
+// (u64) and frame size (u32), about length/P rounded up to 64 bytes, at
+// least 256 KiB, at most ChunkBytes; decoded within limits (1 byte to
+// 2^20 frames of 1 B to wire.MaxPayload). Frame i (KindP2P, Chunk i, no
+// flags) then goes on point-to-point stream i mod P, each stream written by
+// a goroutine of the Send. Matching happens at the announcement, in order
+// per tag with the control stream's messages; frames are checked against
+// it (index, length, each once), and one that comes before its
+// announcement (another stream) waits for it. Send returns when every
+// frame was written; on an error after the announcement the communicator
+// breaks, as for a message half sent.
+//
+// On each member one goroutine per peer reads the control stream, and one
+// per point-to-point stream reads that: a frame for a posted Recv is copied
+// straight from the transport's buffer into the Recv's buffer (striped
+// frames in parallel, each at its offset); otherwise the message is queued
+// (a striped one preallocated at its announced length and counted against
+// the limit below at once). Queued ("unexpected")
 // messages take memory: over 1 GiB (DefaultMaxUnexpected) in all, the
 // communicator breaks with an error saying so. A message longer than the
 // Recv's buffer fails that Recv with ErrTooLong (the message is consumed,
 // its length returned). A Recv whose context ends before its message
 // started consumes nothing; one that gives up while its message is
 // arriving hands the message, as far as it came, to the next Recv on the
-// tag or back to the head of the queue.
+// tag or back to the head of the queue (a striped message with the frames
+// not yet arrived as gaps, which the frames still to come fill). When the
+// peer's control stream ends, a striped message already arriving is still
+// completed by its point-to-point streams, which carry everything the peer
+// sent before it closed.
 //
 // Send returns once buf may be reused, not when the peer has received the
 // message.

@@ -37,6 +37,9 @@ func newCluster(t testing.TB, n, streams int, o Options) *cluster {
 func newClusterLimit(t testing.TB, n, streams int, o Options, maxUnexpected int64) *cluster {
 	t.Helper()
 	meshes := transport.NewMem(n, streams, true)
+	if stripedP2P {
+		meshes = transport.NewMemP2P(n, streams, testP2PStreams, true)
+	}
 	for i, m := range meshes {
 		switch {
 		case noHold:
@@ -45,8 +48,23 @@ func newClusterLimit(t testing.TB, n, streams int, o Options, maxUnexpected int6
 			meshes[i] = pieceMesh{m}
 		}
 	}
-	return newClusterMesh(t, meshes, o, maxUnexpected)
+	cl := newClusterMesh(t, meshes, o, maxUnexpected)
+	if stripedP2P {
+		for _, c := range cl.comms {
+			c.stripeMin, c.stripeUnit = testStripeMin, 64
+		}
+	}
+	return cl
 }
+
+// stripedP2P makes newCluster's meshes have testP2PStreams point-to-point
+// streams and its communicators stripe messages from testStripeMin bytes.
+var stripedP2P bool
+
+const (
+	testP2PStreams = 3
+	testStripeMin  = testChunk
+)
 
 // noHold makes newCluster's streams hide transport.Holder, so that the
 // collectives take the Recv path.

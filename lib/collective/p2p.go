@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/gpubridge/gpubridge/lib/transport"
 	"github.com/gpubridge/gpubridge/lib/wire"
@@ -13,9 +14,18 @@ import (
 
 // peer is the point-to-point state of one peer member.
 type peer struct {
-	ctl  chan struct{} // held while a frame is written to the control stream
-	gone chan struct{} // closed when the control stream from the peer ended
-	lost error         // why; set before gone is closed
+	ctl     chan struct{}   // held while a frame is written to the control stream
+	p2pSend []chan struct{} // per point-to-point stream: held while a frame is written
+	gone    chan struct{}   // closed when the control stream from the peer ended
+	lost    error           // why; set before gone is closed
+	goneMu  sync.Once       // closes gone once (the control stream's reader or a point-to-point stream's)
+
+	// drained is closed once every reader of the peer's streams (control
+	// and point-to-point) has ended: after that no frame of the peer is
+	// filed, so a message still arriving never will.
+	drained   chan struct{}
+	readersMu sync.Mutex
+	readers   int
 
 	tagMu sync.Mutex
 	tags  map[uint32]*tagSend
@@ -25,6 +35,8 @@ type peer struct {
 	unexpected map[uint32][]*message
 	inflight   map[uint32]*incoming
 	last       map[uint32]uint64 // number of the last message begun, per tag
+	striped    map[stripeKey]*striped
+	announced  chan struct{} // closed (and replaced) when a striped message is announced
 }
 
 // goneErr returns the error of calls on a lost peer, or nil while it is
@@ -38,16 +50,44 @@ func (pr *peer) goneErr() error {
 	}
 }
 
-func newPeer() *peer {
-	return &peer{
+// readerDone counts a reader of the peer's streams out.
+func (pr *peer) readerDone() {
+	pr.readersMu.Lock()
+	defer pr.readersMu.Unlock()
+	if pr.readers--; pr.readers == 0 {
+		close(pr.drained)
+	}
+}
+
+// isDrained says whether every reader of the peer's streams has ended.
+func (pr *peer) isDrained() bool {
+	select {
+	case <-pr.drained:
+		return true
+	default:
+		return false
+	}
+}
+
+func newPeer(p2pStreams int) *peer {
+	pr := &peer{
 		ctl:        make(chan struct{}, 1),
+		p2pSend:    make([]chan struct{}, p2pStreams),
 		gone:       make(chan struct{}),
+		drained:    make(chan struct{}),
+		readers:    1 + p2pStreams,
+		striped:    map[stripeKey]*striped{},
+		announced:  make(chan struct{}),
 		tags:       map[uint32]*tagSend{},
 		posted:     map[uint32][]*recvReq{},
 		unexpected: map[uint32][]*message{},
 		inflight:   map[uint32]*incoming{},
 		last:       map[uint32]uint64{},
 	}
+	for i := range pr.p2pSend {
+		pr.p2pSend[i] = make(chan struct{}, 1)
+	}
+	return pr
 }
 
 // tagSend orders the messages sent on one tag.
@@ -70,10 +110,11 @@ func (pr *peer) tagSend(tag uint32) *tagSend {
 // recvReq is a posted Recv.
 type recvReq struct {
 	buf   []byte
-	state int    // posted, filling, complete
-	seq   uint64 // message number, once matched
-	n     int    // bytes written into buf
-	total int    // message bytes received
+	state int      // posted, filling, complete
+	seq   uint64   // message number, once matched
+	n     int      // bytes written into buf
+	total int      // message bytes received
+	sm    *striped // the striped message arriving into buf, if it is one
 	done  chan struct{}
 }
 
@@ -160,6 +201,9 @@ func (c *Comm) Send(ctx context.Context, peer int, tag uint32, buf []byte) error
 	}
 	defer func() { <-ts.sem }()
 	seq := ts.next + 1
+	if ok, unit := c.stripes(len(buf)); ok {
+		return c.sendStripedMessage(ctx, peer, tag, seq, ts, buf, unit, desc, limit)
+	}
 	frames := max(1, (len(buf)+c.chunk-1)/c.chunk)
 	for i := range frames {
 		lo := i * c.chunk
@@ -191,6 +235,35 @@ func (c *Comm) Send(ctx context.Context, peer int, tag uint32, buf []byte) error
 		return e
 	}
 	return nil
+}
+
+// sendStripedMessage is Send of a striped message: the announcement on the
+// control stream, then the frames over the point-to-point streams.
+func (c *Comm) sendStripedMessage(ctx context.Context, peer int, tag uint32, seq uint64, ts *tagSend, buf []byte, unit int, desc string, limit time.Duration) error {
+	h := wire.Header{Kind: wire.KindP2P, Seq: seq, Step: tag, Flags: wire.FlagStripe}
+	err := c.sendControl(ctx, peer, h, stripeAnnounce(len(buf), unit))
+	if err == nil {
+		ts.next = seq
+		err = c.sendStriped(ctx, peer, tag, seq, buf, unit)
+		if err == nil {
+			return nil
+		}
+	} else {
+		var ns *errNotSent
+		if errors.As(err, &ns) {
+			if st := c.hardState(); st != nil {
+				return &Error{Op: "send", Seq: seq, Desc: desc, Err: st}
+			}
+			// Nothing of this message went out: no need to break.
+			return &Error{Op: "send", Seq: seq, Desc: desc, Err: c.classify(ctx, ns.err, peer, limit, false, "its control stream was busy")}
+		}
+	}
+	// Part of the message may be on the wire: the streams cannot go on.
+	e := &Error{Op: "send", Seq: seq, Desc: desc, Err: c.classify(ctx, err, peer, limit, false, "it is not reading")}
+	if !errors.Is(err, ErrClosed) {
+		c.fail(e)
+	}
+	return e
 }
 
 // Recv receives the next message from peer with tag into buf and returns
@@ -236,7 +309,7 @@ func (c *Comm) Recv(ctx context.Context, peer int, tag uint32, buf []byte) (int,
 				// that arrived whole are delivered even once the peer
 				// has gone.)
 				pr.mu.Unlock()
-				if pr.goneErr() != nil {
+				if pr.isDrained() {
 					return stopped(0)
 				}
 				select {
@@ -245,7 +318,7 @@ func (c *Comm) Recv(ctx context.Context, peer int, tag uint32, buf []byte) (int,
 					return stopped(0)
 				case <-c.stop:
 					return stopped(0)
-				case <-pr.gone:
+				case <-pr.drained:
 				}
 				continue
 			}
@@ -273,6 +346,19 @@ func (c *Comm) Recv(ctx context.Context, peer int, tag uint32, buf []byte) (int,
 		case <-ctx.Done():
 		case <-c.stop:
 		case <-pr.gone:
+			// Nothing new matches now; a striped message arriving may
+			// still be completed by the point-to-point streams.
+			pr.mu.Lock()
+			arriving := req.state == filling && req.sm != nil
+			pr.mu.Unlock()
+			if arriving {
+				select {
+				case <-req.done:
+				case <-ctx.Done():
+				case <-c.stop:
+				case <-pr.drained:
+				}
+			}
 		}
 		pr.mu.Lock()
 		switch req.state {
@@ -284,7 +370,11 @@ func (c *Comm) Recv(ctx context.Context, peer int, tag uint32, buf []byte) (int,
 			pr.mu.Unlock()
 			return stopped(0)
 		case filling:
-			c.detach(pr, tag, req)
+			if req.sm != nil {
+				c.detachStriped(pr, tag, req)
+			} else {
+				c.detach(pr, tag, req)
+			}
 			pr.mu.Unlock()
 			return stopped(req.seq)
 		}
@@ -389,16 +479,19 @@ func (c *Comm) p2pFrame(peer int, h wire.Header, payload []byte) error {
 // barrier. A failure breaks the communicator.
 func (c *Comm) dispatch(peer int) {
 	defer c.wg.Done()
+	defer c.peers[peer].readerDone()
 	st := c.mesh.Control(peer)
 	for {
 		err := st.Recv(c.dctx, func(h wire.Header, payload []byte) error {
 			var err error
-			switch h.Kind {
-			case wire.KindP2P:
+			switch {
+			case h.Kind == wire.KindP2P && h.Flags&wire.FlagStripe != 0:
+				err = c.stripeAnnounced(peer, h, payload)
+			case h.Kind == wire.KindP2P:
 				err = c.p2pFrame(peer, h, payload)
-			case wire.KindBarrier:
+			case h.Kind == wire.KindBarrier:
 				err = c.barrierFrame(peer, h)
-			case wire.KindClose:
+			case h.Kind == wire.KindClose:
 				return &transport.PeerError{Peer: c.mesh.Peer(peer), Err: errors.New("closed the bridge")}
 			default:
 				err = fmt.Errorf("%s sent a %s frame on the control stream: protocol error", c.mesh.Peer(peer), h.Kind)

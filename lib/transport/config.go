@@ -34,6 +34,12 @@ type Config struct {
 	Transport Kind
 	// Streams is the number of data streams per pair of members (default 8).
 	Streams int
+	// P2PStreams is the number of streams per pair of members reserved for
+	// point-to-point messages (Mesh.P2PStream), apart from the data and
+	// control streams: 0 (the zero value) none; lib/bridge asks for
+	// DefaultP2PStreams. The verbs transport has none yet (Mesh.P2PStreams
+	// says 0).
+	P2PStreams int
 	// CRC turns on a CRC32C of every frame's payload.
 	CRC bool
 	// Interface is the NIC to listen on and advertise (GPUBRIDGE_IFNAME);
@@ -83,9 +89,23 @@ const (
 	DefaultSpin      = 5 * time.Microsecond
 	MaxSpin          = 10 * time.Millisecond
 	MaxStreams       = 64
-	minRingBytes     = 64 << 10
-	maxRingBytes     = 1 << 30
+	// DefaultP2PStreams is what lib/bridge asks for (Config.P2PStreams).
+	DefaultP2PStreams = 4
+	minRingBytes      = 64 << 10
+	maxRingBytes      = 1 << 30
 )
+
+// wireStreams is the number of streams per pair besides the control
+// stream: the data streams, then the point-to-point ones.
+func (c *Config) wireStreams() int { return c.Streams + c.P2PStreams }
+
+// p2pWords describes the point-to-point streams for Mesh.Describe.
+func p2pWords(n int) string {
+	if n == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" and %d for point-to-point", n)
+}
 
 func (c *Config) normalize() error {
 	if c.Store == nil {
@@ -102,6 +122,9 @@ func (c *Config) normalize() error {
 	}
 	if c.Streams < 1 || c.Streams > MaxStreams {
 		return fmt.Errorf("%d streams per peer (1..%d allowed)", c.Streams, MaxStreams)
+	}
+	if c.P2PStreams < 0 || c.Streams+c.P2PStreams > MaxStreams {
+		return fmt.Errorf("%d point-to-point streams per peer besides %d data streams (at most %d in all)", c.P2PStreams, c.Streams, MaxStreams)
 	}
 	if c.Timeout <= 0 {
 		c.Timeout = DefaultTimeout

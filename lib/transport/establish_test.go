@@ -54,6 +54,25 @@ func TestExchange(t *testing.T) {
 	}
 }
 
+// Point-to-point streams (Config.P2PStreams) are streams of their own:
+// frames on every data, point-to-point and control stream at once, each
+// in order, none on another's.
+func TestP2PStreams(t *testing.T) {
+	for _, tr := range transports {
+		t.Run(string(tr), func(t *testing.T) {
+			b := newBridge(t, tr, 3, 2, false)
+			b.set(func(c *Config) { c.P2PStreams = 3; c.RingBytes = 1 << 20 })
+			meshes := b.mustEstablish(t)
+			for _, m := range meshes {
+				assert.Equal(t, 2, m.Streams())
+				assert.Equal(t, 3, m.P2PStreams())
+				assert.Contains(t, m.Describe(), "2 streams per peer and 3 for point-to-point")
+			}
+			exchange(t, meshes, []int{0, 1, 4093, 300 << 10, 13})
+		})
+	}
+}
+
 func TestMaxPayload(t *testing.T) {
 	for _, tr := range transports {
 		t.Run(string(tr), func(t *testing.T) {
@@ -244,6 +263,7 @@ func TestSettingsMismatch(t *testing.T) {
 		want string
 	}{
 		{"streams", func(c *Config) { c.Streams = 4 }, "streams per peer: member 0 (rank 0 on host-a) 2, member 1 (rank 2 on host-b) 4"},
+		{"p2p streams", func(c *Config) { c.P2PStreams = 1 }, "point-to-point streams per peer: member 0 (rank 0 on host-a) 0, member 1 (rank 2 on host-b) 1"},
 		{"crc", func(c *Config) { c.CRC = true }, "crc: member 0 (rank 0 on host-a) off, member 1 (rank 2 on host-b) on"},
 		{"transport", func(c *Config) { c.Transport = "shm" }, "transport: member 0 (rank 0 on host-a) tcp, member 1 (rank 2 on host-b) shm"},
 	}
@@ -351,6 +371,8 @@ func TestBadConfig(t *testing.T) {
 		{Store: c, Members: ms, Transport: "tcp", Streams: MaxStreams + 1},
 		{Store: c, Members: ms, Transport: "shm", Spin: -time.Microsecond},
 		{Store: c, Members: ms, Transport: "shm", Spin: MaxSpin + time.Microsecond},
+		{Store: c, Members: ms, Transport: "tcp", Streams: MaxStreams, P2PStreams: 1},
+		{Store: c, Members: ms, Transport: "tcp", P2PStreams: -1},
 		{Members: ms, Transport: "tcp"},
 	} {
 		_, err := Establish(context.Background(), cfg)

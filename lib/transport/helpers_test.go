@@ -178,16 +178,20 @@ func patterned(buf *[]byte, size, from, to, s, k int) []byte {
 	return p
 }
 
-// streamOf returns data stream i, or the control stream for i == Streams.
+// streamOf returns data stream i, then the point-to-point streams, then
+// the control stream (i == Streams+P2PStreams).
 func streamOf(m Mesh, peer, i int) Stream {
-	if i == m.Streams() {
-		return m.Control(peer)
+	switch {
+	case i < m.Streams():
+		return m.Stream(peer, i)
+	case i < m.Streams()+m.P2PStreams():
+		return m.P2PStream(peer, i-m.Streams())
 	}
-	return m.Stream(peer, i)
+	return m.Control(peer)
 }
 
-// exchange sends frames of the given sizes on every stream (control
-// included) from every member to every other, all at once, and checks
+// exchange sends frames of the given sizes on every stream (point-to-point
+// and control included) from every member to every other, all at once, and checks
 // their content, headers and order.
 func exchange(t *testing.T, meshes []Mesh, sizes []int) {
 	t.Helper()
@@ -195,13 +199,13 @@ func exchange(t *testing.T, meshes []Mesh, sizes []int) {
 	defer cancel()
 	n := len(meshes)
 	var wg sync.WaitGroup
-	errc := make(chan error, 2*n*n*(meshes[0].Streams()+1))
+	errc := make(chan error, 2*n*n*(meshes[0].Streams()+meshes[0].P2PStreams()+1))
 	for a := range n {
 		for b := range n {
 			if a == b {
 				continue
 			}
-			for s := 0; s <= meshes[a].Streams(); s++ {
+			for s := 0; s <= meshes[a].Streams()+meshes[a].P2PStreams(); s++ {
 				wg.Go(func() {
 					out := streamOf(meshes[a], b, s)
 					buf := make([]byte, 0, 1<<20)

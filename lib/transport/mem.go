@@ -23,8 +23,9 @@ type memLink struct {
 
 type memMesh struct {
 	self, size, streams int
+	p2p                 int
 	crc                 bool
-	links               [][][]*memLink // links[from][to][stream], stream == streams is control
+	links               [][][]*memLink // links[from][to][stream]: data, then p2p point-to-point, then control
 	done                []chan struct{}
 	closeOnce           []*sync.Once
 	shares              []*shareTable // by member: what it shares and what it was offered
@@ -33,7 +34,11 @@ type memMesh struct {
 // NewMem returns the meshes of size members joined in memory, with streams
 // data streams per pair, for tests. Send copies the payload, as a real
 // transport does.
-func NewMem(size, streams int, crc bool) []Mesh {
+func NewMem(size, streams int, crc bool) []Mesh { return NewMemP2P(size, streams, 0, crc) }
+
+// NewMemP2P is NewMem with p2p point-to-point streams per pair
+// (Mesh.P2PStream) besides the data streams.
+func NewMemP2P(size, streams, p2p int, crc bool) []Mesh {
 	links := make([][][]*memLink, size)
 	for a := range links {
 		links[a] = make([][]*memLink, size)
@@ -41,7 +46,7 @@ func NewMem(size, streams int, crc bool) []Mesh {
 			if a == b {
 				continue
 			}
-			links[a][b] = make([]*memLink, streams+1)
+			links[a][b] = make([]*memLink, streams+p2p+1)
 			for s := range links[a][b] {
 				links[a][b][s] = &memLink{ch: make(chan memFrame, memQueue), held: make(chan struct{}, MaxHeld)}
 			}
@@ -59,7 +64,7 @@ func NewMem(size, streams int, crc bool) []Mesh {
 	}
 	out := make([]Mesh, size)
 	for i := range out {
-		out[i] = &memMesh{self: i, size: size, streams: streams, crc: crc, links: links, done: done, closeOnce: once, shares: shares}
+		out[i] = &memMesh{self: i, size: size, streams: streams, p2p: p2p, crc: crc, links: links, done: done, closeOnce: once, shares: shares}
 	}
 	return out
 }
@@ -71,7 +76,7 @@ func (m *memMesh) Peer(member int) string {
 	return fmt.Sprintf("member %d", member)
 }
 func (m *memMesh) Describe() string {
-	return fmt.Sprintf("%s, %d streams per peer, %s", Mem, m.streams, crcWords(m.crc))
+	return fmt.Sprintf("%s, %d streams per peer%s, %s", Mem, m.streams, p2pWords(m.p2p), crcWords(m.crc))
 }
 
 func (m *memMesh) Stream(peer, i int) Stream {
@@ -81,7 +86,16 @@ func (m *memMesh) Stream(peer, i int) Stream {
 	return m.stream(peer, i)
 }
 
-func (m *memMesh) Control(peer int) Stream { return m.stream(peer, m.streams) }
+func (m *memMesh) Control(peer int) Stream { return m.stream(peer, m.streams+m.p2p) }
+
+func (m *memMesh) P2PStreams() int { return m.p2p }
+
+func (m *memMesh) P2PStream(peer, i int) Stream {
+	if i < 0 || i >= m.p2p {
+		panic(fmt.Sprintf("transport: point-to-point stream %d of %d", i, m.p2p))
+	}
+	return m.stream(peer, m.streams+i)
+}
 
 func (m *memMesh) stream(peer, i int) Stream {
 	if peer == m.self || peer < 0 || peer >= m.size {

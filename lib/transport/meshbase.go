@@ -18,9 +18,11 @@ const (
 
 // meshBase is what the TCP and shm meshes share: who this member is, how
 // peers are named in errors, and the streams indexed by peer and stream
-// (index streams is the control stream).
+// (the data streams, then p2p point-to-point streams, then the control
+// stream).
 type meshBase[S Stream] struct {
 	self, size, streams int
+	p2p                 int
 	crc                 bool
 	desc                string
 	peers               []string
@@ -54,7 +56,16 @@ func (m *meshBase[S]) Stream(peer, i int) Stream {
 	return m.link(peer, i)
 }
 
-func (m *meshBase[S]) Control(peer int) Stream { return m.link(peer, m.streams) }
+func (m *meshBase[S]) Control(peer int) Stream { return m.link(peer, m.streams+m.p2p) }
+
+func (m *meshBase[S]) P2PStreams() int { return m.p2p }
+
+func (m *meshBase[S]) P2PStream(peer, i int) Stream {
+	if i < 0 || i >= m.p2p {
+		panic(fmt.Sprintf("transport: point-to-point stream %d of %d", i, m.p2p))
+	}
+	return m.link(peer, m.streams+i)
+}
 
 func (m *meshBase[S]) link(peer, i int) S {
 	if peer == m.self || peer < 0 || peer >= m.size {

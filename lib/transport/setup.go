@@ -43,6 +43,7 @@ type endpoint struct {
 	Proto     int  `json:"proto"`
 	Transport Kind `json:"transport"`
 	Streams   int  `json:"streams"`
+	P2P       int  `json:"p2p_streams,omitempty"`
 	CRC       bool `json:"crc"`
 	rendezvous.Identity
 }
@@ -57,7 +58,7 @@ type endpointRecord interface {
 
 // endpoint fills the fields every transport publishes.
 func (s *setup) endpoint() endpoint {
-	return endpoint{Proto: int(s.proto), Transport: s.cfg.Transport, Streams: s.cfg.Streams, CRC: s.cfg.CRC,
+	return endpoint{Proto: int(s.proto), Transport: s.cfg.Transport, Streams: s.cfg.Streams, P2P: s.cfg.P2PStreams, CRC: s.cfg.CRC,
 		Identity: s.rv.Identity()}
 }
 
@@ -83,6 +84,7 @@ func gather[R endpointRecord](ctx context.Context, s *setup) ([]R, error) {
 		diff("bridge protocol", func(e endpoint) string { return "v" + strconv.Itoa(e.Proto) })
 		diff("transport", func(e endpoint) string { return string(e.Transport) })
 		diff("streams per peer", func(e endpoint) string { return strconv.Itoa(e.Streams) })
+		diff("point-to-point streams per peer", func(e endpoint) string { return strconv.Itoa(e.P2P) })
 		diff("crc", func(e endpoint) string { return onOff(e.CRC) })
 		if len(diffs) > 0 {
 			return fmt.Errorf("members disagree on the bridge settings: %s", strings.Join(diffs, "; "))

@@ -32,8 +32,8 @@ type shmEndpoint struct {
 func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 	n, self := len(s.cfg.Members), s.cfg.Self
 	dataCap := (uint64(s.cfg.RingBytes)+4095)&^4095 + 4096
-	lay := shmLayout{size: n, streams: s.cfg.Streams, dataCap: dataCap, ctlCap: min(dataCap, ctlRingCap)}
-	m := &shmMesh{meshBase: meshBase[*shmStream]{self: self, size: n, streams: s.cfg.Streams, crc: s.cfg.CRC},
+	lay := shmLayout{size: n, streams: s.cfg.wireStreams(), dataCap: dataCap, ctlCap: min(dataCap, ctlRingCap)}
+	m := &shmMesh{meshBase: meshBase[*shmStream]{self: self, size: n, streams: s.cfg.Streams, p2p: s.cfg.P2PStreams, crc: s.cfg.CRC},
 		spin: s.cfg.Spin, pids: make([]int, n), pidfds: make([]int, n), dead: make([]atomic.Bool, n), done: make(chan struct{})}
 	for i := range m.pidfds {
 		m.pidfds[i] = -1
@@ -61,7 +61,7 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 	}
 	m.ownPath = path
 	m.maps = append(m.maps, own)
-	hdr := shmHeader{proto: int(s.proto), member: self, pid: os.Getpid(), size: n, streams: s.cfg.Streams,
+	hdr := shmHeader{proto: int(s.proto), member: self, pid: os.Getpid(), size: n, streams: s.cfg.wireStreams(),
 		dataCap: lay.dataCap, ctlCap: lay.ctlCap, job: s.job}
 	hdr.put(own[:shmHdrSize], s.rv.Secret())
 
@@ -107,7 +107,7 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 		if fd, err := unix.PidfdOpen(eps[p].PID, 0); err == nil {
 			m.pidfds[p] = fd
 		}
-		m.links[p] = make([]*shmStream, s.cfg.Streams+1)
+		m.links[p] = make([]*shmStream, s.cfg.wireStreams()+1)
 		for st := range m.links[p] {
 			in := tl.ring(theirs, peerIndex(p, self), st)
 			in.consPid.Store(uint32(os.Getpid()))
@@ -125,7 +125,7 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 		s.log.Warn("could not unlink the ring file", "path", path, "err", err)
 	}
 	m.ownPath = ""
-	m.desc = fmt.Sprintf("shm, %d streams per peer, %s, %d MiB rings on %s", s.cfg.Streams, crcWords(s.cfg.CRC),
+	m.desc = fmt.Sprintf("shm, %d streams per peer%s, %s, %d MiB rings on %s", s.cfg.Streams, p2pWords(s.cfg.P2PStreams), crcWords(s.cfg.CRC),
 		(lay.dataCap-4096)>>20, eps[self].Hostname)
 	return m, nil
 }

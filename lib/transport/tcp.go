@@ -79,8 +79,8 @@ type tcpStream struct {
 // newTCPMesh takes ownership of conns[peer][stream] (nil for self).
 // procs[i] names member i's process ("gbbridge serve of rank 2 (pid 1234
 // on host-b)").
-func newTCPMesh(self, streams int, crc bool, desc string, peers, procs []string, conns [][]*net.TCPConn, log *slog.Logger) *tcpMesh {
-	m := &tcpMesh{meshBase: meshBase[*tcpStream]{self: self, size: len(conns), streams: streams, crc: crc, desc: desc, peers: peers, procs: procs},
+func newTCPMesh(self, streams, p2p int, crc bool, desc string, peers, procs []string, conns [][]*net.TCPConn, log *slog.Logger) *tcpMesh {
+	m := &tcpMesh{meshBase: meshBase[*tcpStream]{self: self, size: len(conns), streams: streams, p2p: p2p, crc: crc, desc: desc, peers: peers, procs: procs},
 		log: log, done: make(chan struct{})}
 	m.links = make([][]*tcpStream, len(conns))
 	for p, cs := range conns {

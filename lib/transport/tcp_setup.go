@@ -37,7 +37,7 @@ type tcpEndpoint struct {
 }
 
 func (s *setup) hsParams() *hsParams {
-	return &hsParams{secret: s.rv.Secret(), job: s.job, version: s.proto, self: s.cfg.Self, size: len(s.cfg.Members), streams: s.cfg.Streams}
+	return &hsParams{secret: s.rv.Secret(), job: s.job, version: s.proto, self: s.cfg.Self, size: len(s.cfg.Members), streams: s.cfg.wireStreams()}
 }
 
 func establishTCP(ctx context.Context, s *setup) (Mesh, error) {
@@ -86,8 +86,8 @@ func establishTCP(ctx context.Context, s *setup) (Mesh, error) {
 	if ifname != "" {
 		via = ifname + " " + via
 	}
-	desc := fmt.Sprintf("tcp, %d streams per peer, %s, via %s", s.cfg.Streams, crcWords(s.cfg.CRC), via)
-	return newTCPMesh(s.cfg.Self, s.cfg.Streams, s.cfg.CRC, desc, peers, procs, conns, s.log), nil
+	desc := fmt.Sprintf("tcp, %d streams per peer%s, %s, via %s", s.cfg.Streams, p2pWords(s.cfg.P2PStreams), crcWords(s.cfg.CRC), via)
+	return newTCPMesh(s.cfg.Self, s.cfg.Streams, s.cfg.P2PStreams, s.cfg.CRC, desc, peers, procs, conns, s.log), nil
 }
 
 func closeConns(conns [][]*net.TCPConn) {
@@ -130,7 +130,7 @@ type connResult struct {
 }
 
 func (s *setup) startTCP(ctx context.Context, ln *net.TCPListener) *tcpConnector {
-	n, self, per := len(s.cfg.Members), s.cfg.Self, s.cfg.Streams+1
+	n, self, per := len(s.cfg.Members), s.cfg.Self, s.cfg.wireStreams()+1
 	c := &tcpConnector{s: s, ln: ln, hp: s.hsParams(), want: n*per - per,
 		// Room for every connection the members with larger indices owe
 		// this listener, and maxPendingHS more.
@@ -240,7 +240,7 @@ func (c *tcpConnector) stop() {
 // connection. It stops the connector.
 func (c *tcpConnector) connect(ip net.IP, eps []tcpEndpoint, peers []string) ([][]*net.TCPConn, error) {
 	s := c.s
-	n, self, per := len(eps), s.cfg.Self, s.cfg.Streams+1
+	n, self, per := len(eps), s.cfg.Self, s.cfg.wireStreams()+1
 	conns := make([][]*net.TCPConn, n)
 	for p := range conns {
 		if p != self {

@@ -106,6 +106,12 @@ type Mesh interface {
 	// Control returns the stream to peer reserved for point-to-point
 	// messages and barriers, apart from the data streams.
 	Control(peer int) Stream
+	// P2PStreams is the number of streams per peer reserved for the
+	// frames of large point-to-point messages (Config.P2PStreams), apart
+	// from the data and control streams; P2PStream returns stream i
+	// (0 <= i < P2PStreams()) to peer.
+	P2PStreams() int
+	P2PStream(peer, i int) Stream
 	// Peer describes a member for error messages: "member 1 (rank 2 on host-b)".
 	Peer(member int) string
 	// Describe names the transport and its settings: "tcp, 4 streams per peer, crc32c".

@@ -8,7 +8,8 @@
 //	 0   2   magic 0x4247 ("GB")
 //	 2   1   version (ProtocolVersion)
 //	 3   1   kind (Data, P2P, Barrier, Close, Abort)
-//	 4   1   flags (FlagCRC: crc holds CRC32C of the payload)
+//	 4   1   flags (FlagCRC: crc holds CRC32C of the payload; FlagLast,
+//	         FlagStripe: lib/collective's point-to-point messages)
 //	 5   1   codec: how the payload is packed, a lib/codec ID (0 raw, 1
 //	         bf16/v1, 2 fp8/v1, 3 zstd/v1; lib/collective sets it on every
 //	         data frame of a call and refuses frames of another codec)
@@ -71,8 +72,12 @@ func (k Kind) String() string {
 const (
 	FlagCRC uint8 = 1 << 0
 	// FlagLast marks the last frame of a message split over several frames.
-	FlagLast   uint8 = 1 << 1
-	knownFlags       = FlagCRC | FlagLast
+	FlagLast uint8 = 1 << 1
+	// FlagStripe marks the frame that announces a striped point-to-point
+	// message (lib/collective): its payload gives the message's length and
+	// frame size; the frames follow on the point-to-point streams.
+	FlagStripe uint8 = 1 << 2
+	knownFlags       = FlagCRC | FlagLast | FlagStripe
 )
 
 // Header is one frame's header.
