@@ -28,10 +28,11 @@ const (
 	// runs recursive doubling when Options.SmallBytes is 0 (doc.go has the
 	// measurements it comes from).
 	DefaultSmallBytes = 32 << 10
-	// DefaultStreamBytes is Options.StreamBytes when it is 0: buffers of
-	// this size per member and more no longer stay in the caches of the
-	// hosts measured (docs/BENCHMARKS.md, issue 12).
-	DefaultStreamBytes = 64 << 20
+	// DefaultStreamBytes is Options.StreamBytes when it is 0: above the
+	// 64 MiB buffers that the caches of the 16-core H200 host still helped
+	// (30 GB/s there against 23 GB/s at 256 MiB: docs/BENCHMARKS.md, issue
+	// 12), so that the sizes that fit keep their cached results.
+	DefaultStreamBytes = 128 << 20
 	// MaxMembers is the largest bridge the collectives run on (the frame
 	// header has 11 bits for the algorithm step).
 	MaxMembers = 1024

@@ -15,7 +15,7 @@ import (
 // were.
 func TestCopyMatchesCopy(t *testing.T) {
 	var lens []int
-	for _, base := range []int{0, 64, 128, minBytes, minBytes + 4096, 1 << 20} {
+	for _, base := range []int{0, 64, 128, minBytes, minBytes + 4096, 64 << 10} {
 		for _, d := range []int{-129, -128, -127, -65, -64, -63, -1, 0, 1, 31, 32, 63, 64, 65, 127, 128, 129} {
 			if base+d >= 0 {
 				lens = append(lens, base+d)
