@@ -16,6 +16,7 @@ func (c *Comm) directAllGather(cl *call, out, in []byte, descs []desc) error {
 	slot := out[me*L : (me+1)*L]
 	alias := sameSlice(in, slot)
 	P := c.pieceSize(n * L)
+	cp := c.copier(n * L)
 	var pieces []dpiece
 	for off := 0; off < L; off += P {
 		for k := range n {
@@ -28,14 +29,14 @@ func (c *Comm) directAllGather(cl *call, out, in []byte, descs []desc) error {
 		ownEnd: func(p *dpiece) int { return p.off + p.n },
 		produce: func(p *dpiece) error {
 			if !alias {
-				copy(slot[p.off:p.off+p.n], in[p.off:p.off+p.n])
+				cp(slot[p.off:p.off+p.n], in[p.off:p.off+p.n]) // the peers read in
 			}
 			cl.done(me*L+p.off, p.n)
 			return nil
 		},
 		take: func(p *dpiece) error {
 			at := p.owner*L + p.off
-			copy(out[at:at+p.n], views[p.owner][p.off:p.off+p.n])
+			cp(out[at:at+p.n], views[p.owner][p.off:p.off+p.n])
 			cl.done(at, p.n)
 			return nil
 		},

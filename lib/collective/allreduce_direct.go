@@ -32,6 +32,7 @@ func (c *Comm) directAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.
 		}
 	}
 	w := c.workersPer(min(c.streams, (len(pieces)+n-1)/n))
+	cp := c.copier(L)
 	pl := &directPlan{
 		pieces: pieces,
 		ownEnd: func(p *dpiece) int { return p.off + p.n },
@@ -60,7 +61,7 @@ func (c *Comm) directAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.
 			return nil
 		},
 		take: func(p *dpiece) error {
-			copy(buf[p.off:p.off+p.n], views[p.owner][p.off:p.off+p.n])
+			cp(buf[p.off:p.off+p.n], views[p.owner][p.off:p.off+p.n])
 			cl.done(p.off, p.n)
 			return nil
 		},

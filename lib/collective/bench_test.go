@@ -167,3 +167,48 @@ func BenchmarkP2PVsAllReduce(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkDirectStream: the direct all_reduce (float32 sum, 2 members in
+// this process over a real shm mesh, 8 streams, buffers in memfds) at
+// sizes around and past the caches, its copies streamed (Options.StreamBytes
+// 1) and not (-1), alternating per size so that a drifting machine moves
+// both alike.
+//
+//	go test -run '^$' -bench DirectStream -benchtime 10x -count 5 ./lib/collective/
+func BenchmarkDirectStream(b *testing.B) {
+	const members = 2
+	sizes := []int{16 << 20, 64 << 20, 256 << 20}
+	meshes := realMeshesRing(b, transport.SHM, members, 8, 8<<20)
+	cl := newClusterMesh(b, meshes, Options{Timeout: time.Minute}, DefaultMaxUnexpected)
+	regions := make([][]byte, members)
+	for m := range regions {
+		fd, mem, err := transport.NewMemfd("bench", sizes[len(sizes)-1])
+		require.NoError(b, err)
+		sh := meshes[m].(transport.Sharer)
+		id, err := sh.Share(fd, mem)
+		require.NoError(b, err)
+		regions[m] = mem
+		b.Cleanup(func() { sh.Unshare(id); transport.FreeMemfd(fd, mem) })
+	}
+	for _, size := range sizes {
+		for _, v := range []struct {
+			name   string
+			stream int
+		}{{"stream", 1}, {"cached", -1}} {
+			b.Run(fmt.Sprintf("size=%s/%s", strings.ReplaceAll(fmtBytes(size), " ", ""), v.name), func(b *testing.B) {
+				for _, c := range cl.comms {
+					c.stream = v.stream
+				}
+				b.SetBytes(int64(size))
+				for b.Loop() {
+					requireNoErrors(b, cl.each(func(m int, c *Comm) error {
+						return c.AllReduce(context.Background(), regions[m][:size], reduce.Float32, reduce.Sum, nil)
+					}))
+				}
+				if alg := cl.comms[0].Algorithm(); alg != AlgoDirect {
+					b.Fatalf("ran %s, not the direct path", alg)
+				}
+			})
+		}
+	}
+}

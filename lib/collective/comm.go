@@ -28,6 +28,11 @@ const (
 	// runs recursive doubling when Options.SmallBytes is 0 (doc.go has the
 	// measurements it comes from).
 	DefaultSmallBytes = 32 << 10
+	// DefaultStreamBytes is Options.StreamBytes when it is 0: above the
+	// 64 MiB buffers that the caches of the 16-core H200 host still helped
+	// (30 GB/s there against 23 GB/s at 256 MiB: docs/BENCHMARKS.md, issue
+	// 12), so that the sizes that fit keep their cached results.
+	DefaultStreamBytes = 128 << 20
 	// MaxMembers is the largest bridge the collectives run on (the frame
 	// header has 11 bits for the algorithm step).
 	MaxMembers = 1024
@@ -53,6 +58,15 @@ type Options struct {
 	// the sums, so every member must use the same value (it is part of an
 	// all_reduce's argument fingerprint).
 	SmallBytes int
+	// StreamBytes is the smallest destination (the all_reduce's buffer,
+	// the all_gather's output), in bytes, into which the direct
+	// collectives over shared memory (direct.go) copy with non-temporal
+	// stores (lib/ntcopy): past the caches an ordinary copy reads every
+	// destination line before writing it (a read for ownership), a third
+	// more memory traffic; below it the copies stay in cache for the
+	// caller. Default DefaultStreamBytes; a negative value turns it off.
+	// It changes no result, so members may differ.
+	StreamBytes int
 	// Log receives a record when the communicator breaks; nil discards.
 	Log *slog.Logger
 }
@@ -110,6 +124,7 @@ type Comm struct {
 	stripeMin           int // the smallest message striped (defaultStripeMin; tests lower it)
 	stripeUnit          int // the smallest frame of a striped message (defaultStripeFrame)
 	chunk               int
+	stream              int // Options.StreamBytes resolved: -1 off
 	small               int // Options.SmallBytes resolved: -1 off
 	workers             int
 	timeout             time.Duration
@@ -171,6 +186,13 @@ func newComm(mesh transport.Mesh, o Options, maxUnexpected int64) *Comm {
 		c.chunk = DefaultChunkBytes
 	}
 	c.small = resolveSmall(o.SmallBytes)
+	c.stream = o.StreamBytes
+	switch {
+	case c.stream == 0:
+		c.stream = DefaultStreamBytes
+	case c.stream < 0:
+		c.stream = -1
+	}
 	c.chunk = min(c.chunk, wire.MaxPayload)
 	if c.workers <= 0 {
 		c.workers = runtime.NumCPU()

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 
+	"github.com/gpubridge/gpubridge/lib/ntcopy"
 	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
@@ -157,6 +158,17 @@ func (c *Comm) peerViews(cl *call, descs []desc, n int) (views [][]byte, release
 		rels = append(rels, rel)
 	}
 	return views, release, nil
+}
+
+// copier is the copy of the pieces a member takes from its peers into
+// buffers of L bytes: with non-temporal stores from Options.StreamBytes on
+// (the destination is the caller's, read only after the call, and too
+// large to stay in cache), else the built-in copy.
+func (c *Comm) copier(L int) func(dst, src []byte) int {
+	if c.stream >= 0 && L >= c.stream {
+		return ntcopy.Copy
+	}
+	return func(dst, src []byte) int { return copy(dst, src) }
 }
 
 // dpiece is one piece of a direct collective: its owner and its bytes

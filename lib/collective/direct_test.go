@@ -104,6 +104,69 @@ func TestDirectAllReduceLarge(t *testing.T) {
 	}
 }
 
+// With Options.StreamBytes at 1 every copy of a direct collective whose
+// piece is large enough streams (lib/ntcopy): all_reduce still gives
+// ReferenceAllReduce's bits for every dtype and op (specials included), and
+// all_gather its members' inputs, on 2 and 3 members, ragged sizes; the
+// same calls with streaming off give the same bytes.
+func TestDirectStreamed(t *testing.T) {
+	smallDirect(t)
+	pieceMin = 8 << 10 // pieces past ntcopy's least streamed copy
+	for _, members := range []int{2, 3} {
+		for _, stream := range []int{1, -1} {
+			t.Run(fmt.Sprintf("members=%d/stream=%d", members, stream), func(t *testing.T) {
+				cl := newCluster(t, members, 2, Options{SmallBytes: -1, ChunkBytes: 16 << 10, Workers: 2, StreamBytes: stream})
+				rng := rand.New(rand.NewPCG(17, uint64(members)))
+				for _, dt := range reduce.AllDTypes() {
+					for _, op := range supportedOps(dt) {
+						n := (5*members*(8<<10) + 4093) / dt.Size()
+						inputs := make([][]byte, members)
+						bufs := make([][]byte, members)
+						for m := range inputs {
+							inputs[m] = randData(rng, dt, n)
+							bufs[m] = shared(t, cl, m, inputs[m])
+						}
+						want := ReferenceAllReduceAlgo(AlgoDirect, op, dt, inputs, members)
+						requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+							return c.AllReduce(context.Background(), bufs[m], dt, op, nil)
+						}))
+						for m := range bufs {
+							requireBits(t, want, bufs[m], dt.Size(), "%s %s, member %d", dt, op, m)
+							require.Equal(t, AlgoDirect, cl.comms[m].Algorithm())
+						}
+					}
+				}
+				const L = 3*(8<<10) + 4093
+				var want []byte
+				outs, ins := make([][]byte, members), make([][]byte, members)
+				for m := range outs {
+					in := randBytes(rng, L)
+					want = append(want, in...)
+					ins[m] = shared(t, cl, m, in)
+					outs[m] = make([]byte, members*L)
+					garbage(outs[m])
+				}
+				requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+					return c.AllGather(context.Background(), outs[m], ins[m], nil)
+				}))
+				for m := range outs {
+					requireBits(t, want, outs[m], 1, "all_gather, member %d", m)
+					require.Equal(t, AlgoDirect, cl.comms[m].Algorithm())
+				}
+			})
+		}
+	}
+}
+
+// Options.StreamBytes: 0 is the default, negative is off, anything else
+// the threshold; ntcopy runs from it on.
+func TestStreamBytesOption(t *testing.T) {
+	for _, c := range []struct{ in, want int }{{0, DefaultStreamBytes}, {-1, -1}, {-7, -1}, {1, 1}, {5 << 20, 5 << 20}} {
+		cl := newCluster(t, 2, 1, Options{StreamBytes: c.in})
+		assert.Equal(t, c.want, cl.comms[0].stream, "StreamBytes %d", c.in)
+	}
+}
+
 // When any member's buffer is not shared, every member runs the usual
 // algorithm, with the same bits.
 func TestDirectFallback(t *testing.T) {

@@ -201,6 +201,18 @@
 // reductions and copies run on up to Streams goroutines each. A member only
 // reads the others' memory, which it maps read-only.
 //
+// Memory traffic of the direct all_reduce of two members, per call and per
+// byte of the buffer, both members together, once the buffers are past the
+// caches: the reductions read both inputs (2) and write the results in
+// place (1: the line was just read, so no read for ownership); the copies
+// read the owners' results (1, less where they are still in cache) and
+// write the copiers' buffers (1), which an ordinary store first reads (1).
+// From Options.StreamBytes on the copies stream (lib/ntcopy) and skip that
+// read: 5 instead of 6, against a floor of 4 (every input read once, every
+// result written once) where the copies find the results in cache. The
+// reductions keep ordinary stores: their lines are in cache already, and the
+// peer copies the result soon after.
+//
 // Comm.Algorithm names what the last collective ran: AlgoExchange,
 // AlgoRing, AlgoRecursiveDoubling, AlgoChain (broadcast), AlgoDirect,
 // AlgoLocal. Comm.AllReduceOrder says whose order of sums an all_reduce of

@@ -37,7 +37,8 @@ func popSize(ctx *kong.DecodeContext, off bool) (int64, error) {
 	return harness.ParseSize(s)
 }
 
-// smallSize is --small: bytes like byteSize, or 0 (or "off") for none.
+// smallSize is --small or --stream: bytes like byteSize, or 0 (or "off")
+// for none.
 type smallSize int64
 
 func (b *smallSize) Decode(ctx *kong.DecodeContext) error {
@@ -59,6 +60,7 @@ type memberFlags struct {
 	Small     smallSize     `help:"An all_reduce of 3 or more members up to this size runs recursive doubling (log2 N dependent steps instead of the ring's 2(N-1)); 0 or off turns it off." default:"32K" placeholder:"BYTES"`
 	CRC       bool          `help:"CRC32C on every frame between members (off by default: it costs 25-45% at 256 MiB on a 2-core host, see docs/BENCHMARKS.md)." negatable:""`
 	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
+	Stream    smallSize     `help:"Direct collectives over shared memory copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written); 0 or off: never." default:"128M" placeholder:"BYTES"`
 	Timeout   time.Duration `help:"Deadline of the setup and of each collective." default:"60s"`
 }
 
@@ -68,7 +70,7 @@ func (f memberFlags) memberArgs(cmd string, rank, n int, storeAddr, ns string) [
 	return []string{cmd, "--store", storeAddr, "--rank", strconv.Itoa(rank), "--world-size", strconv.Itoa(n),
 		"--namespace", ns, "--transport", f.Transport, "--streams", strconv.Itoa(f.Streams),
 		"--chunk", strconv.Itoa(int(f.Chunk)), "--small", strconv.Itoa(int(f.Small)), "--crc=" + strconv.FormatBool(f.CRC),
-		"--workers", strconv.Itoa(f.Workers), "--timeout", f.Timeout.String()}
+		"--workers", strconv.Itoa(f.Workers), "--stream", strconv.Itoa(int(f.Stream)), "--timeout", f.Timeout.String()}
 }
 
 // join makes this process member --rank of a run through --store: the
@@ -81,12 +83,12 @@ func (f memberFlags) join(env *cli.Env) (*bridge.Member, error) {
 	return bridge.Join(env.Ctx, bridge.Config{Store: f.Store, Namespace: f.Namespace, Size: f.WorldSize,
 		Mesh: transport.Config{Self: f.Rank, Transport: transport.Kind(f.Transport), Streams: f.Streams, CRC: f.CRC,
 			Timeout: f.Timeout, RingBytes: 2 * int(f.Chunk), Log: env.Log, Process: "gbbridge member"},
-		Comm: collective.Options{ChunkBytes: int(f.Chunk), SmallBytes: smallBytes(f.Small), Workers: f.Workers, Timeout: f.Timeout, Log: env.Log},
+		Comm: collective.Options{ChunkBytes: int(f.Chunk), SmallBytes: smallBytes(f.Small), Workers: f.Workers, StreamBytes: smallBytes(f.Stream), Timeout: f.Timeout, Log: env.Log},
 	})
 }
 
-// smallBytes is --small as collective.Options.SmallBytes, where 0 means
-// its default: off is negative there.
+// smallBytes is --small (or --stream) as collective.Options.SmallBytes
+// (StreamBytes), where 0 means its default: off is negative there.
 func smallBytes(b smallSize) int {
 	if b == 0 {
 		return -1

@@ -29,6 +29,7 @@ type serveCmd struct {
 	Small         smallSize     `help:"An all_reduce of 3 or more members up to this size runs recursive doubling; 0 or off turns it off; every member must use the same." default:"32K" placeholder:"BYTES"`
 	CRC           bool          `help:"CRC32C on every frame between members (off by default, like selftest and bench: see docs/ARCHITECTURE.md); every member must use the same." negatable:""`
 	Workers       int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
+	Stream        smallSize     `help:"Direct collectives over shared memory copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written); 0 or off: never." default:"128M" placeholder:"BYTES"`
 	Timeout       time.Duration `help:"Deadline of one collective or point-to-point operation." default:"5m"`
 	SetupTimeout  time.Duration `help:"Deadline of the store connection and the bridge setup, and then of the wait for the plugin's feed connection." default:"60s"`
 	Interface     string        `help:"Network interface to listen on and advertise. Default: the one that routes to the store's host." env:"GPUBRIDGE_IFNAME" placeholder:"NAME"`
@@ -136,7 +137,7 @@ func (c *serveCmd) setUp(env *cli.Env, topo *discover.Topology) (*serving, error
 		Mesh: transport.Config{Self: ms.Member, Members: ms.Members, Transport: ms.Transport,
 			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
 			Timeout: c.SetupTimeout, RingBytes: int(c.ShmRing), Spin: c.spin(), Log: s.log, Process: "gbbridge serve"},
-		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, Timeout: c.Timeout, Log: s.log},
+		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, StreamBytes: smallBytes(c.Stream), Timeout: c.Timeout, Log: s.log},
 	})
 	if err != nil {
 		s.ln.Close()
@@ -218,7 +219,7 @@ func (s *serving) Join(ctx context.Context, j feedserver.JoinRequest) (*feedserv
 		Mesh: transport.Config{Self: j.Member, Members: members, Transport: bridge.NamedTransport(members, s.topo.Bridge.Transport),
 			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
 			Timeout: meet, RingBytes: int(c.ShmRing), Spin: c.spin(), Log: log, Process: "gbbridge serve"},
-		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, Timeout: c.Timeout, Log: log},
+		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, StreamBytes: smallBytes(c.Stream), Timeout: c.Timeout, Log: log},
 	})
 	if err != nil {
 		return nil, err
