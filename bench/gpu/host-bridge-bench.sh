@@ -43,6 +43,9 @@ b tcp-exchange-s8 --members 2 --transport tcp --streams 8 --collective exchange
 b tcp-allreduce-s8 --members 2 --transport tcp --streams 8
 b shm-exchange-s8 --members 2 --transport shm --streams 8 --collective exchange
 b shm-allreduce-s8 --members 2 --transport shm --streams 8
+# The same with the direct path's copies not streamed (--stream off: the
+# copies before issue 12's streaming stores), for a before/after in one run.
+b shm-allreduce-s8-nostream --members 2 --transport shm --streams 8 --stream off
 b tcp-allreduce-4m-s8 --members 4 --transport tcp --streams 8
 b shm-allreduce-4m-s8 --members 4 --transport shm --streams 8
 bytes=$("$PY" -c 'import sys
