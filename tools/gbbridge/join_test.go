@@ -85,6 +85,19 @@ func TestServeJoin(t *testing.T) {
 			onAll(all, func(r uint32) error { return cls[r].Join(ctx, 2, "all", all) })
 			trio := []uint32{1, 0, 3}
 			onAll(trio, func(r uint32) error { return cls[r].Join(ctx, 3, "trio/0-1-3", trio) })
+			// Only the pair bridge gets point-to-point streams (the shm
+			// rings they need are reserved memory).
+			// (The log line is written before the JOIN's answer; the copy
+			// of the pipe into stderr may lag.)
+			require.Eventually(t, func() bool { return strings.Count(ps[1].stderr.String(), "bridge joined") == 3 },
+				testenv.Scale(10*time.Second), 10*time.Millisecond, "stderr:\n%s", ps[1].stderr.String())
+			for _, line := range strings.Split(ps[1].stderr.String(), "\n") {
+				if !strings.Contains(line, "bridge joined") {
+					continue
+				}
+				assert.Equal(t, strings.Contains(line, "name=pair/1-3"), strings.Contains(line, "and 4 for point-to-point"), "%s", line)
+			}
+			assert.Contains(t, ps[1].stderr.String(), "and 4 for point-to-point")
 
 			// all_reduce on the pair, the four and bridge 0 at once.
 			rnd := rand.New(rand.NewPCG(16, 1))

@@ -217,7 +217,7 @@ func (s *serving) Join(ctx context.Context, j feedserver.JoinRequest) (*feedserv
 	meet := max(c.SetupTimeout, c.Timeout)
 	m, err := bridge.Join(ctx, bridge.Config{Store: s.store, Namespace: s.topo.Namespace, Name: who, Bridge: j.Name,
 		Mesh: transport.Config{Self: j.Member, Members: members, Transport: bridge.NamedTransport(members, s.topo.Bridge.Transport),
-			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
+			Streams: c.Streams, P2PStreams: p2pStreamsOf(j.Name), CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
 			Timeout: meet, RingBytes: int(c.ShmRing), Spin: c.spin(), Log: log, Process: "gbbridge serve"},
 		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, StreamBytes: smallBytes(c.Stream), Timeout: c.Timeout, Log: log},
 	})
@@ -243,4 +243,16 @@ func setupCause(ctx context.Context, err error) error {
 // spin is the shm waiters' spin; 0 means none (Config's zero is its default).
 func (c *serveCmd) spin() time.Duration {
 	return max(time.Duration(c.SpinUS)*time.Microsecond, time.Nanosecond)
+}
+
+// p2pStreamsOf is the point-to-point streams a named bridge gets (0: the
+// default, -1: none): only bridges named "pair/..." carry point-to-point
+// messages besides bridge 0 (docs/FEED.md §3b), and on shm every stream is
+// a ring of --shm-ring bytes reserved in /dev/shm (fallocate) per peer, so
+// the flat and shard bridges do without them.
+func p2pStreamsOf(name string) int {
+	if strings.HasPrefix(name, "pair/") {
+		return 0
+	}
+	return -1
 }
