@@ -174,7 +174,6 @@ func TestVerbsP2PStreamsMismatch(t *testing.T) {
 	}
 }
 
-
 // its record window (not the ring), positions wrap the ring many times,
 // and everything arrives.
 func TestVerbsWindowAndWrap(t *testing.T) {
