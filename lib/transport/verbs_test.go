@@ -174,6 +174,7 @@ func TestVerbsP2PStreamsMismatch(t *testing.T) {
 	}
 }
 
+// Many small frames to a receiver that starts late: the sender stops at
 // its record window (not the ring), positions wrap the ring many times,
 // and everything arrives.
 func TestVerbsWindowAndWrap(t *testing.T) {
