@@ -37,8 +37,8 @@ type Config struct {
 	// P2PStreams is the number of streams per pair of members reserved for
 	// point-to-point messages (Mesh.P2PStream), apart from the data and
 	// control streams: 0 (the zero value) none; lib/bridge asks for
-	// DefaultP2PStreams. The verbs transport has none yet (Mesh.P2PStreams
-	// says 0).
+	// DefaultP2PStreams. Every transport opens them (on shm and verbs each
+	// is a data-sized ring per peer: see their set-up).
 	P2PStreams int
 	// CRC turns on a CRC32C of every frame's payload.
 	CRC bool

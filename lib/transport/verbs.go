@@ -15,11 +15,12 @@ import (
 
 // RDMA verbs (InfiniBand, RoCE).
 //
-// Every stream (Streams data streams and the control stream per pair of
-// members) is one Reliable Connected queue pair. Each member registers
-// one receive ring per inbound stream (RingBytes+4096 bytes for data
-// streams, 1 MiB+4096 for control; all of them in one registration whose
-// address and key are in its endpoint record); the peer writes records
+// Every stream (Streams data streams, P2PStreams point-to-point streams
+// and the control stream per pair of members) is one Reliable Connected
+// queue pair. Each member registers one receive ring per inbound stream
+// (RingBytes+4096 bytes for data and point-to-point streams, 1 MiB+4096
+// for control; all of them in one registration whose address and key are
+// in its endpoint record; verbs_setup.go's build says what that pins); the peer writes records
 // into it with RDMA WRITE with immediate data, so a frame travels from the
 // sender's memory into the receiver's ring without the receiver's CPU, and
 // the receiver hands the ring itself to Recv's fn (or holds it for
@@ -67,9 +68,10 @@ import (
 // Set-up (verbs_setup.go): the endpoint record carries the device, GID or
 // LID, MTU, ring address and key, and the control queue pair number for
 // each peer; once the control queue pairs are connected, each pair of
-// members exchanges its data queue pair numbers over its control stream
-// (signed with the job's secret) and sends a hello on every data stream,
-// so a wrong key or a dead path fails the set-up naming the peer.
+// members exchanges its data and point-to-point queue pair numbers over
+// its control stream (signed with the job's secret; sealVerbsQPNs) and
+// sends a hello on every one of those streams, so a wrong key or a dead
+// path fails the set-up naming the peer.
 const (
 	// verbsWindow bounds the records a sender keeps unreleased.
 	verbsWindow = 128
@@ -221,9 +223,24 @@ func (m *verbsMesh) housekeep() {
 		}
 		m.nopMu.Unlock()
 		if !busy {
-			m.links[p][m.streams].ping()
+			m.links[p][m.ctlIndex()].ping()
 		}
 	}
+}
+
+// ctlIndex is the control stream's index in links[peer]: after the data
+// and the point-to-point streams.
+func (m *verbsMesh) ctlIndex() int { return m.streams + m.p2p }
+
+// streamName names stream st in set-up errors.
+func (m *verbsMesh) streamName(st int) string {
+	switch {
+	case st < m.streams:
+		return fmt.Sprintf("data queue pair %d", st)
+	case st < m.ctlIndex():
+		return fmt.Sprintf("point-to-point queue pair %d", st-m.streams)
+	}
+	return "control queue pair"
 }
 
 // ponged records a pong from peer.

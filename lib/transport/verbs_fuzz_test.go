@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -15,14 +16,15 @@ import (
 
 // What a verbs peer hands a member, decoded with limits and fuzzed: its
 // endpoint record (JSON of at most 4 KiB, the rendezvous's limit, then
-// checked field by field), and what it writes into the member's ring (the
-// immediate values that announce records, and the records).
+// checked field by field), its signed queue pair numbers (set-up), and
+// what it writes into the member's ring (the immediate values that
+// announce records, and the records).
 
 // verbsEndpointSeed is a well-formed record for 2 members.
 func verbsEndpointSeed() []byte {
 	e := verbsEndpoint{Device: "rxe0", Port: 1, LinkLayer: "Ethernet", MTU: 5, GID: "00000000000000000000ffff0a090001", GIDIndex: 1,
 		RingAddr: 0x7f0000000000, RingKey: 0x1234, DataCap: 8<<20 + 4096, CtlCap: 1<<20 + 4096, QPNs: "000000000011"}
-	e.Proto, e.Transport, e.Streams = 1, Verbs, 8
+	e.Proto, e.Transport, e.Streams, e.P2P = 1, Verbs, 8, DefaultP2PStreams
 	b, _ := json.Marshal(e)
 	return b
 }
@@ -225,4 +227,63 @@ func TestVerbsRingSeeds(t *testing.T) {
 	bad[verbsRecHdr] ^= 1
 	_, err = recv(verbsRingSeed(bad))
 	assert.ErrorIs(t, err, wire.ErrCorrupt)
+}
+
+// FuzzVerbsQPNs: any bytes, as a peer's signed queue pair numbers for 2
+// data and 1 point-to-point stream, are refused or decode to exactly 3
+// numbers of 24 bits that seal back to the same bytes.
+func FuzzVerbsQPNs(f *testing.F) {
+	secret := []byte("fuzz secret")
+	f.Add(sealVerbsQPNs(secret, 1, 0, []uint32{0x11, 0x12, 0x13}))
+	f.Add(sealVerbsQPNs(secret, 1, 0, []uint32{0x11, 0x12}))
+	f.Add(sealVerbsQPNs(secret, 1, 0, []uint32{0x11, 0x12, 1 << 24}))
+	f.Add([]byte{})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		qpns, err := openVerbsQPNs(secret, 1, 0, 2, 1, b)
+		if err != nil {
+			return
+		}
+		if len(qpns) != 3 {
+			t.Fatalf("%d queue pair numbers for 3 streams", len(qpns))
+		}
+		for _, q := range qpns {
+			if q >= 1<<24 {
+				t.Fatalf("queue pair number %#x passed", q)
+			}
+		}
+		if !bytes.Equal(sealVerbsQPNs(secret, 1, 0, qpns), b) {
+			t.Fatalf("%x decoded to %x, which seals differently", b, qpns)
+		}
+	})
+}
+
+// The signed queue pair numbers: what the peer sealed for this member
+// with this secret, for the agreed stream counts, and nothing else.
+func TestVerbsQPNsSealed(t *testing.T) {
+	secret := []byte("job secret")
+	qpns := []uint32{0x11, 0x12, 0x13, 0xffffff}
+	msg := sealVerbsQPNs(secret, 2, 0, qpns)
+	got, err := openVerbsQPNs(secret, 2, 0, 3, 1, msg)
+	require.NoError(t, err)
+	assert.Equal(t, qpns, got)
+	for _, tc := range []struct {
+		name                  string
+		b                     []byte
+		secret                []byte
+		from, to, streams, p2 int
+		want                  string
+	}{
+		{"fewer point-to-point streams", msg, secret, 2, 0, 3, 0, "sent 48 bytes of queue pair numbers, 44 expected (3 data and 0 point-to-point streams, signed)"},
+		{"more point-to-point streams", msg, secret, 2, 0, 3, 2, "sent 48 bytes of queue pair numbers, 52 expected (3 data and 2 point-to-point streams, signed)"},
+		{"other secret", msg, []byte("other job"), 2, 0, 3, 1, "sent queue pair numbers not signed with this job's secret"},
+		{"for another member", msg, secret, 2, 1, 3, 1, "sent queue pair numbers not signed with this job's secret"},
+		{"from another member", msg, secret, 1, 0, 3, 1, "sent queue pair numbers not signed with this job's secret"},
+		{"tampered", append([]byte{0x12}, msg[1:]...), secret, 2, 0, 3, 1, "sent queue pair numbers not signed with this job's secret"},
+		{"over 24 bits", sealVerbsQPNs(secret, 2, 0, []uint32{0x11, 1 << 24}), secret, 2, 0, 1, 1, "sent queue pair number 0x1000000 (24 bits allowed)"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := openVerbsQPNs(tc.secret, tc.from, tc.to, tc.streams, tc.p2, tc.b)
+			assert.EqualError(t, err, tc.want)
+		})
+	}
 }

@@ -55,10 +55,11 @@ func rxeBridge(t *testing.T, n, streams, ringBytes int, crc bool, mod ...func(i 
 }
 
 // Frames of many sizes (split ones too, zero-copy and copied, with CRC)
-// both ways on every stream of 3 members; held frames; the description.
+// both ways on every stream (data, point-to-point, control) of 3 members;
+// held frames; the description.
 func TestVerbsRxeFrames(t *testing.T) {
-	ms, _ := rxeBridge(t, 3, 2, 256<<10, true)
-	assert.Contains(t, ms[0].Describe(), "verbs, 2 streams per peer, crc32c, ")
+	ms, _ := rxeBridge(t, 3, 2, 256<<10, true, func(_ int, c *Config) { c.P2PStreams = 1 })
+	assert.Contains(t, ms[0].Describe(), "verbs, 2 streams per peer and 1 for point-to-point, crc32c, ")
 	assert.Contains(t, ms[0].Describe(), "MTU ")
 	region := testPayload(11, 1<<20)
 	release, err := ms[0].Register(region)
@@ -68,13 +69,13 @@ func TestVerbsRxeFrames(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(120*time.Second))
 	defer cancel()
 	var wg sync.WaitGroup
-	errc := make(chan error, 64)
+	errc := make(chan error, 6*4*2*len(sizes))
 	for a := range 3 {
 		for b := range 3 {
 			if a == b {
 				continue
 			}
-			for st := range 3 {
+			for st := range 4 {
 				out, in := ms[a].links[b][st], ms[b].links[a][st]
 				payload := func(i int) []byte {
 					if a == 0 && sizes[i] <= len(region) {

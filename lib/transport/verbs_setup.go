@@ -133,6 +133,38 @@ func verbsQPNMAC(secret []byte, from, to int, qpns []byte) []byte {
 	return h.Sum(nil)
 }
 
+// sealVerbsQPNs is the set-up message in which member from gives member to
+// the numbers of its queue pairs to it, data streams then point-to-point
+// streams: 4 bytes each (little-endian), then their MAC.
+func sealVerbsQPNs(secret []byte, from, to int, qpns []uint32) []byte {
+	b := make([]byte, 4*len(qpns), 4*len(qpns)+sha256.Size)
+	for i, q := range qpns {
+		binary.LittleEndian.PutUint32(b[4*i:], q)
+	}
+	return append(b, verbsQPNMAC(secret, from, to, b)...)
+}
+
+// openVerbsQPNs checks and decodes member from's sealVerbsQPNs message to
+// member to, which must carry streams + p2p numbers (the counts every
+// member agreed on) of 24 bits each.
+func openVerbsQPNs(secret []byte, from, to, streams, p2p int, b []byte) ([]uint32, error) {
+	w := streams + p2p
+	if len(b) != 4*w+sha256.Size {
+		return nil, fmt.Errorf("sent %d bytes of queue pair numbers, %d expected (%d data and %d point-to-point streams, signed)", len(b), 4*w+sha256.Size, streams, p2p)
+	}
+	if !hmac.Equal(b[4*w:], verbsQPNMAC(secret, from, to, b[:4*w])) {
+		return nil, errors.New("sent queue pair numbers not signed with this job's secret")
+	}
+	qpns := make([]uint32, w)
+	for i := range qpns {
+		qpns[i] = binary.LittleEndian.Uint32(b[4*i:])
+		if qpns[i] >= 1<<24 {
+			return nil, fmt.Errorf("sent queue pair number %#x (24 bits allowed)", qpns[i])
+		}
+	}
+	return qpns, nil
+}
+
 // openVerbs finds this member's port and opens its device: the real one,
 // or the test hook's.
 func openVerbs(ctx context.Context, s *setup) (verbsPort, vDev, error) {
@@ -178,7 +210,7 @@ func establishVerbs(ctx context.Context, s *setup) (_ Mesh, err error) {
 		return nil, err
 	}
 	s.log.Debug("verbs port", "member", self, "port", sel.Describe(), "chosen", sel.how)
-	m := &verbsMesh{meshBase: meshBase[*verbsStream]{self: self, size: n, streams: S, crc: s.cfg.CRC},
+	m := &verbsMesh{meshBase: meshBase[*verbsStream]{self: self, size: n, streams: S, p2p: s.cfg.P2PStreams, crc: s.cfg.CRC},
 		dev: dev, log: s.log, regs: &verbsRegs{dev: dev}, peersState: make([]verbsPeer, n), done: make(chan struct{})}
 	defer func() {
 		if err != nil {
@@ -203,7 +235,7 @@ func establishVerbs(ctx context.Context, s *setup) (_ Mesh, err error) {
 	for p := range n {
 		q := uint32(0)
 		if p != self {
-			q = m.links[p][S].qp.num()
+			q = m.links[p][m.ctlIndex()].qp.num()
 		}
 		fmt.Fprintf(&qpns, "%06x", q&0xffffff)
 	}
@@ -233,7 +265,7 @@ func establishVerbs(ctx context.Context, s *setup) (_ Mesh, err error) {
 	if err := s.rv.Barrier(ctx); err != nil {
 		return nil, err
 	}
-	m.desc = fmt.Sprintf("verbs, %d streams per peer, %s, %s, MTU %d", S, crcWords(s.cfg.CRC), sel.Describe(), sel.port.Attr.ActiveMTU.Bytes())
+	m.desc = fmt.Sprintf("verbs, %d streams per peer%s, %s, %s, MTU %d", S, p2pWords(s.cfg.P2PStreams), crcWords(s.cfg.CRC), sel.Describe(), sel.port.Attr.ActiveMTU.Bytes())
 	return m, nil
 }
 
@@ -262,21 +294,35 @@ func (m *verbsMesh) ringSizes(ringBytes int) (uint64, uint64) {
 	return data, verbsCtlRing + 4096
 }
 
-// build makes every queue pair, ring and staging area. Rings: one
+// build makes every queue pair, ring and staging area, per peer W =
+// streams + p2p streams of data size (the data streams, then the
+// point-to-point ones) and the control stream (index W). Rings: one
 // registration for every inbound ring (its address and key go in the
-// record; peer p's rings begin at peerIndex(self, p) × (S × dataCap +
+// record; peer p's rings begin at peerIndex(self, p) × (W × dataCap +
 // ctlCap)); staging: one registration for every stream's staging ring
 // (half a data ring and a page: one frame of the largest record size in
 // flight, smaller ones beside it; a control ring's size for control) and
 // header slots.
+//
+// Point-to-point streams get data-sized rings: a striped message's frames
+// are up to the collective's chunk (4 MiB by default, and gbbridge makes
+// RingBytes twice the chunk), so each is one record received in place and
+// copied once into the Recv's buffer; a smaller ring would cut every frame
+// into segments and reassemble it (a second copy of every byte). Each
+// costs what a data stream costs in pinned memory: RingBytes + 4 KiB of
+// receive ring, RingBytes/2 + 8 KiB of staging, 8 KiB of header slots
+// (about 12 MiB at gbbridge's default 8 MiB rings); the 4 that lib/bridge
+// asks for add 48 MiB per peer to the 8 data streams' and the control
+// stream's ~98 MiB, and gbbridge serve asks for them only on bridge 0 and
+// the pair/ bridges.
 func (m *verbsMesh) build(sel verbsPort, ringBytes int) error {
-	n, self, S := m.size, m.self, m.streams
+	n, self, W := m.size, m.self, m.streams+m.p2p
 	m.dataCap, m.ctlCap = m.ringSizes(ringBytes)
 	dataStage := (m.dataCap/2+4095)&^4095 + 4096
-	perPeer := uint64(S)*m.dataCap + m.ctlCap
+	perPeer := uint64(W)*m.dataCap + m.ctlCap
 	hdrBytes := uint64(verbsWindow * verbsRecHdr)
 	rings := make([]byte, uint64(n-1)*perPeer)
-	stage := make([]byte, uint64(n-1)*(uint64(S)*dataStage+m.ctlCap+uint64(S+1)*hdrBytes))
+	stage := make([]byte, uint64(n-1)*(uint64(W)*dataStage+m.ctlCap+uint64(W+1)*hdrBytes))
 	rmr, err := m.dev.register(rings, true)
 	if err != nil {
 		return fmt.Errorf("register %d MiB of receive rings on %s: %w (is the locked-memory limit, ulimit -l, too low?)", len(rings)>>20, sel.dev, err)
@@ -294,16 +340,16 @@ func (m *verbsMesh) build(sel verbsPort, ringBytes int) error {
 		if p == self {
 			continue
 		}
-		m.links[p] = make([]*verbsStream, S+1)
-		for st := range S + 1 {
+		m.links[p] = make([]*verbsStream, W+1)
+		for st := range W + 1 {
 			cp, sp := m.dataCap, dataStage
-			if st == S {
+			if st == W {
 				cp, sp = m.ctlCap, m.ctlCap
 			}
 			key := len(m.byKey)
 			qp, err := m.dev.newQP(key, verbsSendQueue, verbsRecvQueue)
 			if err != nil {
-				return fmt.Errorf("%s: queue pair %d of %d: %w", sel.dev, key+1, (n-1)*(S+1), err)
+				return fmt.Errorf("%s: queue pair %d of %d: %w", sel.dev, key+1, (n-1)*(W+1), err)
 			}
 			s := newVerbsStream(m, p, st, qp, rings[roff:roff+cp:roff+cp])
 			roff += cp
@@ -357,16 +403,17 @@ func (m *verbsMesh) connect(ctx context.Context, s *setup, sel verbsPort, eps []
 }
 
 func (m *verbsMesh) connectPeer(ctx context.Context, s *setup, sel verbsPort, eps []verbsEndpoint, p int) error {
-	self, S := m.self, m.streams
+	self, W := m.self, m.ctlIndex()
 	secret := s.rv.Secret()
 	e := eps[p]
 	remote := vRemote{lid: uint16(e.LID), gid: e.gid(), global: sel.port.Attr.LinkLayer == ibverbs.LinkEthernet || !e.gid().IsZero() && e.LID == 0,
 		mtu: min(sel.port.Attr.ActiveMTU, ibverbs.MTU(e.MTU)), gidIndex: sel.gid.Index, port: sel.port.Num}
-	// The peer's rings for this member, in its registration.
-	base := e.RingAddr + uint64(peerIndex(p, self))*(uint64(S)*e.DataCap+e.CtlCap)
+	// The peer's rings for this member, in its registration (its stream
+	// counts are ours: gather checked).
+	base := e.RingAddr + uint64(peerIndex(p, self))*(uint64(W)*e.DataCap+e.CtlCap)
 	for st, str := range m.links[p] {
 		cp := e.DataCap
-		if st == S {
+		if st == W {
 			cp = e.CtlCap
 		}
 		str.rAddr, str.rKey, str.rCap, str.rMaxRec = base+uint64(st)*e.DataCap, e.RingKey, cp, cp/2&^63
@@ -394,32 +441,30 @@ func (m *verbsMesh) connectPeer(ctx context.Context, s *setup, sel verbsPort, ep
 		}
 		return fmt.Errorf("%s with %s: %w", what, m.Peer(p), err)
 	}
-	ctl := m.links[p][S]
+	ctl := m.links[p][W]
 	r := remote
 	r.qpn = e.qpn(self)
-	if err := ctl.qp.connect(r, verbsPSN(secret, self, p, S), verbsPSN(secret, p, self, S)); err != nil {
+	if err := ctl.qp.connect(r, verbsPSN(secret, self, p, W), verbsPSN(secret, p, self, W)); err != nil {
 		return fail("connect its control queue pair", err)
 	}
-	// Our data queue pair numbers for this peer, signed.
-	qpns := make([]byte, 4*S)
-	for st := range S {
-		binary.LittleEndian.PutUint32(qpns[4*st:], m.links[p][st].qp.num())
+	// Our data and point-to-point queue pair numbers for this peer, signed.
+	ours := make([]uint32, W)
+	for st := range W {
+		ours[st] = m.links[p][st].qp.num()
 	}
-	msg := append(qpns, verbsQPNMAC(secret, self, p, qpns)...)
+	msg := sealVerbsQPNs(secret, self, p, ours)
 	sendErr := make(chan error, 1)
 	go func() {
 		sendErr <- ctl.Send(ctx, wire.Header{Kind: wire.KindP2P, Step: verbsSetupStep}, msg)
 	}()
-	var theirs []byte
+	var theirs []uint32
 	err := ctl.Recv(ctx, func(h wire.Header, b []byte) error {
-		if h.Kind != wire.KindP2P || h.Step != verbsSetupStep || len(b) != 4*S+sha256.Size {
-			return fmt.Errorf("sent a %s frame of %d bytes (step %#x) where its data queue pair numbers belong", h.Kind, len(b), h.Step)
+		if h.Kind != wire.KindP2P || h.Step != verbsSetupStep {
+			return fmt.Errorf("sent a %s frame of %d bytes (step %#x) where its queue pair numbers belong", h.Kind, len(b), h.Step)
 		}
-		if !hmac.Equal(b[4*S:], verbsQPNMAC(secret, p, self, b[:4*S])) {
-			return errors.New("sent data queue pair numbers not signed with this job's secret")
-		}
-		theirs = append([]byte(nil), b[:4*S]...)
-		return nil
+		var err error
+		theirs, err = openVerbsQPNs(secret, p, self, m.streams, m.p2p, b)
+		return err
 	})
 	if err == nil {
 		err = <-sendErr
@@ -427,18 +472,18 @@ func (m *verbsMesh) connectPeer(ctx context.Context, s *setup, sel verbsPort, ep
 	if err != nil {
 		return fail("exchange queue pair numbers", err)
 	}
-	for st := range S {
+	for st := range W {
 		r := remote
-		r.qpn = binary.LittleEndian.Uint32(theirs[4*st:])
+		r.qpn = theirs[st]
 		if err := m.links[p][st].qp.connect(r, verbsPSN(secret, self, p, st), verbsPSN(secret, p, self, st)); err != nil {
-			return fail(fmt.Sprintf("connect data queue pair %d", st), err)
+			return fail(fmt.Sprintf("connect %s", m.streamName(st)), err)
 		}
 	}
-	// A hello each way on every data stream: the peer's ring takes our
-	// writes and the path works in both directions.
+	// A hello each way on every data and point-to-point stream: the
+	// peer's ring takes our writes and the path works in both directions.
 	var wg sync.WaitGroup
-	herr := make([]error, 2*S)
-	for st := range S {
+	herr := make([]error, 2*W)
+	for st := range W {
 		str := m.links[p][st]
 		wg.Go(func() {
 			herr[2*st] = str.Send(ctx, wire.Header{Kind: wire.KindBarrier, Step: verbsHelloStep}, []byte(verbsHelloText))
@@ -456,7 +501,7 @@ func (m *verbsMesh) connectPeer(ctx context.Context, s *setup, sel verbsPort, ep
 	if err := errors.Join(herr...); err != nil {
 		for _, e := range herr {
 			if e != nil {
-				return fail("say hello on every data stream", e)
+				return fail("say hello on every data and point-to-point stream", e)
 			}
 		}
 	}

@@ -261,7 +261,7 @@ func (s *verbsStream) recvDone(w ibverbs.WC) error {
 		}
 		wakeOne(s.sendWake)
 	case immPing, immPong:
-		if w.Imm&immValue != 0 || s.idx != s.m.streams {
+		if w.Imm&immValue != 0 || s.idx != s.m.ctlIndex() {
 			return fmt.Errorf("immediate value %#08x on stream %d", w.Imm, s.idx)
 		}
 		if w.Imm&immKind == immPong {

@@ -132,6 +132,48 @@ func TestVerbsFramesInOrder(t *testing.T) {
 	}
 }
 
+// Point-to-point streams (Config.P2PStreams) are queue pairs of their own
+// with data-sized rings after the data streams' in the registration:
+// frames, split ones too, go on every data, point-to-point and control
+// stream of 3 members at once, each in order, none on another's ring;
+// Describe says so; every member made and connected the queue pairs.
+func TestVerbsP2PStreams(t *testing.T) {
+	const ring = 64 << 10
+	f, devs, ms := fakeBridge(t, 3, 2, ring, true, func(_ int, c *Config) { c.P2PStreams = 3 })
+	meshes := make([]Mesh, len(ms))
+	for i, m := range ms {
+		meshes[i] = m
+		assert.Equal(t, 2, m.Streams())
+		assert.Equal(t, 3, m.P2PStreams())
+		assert.Contains(t, m.Describe(), "verbs, 2 streams per peer and 3 for point-to-point, crc32c, ")
+		// Rings: per peer 2 + 3 of the data size and the control one.
+		assert.Len(t, m.mrs[0].(*fakeMR).b, 2*(5*(ring+4096)+verbsCtlRing+4096))
+		assert.Equal(t, 2*(2+3+1), devs[i].qps, "queue pairs of member %d", i)
+	}
+	exchange(t, meshes, []int{0, 1, 4093, ring/2 + 100, 100 << 10, 13})
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	assert.Zero(t, f.rnr, "immediate values without a posted receive")
+	assert.Zero(t, f.psnMismatch, "queue pairs whose sequence numbers disagree")
+}
+
+// Members that disagree on the point-to-point streams fail the set-up
+// with the same error, before any queue pair is connected.
+func TestVerbsP2PStreamsMismatch(t *testing.T) {
+	f := newFakeFabric()
+	devs := []*fakeDev{f.dev("fake0"), f.dev("fake1")}
+	b := newBridge(t, Verbs, 2, 2, false).set(func(c *Config) { c.verbsOpen = f.opener(devs); c.RingBytes = 64 << 10 })
+	b.cfgs[1].P2PStreams = 4
+	_, errs := b.establish(t)
+	require.Error(t, errs[0])
+	require.Error(t, errs[1])
+	assert.Equal(t, errs[0].Error(), errs[1].Error())
+	assert.Contains(t, errs[0].Error(), "members disagree on the bridge settings: point-to-point streams per peer: member 0 (rank 0 on host-a) 0, member 1 (rank 2 on host-b) 4")
+	for _, d := range devs {
+		assert.True(t, d.closed, "%s freed", d.name)
+	}
+}
+
 // Many small frames to a receiver that starts late: the sender stops at
 // its record window (not the ring), positions wrap the ring many times,
 // and everything arrives.

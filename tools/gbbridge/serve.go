@@ -248,8 +248,9 @@ func (c *serveCmd) spin() time.Duration {
 // p2pStreamsOf is the point-to-point streams a named bridge gets (0: the
 // default, -1: none): only bridges named "pair/..." carry point-to-point
 // messages besides bridge 0 (docs/FEED.md §3b), and on shm every stream is
-// a ring of --shm-ring bytes reserved in /dev/shm (fallocate) per peer, so
-// the flat and shard bridges do without them.
+// a ring of --shm-ring bytes reserved in /dev/shm (fallocate) per peer (on
+// verbs as many bytes of ring and half as much staging, pinned), so the
+// flat and shard bridges do without them.
 func p2pStreamsOf(name string) int {
 	if strings.HasPrefix(name, "pair/") {
 		return 0

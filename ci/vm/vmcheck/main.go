@@ -5,7 +5,7 @@
 // and exits 0 when it did, 1 when not (the reason on stderr), printing one
 // JSON line of what it measured.
 //
-//	vmcheck allreduce -store H:P -rank R -ns NS   bit-exact all_reduce over verbs
+//	vmcheck allreduce -store H:P -rank R -ns NS   bit-exact all_reduce over verbs, then send/recv striped over its point-to-point streams
 //	vmcheck feed      -store H:P -rank R -ns NS   gbprobe | gbdiscover (auto picks verbs) | gbbridge serve, fed by the Go feed client
 //	vmcheck kill      -store H:P -rank R -ns NS   member 1 is SIGKILLed mid-collective; member 0's error names it
 //	vmcheck linkdown  -store H:P -rank R -ns NS   member 1's link goes down mid-transfer; both errors name the peer
@@ -152,9 +152,44 @@ func allReduce(o opts) error {
 		}
 		bytesDone += int64(len(buf))
 	}
+	p2pBytes, err := sendRecv(ctx, m.Comm, o.rank, desc)
+	if err != nil {
+		return err
+	}
 	report(map[string]any{"check": "allreduce", "rank": o.rank, "transport": desc, "cases": len(cases), "bytes": bytesDone,
-		"seconds": time.Since(t0).Seconds(), "bit_exact": true})
+		"p2p_bytes": p2pBytes, "seconds": time.Since(t0).Seconds(), "bit_exact": true})
 	return nil
+}
+
+// sendRecv sends a message each way at once, large enough (from 512 KiB)
+// to be striped over the mesh's point-to-point streams (lib/bridge asks
+// for transport.DefaultP2PStreams; Describe says how many it has), one
+// of them ending in a short frame, and checks every byte received.
+func sendRecv(ctx context.Context, c *collective.Comm, rank int, desc string) (int, error) {
+	if want := fmt.Sprintf(" and %d for point-to-point", transport.DefaultP2PStreams); !strings.Contains(desc, want) {
+		return 0, fmt.Errorf("the mesh is %q: no%s streams", desc, want)
+	}
+	peer, total := 1-rank, 0
+	for i, size := range []int{4 << 20, 3<<20 + 13} {
+		out := input(100+i, rank, reduce.Uint8, size)
+		want := input(100+i, peer, reduce.Uint8, size)
+		got := make([]byte, size)
+		tag := uint32(7 + i)
+		sent := make(chan error, 1)
+		go func() { sent <- c.Send(ctx, peer, tag, out) }()
+		n, err := c.Recv(ctx, peer, tag, got)
+		if serr := <-sent; err == nil {
+			err = serr
+		}
+		if err != nil {
+			return total, fmt.Errorf("send/recv of %d bytes: %w", size, err)
+		}
+		if n != size || !bytes.Equal(got, want) {
+			return total, fmt.Errorf("send/recv of %d bytes: %d bytes arrived, not those member %d sent", size, n, peer)
+		}
+		total += size
+	}
+	return total, nil
 }
 
 // kill: member 1 kills itself (SIGKILL, as kill -9 would) once part of an
