@@ -395,14 +395,17 @@ class _Transfer:
         self, ep: BridgeEndpoint, bridge: int | None, dst: torch.Tensor, host: torch.Tensor, region: Any,
         spans: list[tuple[int, int]],
     ) -> Any:  # fmt: skip
-        """Returns the event after the copies to the GPU (None on CPU)."""
+        """Returns the event after the copies to the GPU (None on CPU).
+        A chunk's copy out is queued as soon as it has arrived, while later
+        chunks are still on the wire: a lane takes its next RECV only once
+        its previous one is done, so that is also when it is copied."""
         feed, p = ep.feed, self.p
-        calls = self._issue(
-            lambda: [self._start(feed, Kind.RECV, region.span(a, b - a), bridge) for a, b in spans]
-        )
         if self.gpu:
             p._h2d.wait_event(self.after)
-        for (a, b), c in zip(spans, calls, strict=True):
+        done = 0
+
+        def copy_out(k: int, c: Call) -> None:
+            a, b = spans[k]
             got = c.wait().nbytes
             if got != b - a:
                 raise RuntimeError(
@@ -414,6 +417,23 @@ class _Transfer:
                     dst[a:b].copy_(host[a:b], non_blocking=True)
             else:
                 dst[a:b].copy_(host[a:b])
+
+        def issue() -> list[Call]:
+            nonlocal done
+            calls: list[Call] = []
+            for a, b in spans:
+                # The lane's previous RECV (LANES back) is done once this
+                # one may start: copy it out first.
+                if len(calls) >= LANES:
+                    calls[done].join(self.secs + 60.0)
+                    copy_out(done, calls[done])
+                    done += 1
+                calls.append(self._start(feed, Kind.RECV, region.span(a, b - a), bridge))
+            return calls
+
+        calls = self._issue(issue)
+        for k in range(done, len(calls)):
+            copy_out(k, calls[k])
         if not self.gpu:
             return None
         ev = _gpu.new_event()
