@@ -21,7 +21,11 @@ the chunks of a (peer, tag) therefore go round-robin over LANES wire tags
 (``lane << 24 | tag``), and a lane takes its next request only once its
 previous one is done. Both ends count the chunks of the (peer, tag) alike,
 so chunk i is on lane i mod LANES on both, and up to LANES chunks are in
-flight. Tags across islands are therefore 0 to 2^24 - 1."""
+flight (16: 64 MiB at the default 4 MiB chunk). Waiting for a lane's
+previous request costs a round trip through both gbbridges; on the H200
+split test a 64 MiB send went at 0.53x the all_reduce's algbw with 4
+lanes, 0.60x with 8 and 1.57x with 16 (docs/BENCHMARKS.md). Tags across
+islands are therefore 0 to 2^24 - 1."""
 
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ class Route:
 
 
 # Wire tags per (peer, tag): chunks in flight at once on one (peer, tag).
-LANES = 4
+LANES = 16
 _LANE_SHIFT = 24
 MAX_TAG = (1 << _LANE_SHIFT) - 1
 
