@@ -74,6 +74,17 @@ _LANE_SHIFT = 24
 MAX_TAG = (1 << _LANE_SHIFT) - 1
 
 
+def chunk_bytes(n: int, chunk: int) -> int:
+    """The chunk of an n-byte transfer: GPUBRIDGE_P2P_CHUNK, or larger, so
+    that every chunk is in flight at once (at most LANES chunks; 4 KiB
+    multiples). Both ends know n (a RECV's tensor has the SEND's size), so
+    they cut alike. Past LANES chunks each lane would wait for its previous
+    request: a 256 MiB send in 4 MiB chunks ran at 0.47x the all_reduce's
+    algbw where 64 MiB ran at 1.31x."""
+    per_lane = -(-n // LANES)
+    return max(chunk, -(-per_lane // 4096) * 4096)
+
+
 class _Channel:
     """The messages of one direction, bridge, peer and tag: transfers issue
     their requests in the order they were called (tickets), chunk i on lane
@@ -314,7 +325,7 @@ class _Transfer:
             n = src.numel()
             held = ep.regions.acquire(max(n, 1))
             region, host = held
-            step = p._chunk
+            step = chunk_bytes(n, p._chunk)
             spans = [(a, min(n, a + step)) for a in range(0, n, step)] or [(0, 0)]
             sync: Any = None
             if self.op == "send":

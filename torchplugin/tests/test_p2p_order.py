@@ -13,7 +13,7 @@ import weakref
 import pytest
 
 from gpubridge._endpoints import pair_bridge
-from gpubridge._p2p import LANES, MAX_TAG, _Channel, _Runner
+from gpubridge._p2p import LANES, MAX_TAG, _Channel, _Runner, chunk_bytes
 from gpubridge._policy import DEFAULT_P2P_CHUNK, Policy, parse_bytes
 
 
@@ -130,3 +130,20 @@ def test_runner_close_joins_its_threads_and_drops_their_transfers() -> None:
     assert not any(th.is_alive() for th in threads)
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize(
+    ("n", "want"),
+    [
+        (0, 4 << 20),
+        (1, 4 << 20),
+        (64 << 20, 4 << 20),  # 16 chunks of GPUBRIDGE_P2P_CHUNK: all in flight
+        ((64 << 20) + 1, (4 << 20) + 4096),  # 4 KiB multiples
+        (256 << 20, 16 << 20),
+        ((1 << 30) + 5, (64 << 20) + 4096),
+    ],
+)
+def test_chunks_grow_so_every_chunk_is_in_flight(n: int, want: int) -> None:
+    c = chunk_bytes(n, 4 << 20)
+    assert c == want
+    assert -(-n // c) <= LANES
