@@ -143,6 +143,7 @@ PAIR_BEFORE, PAIR_AFTER = "devbox-pair-88db6d9.jsonl", "devbox-pair-91bea07.json
 
 
 H200X1 = "h200x1-host-fb7ec87.jsonl"
+H200X1_B = "h200x1-host-b985521.jsonl"  # streaming copies, P2P streams (issues 12, 16)
 
 
 def goal_table(head: str, rows: list[tuple[str, str]]) -> str:
@@ -151,12 +152,13 @@ def goal_table(head: str, rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def goals12_host() -> str:
-    """Issue 12's 16-32-core goals, from the run on the 16-core H200 host."""
+def goals12_host(f: str = "h200x1-host-fb7ec87.jsonl", commit: str = "fb7ec87") -> str:
+    """Issue 12's 16-32-core goals, from a run on the 16-core H200 host."""
+    H200X1 = f  # noqa: N806 (the file the rows come from)
     t = bw(H200X1)
     shm = [(s, t["shm-allreduce-s8"][s]) for s in sorted(t["shm-allreduce-s8"]) if s >= 64 * MIB]
     return goal_table(
-        "| goal (issue 12) | 16-core H200 host (CPUs only), fb7ec87 |",
+        f"| goal (issue 12) | 16-core H200 host (CPUs only), {commit} |",
         [
             (
                 "2 members, ≥ 64 MiB: TCP all_reduce ≥ 0.9 of the TCP exchange (8 streams)",
@@ -436,6 +438,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "issue12-goals": goals12,
     "bridge h200x1-host-fb7ec87": lambda: bridge_block(H200X1),
     "issue12-goals-h200x1": goals12_host,
+    "bridge h200x1-host-b985521": lambda: bridge_block(H200X1_B),
+    "issue12-goals-h200x1-b985521": lambda: goals12_host(H200X1_B, "b985521"),
     "issue12-before-after": before_after,
     "plugin-bench a5a9c0b": plugin_bench,
     "plugin-profile b5844c9": profile,
