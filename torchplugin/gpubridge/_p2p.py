@@ -72,17 +72,20 @@ class Route:
 LANES = 16
 _LANE_SHIFT = 24
 MAX_TAG = (1 << _LANE_SHIFT) - 1
+MAX_AUTO_CHUNK = 16 << 20  # chunk_bytes grows chunks up to this
 
 
 def chunk_bytes(n: int, chunk: int) -> int:
-    """The chunk of an n-byte transfer: GPUBRIDGE_P2P_CHUNK, or larger, so
-    that every chunk is in flight at once (at most LANES chunks; 4 KiB
-    multiples). Both ends know n (a RECV's tensor has the SEND's size), so
-    they cut alike. Past LANES chunks each lane would wait for its previous
-    request: a 256 MiB send in 4 MiB chunks ran at 0.47x the all_reduce's
-    algbw where 64 MiB ran at 1.31x."""
+    """The chunk of an n-byte transfer: GPUBRIDGE_P2P_CHUNK, or larger (up
+    to MAX_AUTO_CHUNK, 4 KiB multiples) so that every chunk is in flight at
+    once (at most LANES chunks). Both ends know n (a RECV's tensor has the
+    SEND's size), so they cut alike. Past LANES chunks each lane waits for
+    its previous request: a 256 MiB send in 4 MiB chunks ran at 0.47x the
+    all_reduce's algbw where 64 MiB ran at 1.31x. The cap bounds what a
+    sender may push ahead of a late receiver (LANES chunks per (peer, tag),
+    256 MiB), which gbbridge queues against its 1 GiB limit."""
     per_lane = -(-n // LANES)
-    return max(chunk, -(-per_lane // 4096) * 4096)
+    return max(chunk, min(-(-per_lane // 4096) * 4096, MAX_AUTO_CHUNK))
 
 
 class _Channel:

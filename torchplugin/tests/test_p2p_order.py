@@ -13,7 +13,7 @@ import weakref
 import pytest
 
 from gpubridge._endpoints import pair_bridge
-from gpubridge._p2p import LANES, MAX_TAG, _Channel, _Runner, chunk_bytes
+from gpubridge._p2p import LANES, MAX_AUTO_CHUNK, MAX_TAG, _Channel, _Runner, chunk_bytes
 from gpubridge._policy import DEFAULT_P2P_CHUNK, Policy, parse_bytes
 
 
@@ -140,10 +140,12 @@ def test_runner_close_joins_its_threads_and_drops_their_transfers() -> None:
         (64 << 20, 4 << 20),  # 16 chunks of GPUBRIDGE_P2P_CHUNK: all in flight
         ((64 << 20) + 1, (4 << 20) + 4096),  # 4 KiB multiples
         (256 << 20, 16 << 20),
-        ((1 << 30) + 5, (64 << 20) + 4096),
+        ((256 << 20) + 1, 16 << 20),  # capped: at most 256 MiB pushed ahead of a late receiver
+        ((1 << 30) + 5, 16 << 20),
     ],
 )
 def test_chunks_grow_so_every_chunk_is_in_flight(n: int, want: int) -> None:
     c = chunk_bytes(n, 4 << 20)
     assert c == want
-    assert -(-n // c) <= LANES
+    assert -(-n // c) <= LANES or c == MAX_AUTO_CHUNK
+    assert chunk_bytes(n, 32 << 20) == max(32 << 20, want)  # a larger GPUBRIDGE_P2P_CHUNK is kept
