@@ -152,26 +152,25 @@ def goal_table(head: str, rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def goals12_host(f: str = "h200x1-host-fb7ec87.jsonl", commit: str = "fb7ec87") -> str:
-    """Issue 12's 16-32-core goals, from a run on the 16-core H200 host."""
-    H200X1 = f  # noqa: N806 (the file the rows come from)
-    t = bw(H200X1)
+def goals12_host(f: str = H200X1, commit: str = "fb7ec87") -> str:
+    """Issue 12's 16-32-core goals, from a run (rows file f) on the 16-core H200 host."""
+    t = bw(f)
     shm = [(s, t["shm-allreduce-s8"][s]) for s in sorted(t["shm-allreduce-s8"]) if s >= 64 * MIB]
     return goal_table(
         f"| goal (issue 12) | 16-core H200 host (CPUs only), {commit} |",
         [
             (
                 "2 members, ≥ 64 MiB: TCP all_reduce ≥ 0.9 of the TCP exchange (8 streams)",
-                verdict(ratios(H200X1, "tcp-allreduce-s8", "tcp-exchange-s8", 64 * MIB), 0.9),
+                verdict(ratios(f, "tcp-allreduce-s8", "tcp-exchange-s8", 64 * MIB), 0.9),
             ),
             ("2 members, ≥ 64 MiB: shm all_reduce ≥ 40 GB/s", verdict(shm, 40, " GB/s")),
             (
                 f"4 members, ≥ 16 MiB: TCP ≥ 4{X} Gloo's 4-rank all_reduce",
-                verdict(ratios(H200X1, "tcp-allreduce-4m-s8", "gloo-4"), 4),
+                verdict(ratios(f, "tcp-allreduce-4m-s8", "gloo-4"), 4),
             ),
             (
                 f"4 members, ≥ 16 MiB: shm ≥ 8{X} Gloo",
-                verdict(ratios(H200X1, "shm-allreduce-4m-s8", "gloo-4"), 8),
+                verdict(ratios(f, "shm-allreduce-4m-s8", "gloo-4"), 8),
             ),
         ],
     )
