@@ -509,18 +509,24 @@ func (c *Comm) dispatch(peer int) {
 			return
 		default:
 		}
-		var le *localError
-		if errors.As(err, &le) {
-			// This member found the peer's frames wrong: break, so the
-			// peer learns it too.
-			c.fail(le.err)
-			return
-		}
-		var pe *transport.PeerError
-		if !errors.As(err, &pe) {
-			err = &transport.PeerError{Peer: c.mesh.Peer(peer), Err: err}
-		}
-		c.lose(peer, corruptHint(err))
+		c.readerEnded(peer, err)
 		return
 	}
+}
+
+// readerEnded handles the error that ended a reader of one of peer's
+// streams (the control stream, a point-to-point stream): this member's own
+// finding that the peer's frames are wrong breaks the communicator, so the
+// peer learns it too; anything else loses the peer.
+func (c *Comm) readerEnded(peer int, err error) {
+	var le *localError
+	if errors.As(err, &le) {
+		c.fail(le.err)
+		return
+	}
+	var pe *transport.PeerError
+	if !errors.As(err, &pe) {
+		err = &transport.PeerError{Peer: c.mesh.Peer(peer), Err: err}
+	}
+	c.lose(peer, corruptHint(err))
 }

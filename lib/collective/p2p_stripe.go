@@ -332,20 +332,9 @@ func (c *Comm) dispatchP2P(peer, i int) {
 			return
 		default:
 		}
-		var le *localError
-		switch {
-		case errors.Is(err, errReaderDone), errors.Is(err, transport.ErrPeerClosed):
-			// The control stream says why the peer went.
-			return
-		case errors.As(err, &le):
-			c.fail(le.err)
-			return
-		}
-		var pe *transport.PeerError
-		if !errors.As(err, &pe) {
-			err = &transport.PeerError{Peer: c.mesh.Peer(peer), Err: err}
-		}
-		c.lose(peer, corruptHint(err))
+		if !errors.Is(err, errReaderDone) && !errors.Is(err, transport.ErrPeerClosed) {
+			c.readerEnded(peer, err)
+		} // else the control stream says why the peer went
 		return
 	}
 }
