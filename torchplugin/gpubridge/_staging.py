@@ -101,15 +101,21 @@ class RegionPool:
     """Feed regions for point-to-point transfers, several in use at once
     (a send and a recv both in flight, each on a region of its own), kept
     for reuse: sizes are powers of two from 1 MiB, page-locked once on
-    GPUs (a cudaHostRegister of 64 MiB costs milliseconds). At most
-    keep_bytes of free regions are kept; the rest are released."""
+    GPUs (a cudaHostRegister of 64 MiB costs milliseconds). The region
+    given back last is always kept, and older free ones are released
+    (least recently given back first) while the free regions pass
+    keep_bytes: a transfer larger than keep_bytes that repeats (a 1 GiB
+    tensor sent every step) reuses its pinned region instead of pinning
+    1 GiB again each time."""
 
     def __init__(self, feed: FeedClient, device: torch.device, keep_bytes: int = 512 << 20) -> None:
         self._feed = feed
         self._gpu = device.type == "cuda"
         self._keep = keep_bytes
         self._lock = threading.Lock()
+        # free regions by size; _order: the same, least recently given back first
         self._free: dict[int, list[tuple[Region, torch.Tensor]]] = {}
+        self._order: list[tuple[Region, torch.Tensor]] = []
         self._free_bytes = 0
         self._closed = False
 
@@ -122,7 +128,9 @@ class RegionPool:
             free = self._free.get(size)
             if free:
                 self._free_bytes -= size
-                return free.pop()
+                x = free.pop()
+                self._order.remove(x)
+                return x
         r = self._feed.map_region(size)
         t = torch.frombuffer(r.mem, dtype=torch.uint8, count=size)
         if self._gpu:
@@ -136,13 +144,30 @@ class RegionPool:
         return r, t
 
     def release(self, region: Region, t: torch.Tensor) -> None:
-        """Gives a region back (its copies done)."""
+        """Gives a region back (its copies done): kept, and the least
+        recently given back of the others released past keep_bytes."""
+        drop: list[tuple[Region, torch.Tensor]] = []
         with self._lock:
-            if not self._closed and self._free_bytes + region.size <= self._keep:
-                self._free.setdefault(region.size, []).append((region, t))
+            if self._closed:
+                drop.append((region, t))
+            else:
+                x = (region, t)
+                self._free.setdefault(region.size, []).append(x)
+                self._order.append(x)
                 self._free_bytes += region.size
-                return
-        self._drop(region, t)
+                while self._free_bytes > self._keep and len(self._order) > 1:
+                    old = self._order.pop(0)
+                    self._free[old[0].size].remove(old)
+                    self._free_bytes -= old[0].size
+                    drop.append(old)
+        for r, rt in drop:
+            self._drop(r, rt)
+
+    @property
+    def free_sizes(self) -> list[int]:
+        """The sizes of the free regions, least recently given back first."""
+        with self._lock:
+            return [r.size for r, _ in self._order]
 
     def _drop(self, region: Region, t: torch.Tensor) -> None:
         if self._gpu:
@@ -156,8 +181,9 @@ class RegionPool:
         """Releases the free regions; those in use go with the feed."""
         with self._lock:
             self._closed = True
-            free = [x for lst in self._free.values() for x in lst]
+            free = list(self._order)
             self._free.clear()
+            self._order.clear()
             self._free_bytes = 0
         for r, t in free:
             with contextlib.suppress(Exception):
