@@ -120,12 +120,21 @@ class _Channel:
             return t
 
     def wait_turn(self, ticket: int, secs: float, what: str) -> None:
+        """Waits for ticket's turn. The deadline is per turn: it starts
+        again each time an earlier transfer passes the turn on, so a
+        transfer queued behind several long ones fails only when one of
+        them is stuck, not when they are many."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._turn == ticket, secs):
-                raise RuntimeError(
-                    f"{what}: the transfer called before it with the same peer and tag was not issued "
-                    f"within {secs:g} s"
-                )
+            while self._turn != ticket:
+
+                def moved(seen: int = self._turn) -> bool:
+                    return self._turn != seen
+
+                if not self._cond.wait_for(moved, secs):
+                    raise RuntimeError(
+                        f"{what}: the transfer called before it with the same peer and tag was not issued "
+                        f"within {secs:g} s"
+                    )
 
     def done(self, ticket: int) -> None:
         with self._cond:

@@ -11,6 +11,7 @@ import time
 import weakref
 
 import pytest
+from testenv import scale
 
 from gpubridge._endpoints import pair_bridge
 from gpubridge._p2p import LANES, MAX_AUTO_CHUNK, MAX_TAG, _Channel, _Runner, chunk_bytes
@@ -80,6 +81,27 @@ def test_a_turn_not_passed_is_named() -> None:
     late = ch.ticket()
     with pytest.raises(RuntimeError, match="the transfer called before it with the same peer and tag"):
         ch.wait_turn(late, 0.05, "send to rank 3 (tag 0)")
+
+
+def test_the_turn_deadline_restarts_when_the_turn_moves() -> None:
+    """Three transfers ahead, each holding the turn for 0.6 of the deadline:
+    the fourth waits 1.8 deadlines in all and still gets its turn."""
+    ch = _Channel(tag=0)
+    tickets = [ch.ticket() for _ in range(4)]
+    secs = scale(1.0)  # ahead holds 0.6 s a turn: 0.4 s of slack for a loaded box
+    got: list[int] = []
+
+    def ahead() -> None:
+        for t in tickets[:3]:
+            time.sleep(0.6 * secs)
+            ch.done(t)
+
+    th = threading.Thread(target=ahead)
+    th.start()
+    ch.wait_turn(tickets[3], secs, "test")
+    got.append(tickets[3])
+    th.join(10 * secs)
+    assert got == [tickets[3]]
 
 
 def test_pair_bridge_names() -> None:
