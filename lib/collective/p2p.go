@@ -90,6 +90,21 @@ func newPeer(p2pStreams int) *peer {
 	return pr
 }
 
+// takePosted takes the first Recv posted on tag, or returns nil when none
+// is. pr.mu is held.
+func (pr *peer) takePosted(tag uint32) *recvReq {
+	q := pr.posted[tag]
+	if len(q) == 0 {
+		return nil
+	}
+	if len(q) == 1 {
+		delete(pr.posted, tag)
+	} else {
+		pr.posted[tag] = q[1:]
+	}
+	return q[0]
+}
+
 // tagSend orders the messages sent on one tag.
 type tagSend struct {
 	sem  chan struct{} // held for a whole message
@@ -212,58 +227,49 @@ func (c *Comm) Send(ctx context.Context, peer int, tag uint32, buf []byte) error
 		if i == frames-1 {
 			h.Flags = wire.FlagLast
 		}
-		err := c.sendControl(ctx, peer, h, buf[lo:hi])
-		if err == nil {
-			ts.next = seq
-			continue
+		if err := c.sendControl(ctx, peer, h, buf[lo:hi]); err != nil {
+			return c.sendFailed(ctx, err, i == 0, peer, seq, desc, limit)
 		}
-		var ns *errNotSent
-		if errors.As(err, &ns) {
-			if st := c.hardState(); st != nil {
-				return &Error{Op: "send", Seq: seq, Desc: desc, Err: st}
-			}
-			if i == 0 {
-				// Nothing of this message went out: no need to break.
-				return &Error{Op: "send", Seq: seq, Desc: desc, Err: c.classify(ctx, ns.err, peer, limit, false, "its control stream was busy")}
-			}
-		}
-		// Part of the message is on the wire: the stream cannot go on.
-		e := &Error{Op: "send", Seq: seq, Desc: desc, Err: c.classify(ctx, err, peer, limit, false, "it is not reading")}
-		if !errors.Is(err, ErrClosed) {
-			c.fail(e)
-		}
-		return e
+		ts.next = seq
 	}
 	return nil
+}
+
+// sendFailed is Send's error when a frame of message seq failed with err.
+// A control frame that was not sent (errNotSent) before anything of the
+// message went out (first) leaves the streams usable; otherwise part of
+// the message may be on the wire, the streams cannot go on, and the
+// communicator breaks.
+func (c *Comm) sendFailed(ctx context.Context, err error, first bool, peer int, seq uint64, desc string, limit time.Duration) error {
+	var ns *errNotSent
+	if errors.As(err, &ns) {
+		if st := c.hardState(); st != nil {
+			return &Error{Op: "send", Seq: seq, Desc: desc, Err: st}
+		}
+		if first {
+			return &Error{Op: "send", Seq: seq, Desc: desc, Err: c.classify(ctx, ns.err, peer, limit, false, "its control stream was busy")}
+		}
+	}
+	e := &Error{Op: "send", Seq: seq, Desc: desc, Err: c.classify(ctx, err, peer, limit, false, "it is not reading")}
+	if !errors.Is(err, ErrClosed) {
+		c.fail(e)
+	}
+	return e
 }
 
 // sendStripedMessage is Send of a striped message: the announcement on the
 // control stream, then the frames over the point-to-point streams.
 func (c *Comm) sendStripedMessage(ctx context.Context, peer int, tag uint32, seq uint64, ts *tagSend, buf []byte, unit int, desc string, limit time.Duration) error {
 	h := wire.Header{Kind: wire.KindP2P, Seq: seq, Step: tag, Flags: wire.FlagStripe}
-	err := c.sendControl(ctx, peer, h, stripeAnnounce(len(buf), unit))
-	if err == nil {
-		ts.next = seq
-		err = c.sendStriped(ctx, peer, tag, seq, buf, unit)
-		if err == nil {
-			return nil
-		}
-	} else {
-		var ns *errNotSent
-		if errors.As(err, &ns) {
-			if st := c.hardState(); st != nil {
-				return &Error{Op: "send", Seq: seq, Desc: desc, Err: st}
-			}
-			// Nothing of this message went out: no need to break.
-			return &Error{Op: "send", Seq: seq, Desc: desc, Err: c.classify(ctx, ns.err, peer, limit, false, "its control stream was busy")}
-		}
+	if err := c.sendControl(ctx, peer, h, stripeAnnounce(len(buf), unit)); err != nil {
+		return c.sendFailed(ctx, err, true, peer, seq, desc, limit)
 	}
-	// Part of the message may be on the wire: the streams cannot go on.
-	e := &Error{Op: "send", Seq: seq, Desc: desc, Err: c.classify(ctx, err, peer, limit, false, "it is not reading")}
-	if !errors.Is(err, ErrClosed) {
-		c.fail(e)
+	ts.next = seq
+	// The frames' errors are never errNotSent: the announcement is out.
+	if err := c.sendStriped(ctx, peer, tag, seq, buf, unit); err != nil {
+		return c.sendFailed(ctx, err, false, peer, seq, desc, limit)
 	}
-	return e
+	return nil
 }
 
 // Recv receives the next message from peer with tag into buf and returns
@@ -400,12 +406,7 @@ func (c *Comm) detach(pr *peer, tag uint32, req *recvReq) {
 		return // overflowed: the bytes past buf are gone; drop the rest
 	}
 	data := req.buf[:req.n]
-	if q := pr.posted[tag]; len(q) > 0 {
-		next := q[0]
-		pr.posted[tag] = q[1:]
-		if len(q) == 1 {
-			delete(pr.posted, tag)
-		}
+	if next := pr.takePosted(tag); next != nil {
 		next.state, next.seq = filling, in.seq
 		next.n = copy(next.buf, data)
 		next.total = len(data) // may overflow next.buf: then it fails with ErrTooLong
@@ -433,12 +434,7 @@ func (c *Comm) p2pFrame(peer int, h wire.Header, payload []byte) error {
 		}
 		pr.last[tag] = h.Seq
 		in = &incoming{seq: h.Seq}
-		if q := pr.posted[tag]; len(q) > 0 {
-			in.req = q[0]
-			pr.posted[tag] = q[1:]
-			if len(q) == 1 {
-				delete(pr.posted, tag)
-			}
+		if in.req = pr.takePosted(tag); in.req != nil {
 			in.req.state, in.req.seq = filling, h.Seq
 		} else {
 			in.msg = &message{seq: h.Seq, done: make(chan struct{})}

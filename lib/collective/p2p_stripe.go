@@ -180,12 +180,7 @@ func (c *Comm) stripeAnnounced(peer int, h wire.Header, payload []byte) error {
 		return fmt.Errorf("%s announced striped message %d on tag %d, this member expected frame 0 of message %d or a frame of the message arriving: protocol error", c.mesh.Peer(peer), h.Seq, tag, pr.last[tag]+1)
 	}
 	sm := &striped{seq: h.Seq, total: total, unit: unit, frames: frames, seen: make([]uint64, (frames+63)/64)}
-	if q := pr.posted[tag]; len(q) > 0 {
-		req := q[0]
-		pr.posted[tag] = q[1:]
-		if len(q) == 1 {
-			delete(pr.posted, tag)
-		}
+	if req := pr.takePosted(tag); req != nil {
 		req.state, req.seq, req.sm = filling, h.Seq, sm
 		sm.req = req
 	} else {
@@ -285,12 +280,7 @@ func (c *Comm) detachStriped(pr *peer, tag uint32, req *recvReq) {
 		return // overflowed: the bytes past buf are gone; drop the rest
 	}
 	data := req.buf[:sm.total]
-	if q := pr.posted[tag]; len(q) > 0 {
-		next := q[0]
-		pr.posted[tag] = q[1:]
-		if len(q) == 1 {
-			delete(pr.posted, tag)
-		}
+	if next := pr.takePosted(tag); next != nil {
 		next.state, next.seq, next.sm = filling, sm.seq, sm
 		copy(next.buf, data) // may overflow next.buf: then it fails with ErrTooLong
 		sm.req = next
