@@ -72,6 +72,7 @@ class BridgeEndpoint:
         reduce_mode: str = "auto",
         codec: Codec = Codec.RAW,
         bridge0: bool = True,
+        spin_us: int | None = None,
     ) -> None:
         self.process = process
         self.bridge0 = bridge0  # a leader's: serve joined the leaders' bridge at start
@@ -99,7 +100,7 @@ class BridgeEndpoint:
         # went (bench/gpu/exchange_bench.py sets it).
         self.profile: list[dict[str, float]] | None = None
         self.exchanged = 0  # all_reduces this leader reduced itself
-        self._spin_us: int | None = None  # GPUBRIDGE_SPIN_US as start() resolved it
+        self._spin_us = spin_us  # GPUBRIDGE_SPIN_US as start() resolved it (None: no spin)
         # The bridges JOINed on this feed (§3b), by name: their ids, or the
         # JOIN in flight; one JOIN per name, whichever thread needs it first.
         self._join_lock = threading.Lock()
@@ -137,9 +138,7 @@ class BridgeEndpoint:
             workdir / "topology.json", workdir / "feed.sock", gbbridge=_tools.find_tool("gbbridge"),
             env=env, args=args,
         )  # fmt: skip
-        ep = cls(process, rank, members, device, stream, timeout, reduce_mode, codec, bridge0)
-        ep._spin_us = spin
-        return ep
+        return cls(process, rank, members, device, stream, timeout, reduce_mode, codec, bridge0, spin)
 
     def connect(self) -> None:
         """Waits for gbbridge serve's ready line and connects the feed. A
@@ -744,9 +743,9 @@ class _Exchange:
 
 
 MAX_SPIN_US = 10_000  # gbbridge serve's --spin-us limit
-AUTO_SPIN_US = (
-    200  # what auto spins (a 4-byte flat all_reduce on 16 cores: 2.0x Gloo's time unspun, 1.2x at 200)
-)
+# What auto spins: a 4-byte flat all_reduce of 4 ranks on 16 cores took 2.0x
+# Gloo's time unspun, 1.2x at 200 us, no better at 1000 (docs/BENCHMARKS.md).
+AUTO_SPIN_US = 200
 
 
 def spin_us() -> int | None:

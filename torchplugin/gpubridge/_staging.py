@@ -113,9 +113,7 @@ class RegionPool:
         self._gpu = device.type == "cuda"
         self._keep = keep_bytes
         self._lock = threading.Lock()
-        # free regions by size; _order: the same, least recently given back first
-        self._free: dict[int, list[tuple[Region, torch.Tensor]]] = {}
-        self._order: list[tuple[Region, torch.Tensor]] = []
+        self._free: list[tuple[Region, torch.Tensor]] = []  # least recently given back first
         self._free_bytes = 0
         self._closed = False
 
@@ -125,12 +123,10 @@ class RegionPool:
         with self._lock:
             if self._closed:
                 raise FeedError("gpubridge: the endpoint is closed")
-            free = self._free.get(size)
-            if free:
-                self._free_bytes -= size
-                x = free.pop()
-                self._order.remove(x)
-                return x
+            for i in range(len(self._free) - 1, -1, -1):  # the most recently given back
+                if self._free[i][0].size == size:
+                    self._free_bytes -= size
+                    return self._free.pop(i)
         r = self._feed.map_region(size)
         t = torch.frombuffer(r.mem, dtype=torch.uint8, count=size)
         if self._gpu:
@@ -151,13 +147,10 @@ class RegionPool:
             if self._closed:
                 drop.append((region, t))
             else:
-                x = (region, t)
-                self._free.setdefault(region.size, []).append(x)
-                self._order.append(x)
+                self._free.append((region, t))
                 self._free_bytes += region.size
-                while self._free_bytes > self._keep and len(self._order) > 1:
-                    old = self._order.pop(0)
-                    self._free[old[0].size].remove(old)
+                while self._free_bytes > self._keep and len(self._free) > 1:
+                    old = self._free.pop(0)
                     self._free_bytes -= old[0].size
                     drop.append(old)
         for r, rt in drop:
@@ -167,7 +160,7 @@ class RegionPool:
     def free_sizes(self) -> list[int]:
         """The sizes of the free regions, least recently given back first."""
         with self._lock:
-            return [r.size for r, _ in self._order]
+            return [r.size for r, _ in self._free]
 
     def _drop(self, region: Region, t: torch.Tensor) -> None:
         if self._gpu:
@@ -181,9 +174,7 @@ class RegionPool:
         """Releases the free regions; those in use go with the feed."""
         with self._lock:
             self._closed = True
-            free = list(self._order)
-            self._free.clear()
-            self._order.clear()
+            free, self._free = self._free, []
             self._free_bytes = 0
         for r, t in free:
             with contextlib.suppress(Exception):
