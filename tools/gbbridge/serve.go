@@ -134,10 +134,8 @@ func (c *serveCmd) setUp(env *cli.Env, topo *discover.Topology) (*serving, error
 		return s, nil
 	}
 	s.member, err = bridge.Join(env.Ctx, bridge.Config{Store: addr, Namespace: topo.Namespace, Name: s.who,
-		Mesh: transport.Config{Self: ms.Member, Members: ms.Members, Transport: ms.Transport,
-			Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
-			Timeout: c.SetupTimeout, RingBytes: int(c.ShmRing), Spin: c.spin(), Log: s.log, Process: "gbbridge serve"},
-		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, StreamBytes: smallBytes(c.Stream), Timeout: c.Timeout, Log: s.log},
+		Mesh: c.meshConfig(ms.Member, ms.Members, ms.Transport, c.SetupTimeout, s.log),
+		Comm: c.commOptions(s.log),
 	})
 	if err != nil {
 		s.ln.Close()
@@ -215,12 +213,10 @@ func (s *serving) Join(ctx context.Context, j feedserver.JoinRequest) (*feedserv
 	// peer, a policy's first call), which may be as far apart as a
 	// collective may wait for its members: not only --setup-timeout.
 	meet := max(c.SetupTimeout, c.Timeout)
+	mc := c.meshConfig(j.Member, members, bridge.NamedTransport(members, s.topo.Bridge.Transport), meet, log)
+	mc.P2PStreams = p2pStreamsOf(j.Name)
 	m, err := bridge.Join(ctx, bridge.Config{Store: s.store, Namespace: s.topo.Namespace, Name: who, Bridge: j.Name,
-		Mesh: transport.Config{Self: j.Member, Members: members, Transport: bridge.NamedTransport(members, s.topo.Bridge.Transport),
-			Streams: c.Streams, P2PStreams: p2pStreamsOf(j.Name), CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
-			Timeout: meet, RingBytes: int(c.ShmRing), Spin: c.spin(), Log: log, Process: "gbbridge serve"},
-		Comm: collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers, StreamBytes: smallBytes(c.Stream), Timeout: c.Timeout, Log: log},
-	})
+		Mesh: mc, Comm: c.commOptions(log)})
 	if err != nil {
 		return nil, err
 	}
@@ -238,6 +234,20 @@ func setupCause(ctx context.Context, err error) error {
 		return fmt.Errorf("%w (stopped: %v)", err, context.Cause(ctx))
 	}
 	return err
+}
+
+// meshConfig is the transport settings of every bridge serve joins (bridge
+// 0 and the named ones): the flags, and the member's place in it.
+func (c *serveCmd) meshConfig(self int, members []transport.MemberInfo, kind transport.Kind, timeout time.Duration, log *slog.Logger) transport.Config {
+	return transport.Config{Self: self, Members: members, Transport: kind,
+		Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
+		Timeout: timeout, RingBytes: int(c.ShmRing), Spin: c.spin(), Log: log, Process: "gbbridge serve"}
+}
+
+// commOptions is the collectives' settings of every bridge serve joins.
+func (c *serveCmd) commOptions(log *slog.Logger) collective.Options {
+	return collective.Options{ChunkBytes: int(c.Chunk), SmallBytes: smallBytes(c.Small), Workers: c.Workers,
+		StreamBytes: smallBytes(c.Stream), Timeout: c.Timeout, Log: log}
 }
 
 // spin is the shm waiters' spin; 0 means none (Config's zero is its default).
