@@ -128,7 +128,10 @@ class BridgeBytes(gpubridge.CollectiveObserver):
 
 def emit(record: dict[str, Any], enabled: bool) -> None:
     if enabled:
-        print(json.dumps({"schema": SCHEMA, **record}), flush=True)
+        # One write per row: every rank shares torchrun's stdout, and print's
+        # separate newline write can put two ranks' rows on one line.
+        sys.stdout.write(json.dumps({"schema": SCHEMA, **record}) + "\n")
+        sys.stdout.flush()
 
 
 def log(msg: str) -> None:

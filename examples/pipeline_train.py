@@ -189,6 +189,13 @@ def reference(a: argparse.Namespace, device: torch.device) -> tuple[list[nn.Modu
     return [first, last], losses
 
 
+def emit(row: dict[str, object]) -> None:
+    # One write per row: both ranks share torchrun's stdout, and print's
+    # separate newline write let two rows land on one line (CI, torch 2.8).
+    sys.stdout.write(json.dumps(row) + "\n")
+    sys.stdout.flush()
+
+
 def log(msg: str) -> None:
     print(f"[rank {os.environ.get('RANK', '?')}] {msg}", file=sys.stderr, flush=True)
 
@@ -272,7 +279,7 @@ def main(a: argparse.Namespace) -> int:
             "dim": a.dim, "layers": a.layers, "tokens_per_s": tokens_s, "seconds": secs, "check": verdict,
             "final_loss": (sum(all_losses[-1]) / len(all_losses[-1])) if all_losses else None,
         }  # fmt: skip
-        print(json.dumps(row), flush=True)
+        emit(row)
     dist.destroy_process_group()
     return 1 if verdict == "DIFFERENT" else 0
 

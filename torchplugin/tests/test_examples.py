@@ -4,6 +4,7 @@ one does (ci/demo.sh runs the DDP example in full)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,6 +27,36 @@ needs_tools = pytest.mark.skipif(
 )
 
 
+class _Writes:
+    """A stdout that keeps each write call apart, as an unbuffered pipe does."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.calls.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("example", "extra"), [("ddp_train", (True,)), ("pipeline_train", ())])
+def test_a_row_is_one_write(monkeypatch: pytest.MonkeyPatch, example: str, extra: tuple[bool, ...]) -> None:
+    """Every rank shares torchrun's stdout: a row written in two parts (print's
+    separate newline) let two ranks' rows land on one line in CI."""
+    monkeypatch.syspath_prepend(str(PKG))
+    spec = importlib.util.spec_from_file_location(example, EXAMPLES / f"{example}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = _Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    mod.emit({"rank": 1, "x": 2}, *extra)
+    assert len(out.calls) == 1 and out.calls[0].endswith("}\n"), out.calls
+    assert json.loads(out.calls[0])["rank"] == 1
+
+
 @pytest.mark.parametrize("example", ["ddp_train.py", "fsdp_train.py", "pipeline_train.py"])
 def test_help_needs_neither_torch_nor_gpubridge(tmp_path: Path, example: str) -> None:
     """python -S -I: no site-packages (so no torch) and no PYTHONPATH."""
@@ -40,6 +71,7 @@ def test_help_needs_neither_torch_nor_gpubridge(tmp_path: Path, example: str) ->
 @needs_tools
 def test_fsdp_example_reports_the_bridge(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(PKG), GPUBRIDGE_BIN_DIR=str(BIN), OMP_NUM_THREADS="1")
+    env["PYTHONUNBUFFERED"] = "1"  # unbuffered stdout: a row written in two parts would interleave
     env["GPUBRIDGE_SIM_VENDORS"] = "nvidia,amd"
     for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE"):
         env.pop(k, None)
@@ -62,6 +94,7 @@ def test_pipeline_example_is_exact(tmp_path: Path, schedule: str) -> None:
     parameters and the last stage's losses equal a single-process run of
     the same schedule's arithmetic bit for bit (--check)."""
     env = dict(os.environ, PYTHONPATH=str(PKG), GPUBRIDGE_BIN_DIR=str(BIN), OMP_NUM_THREADS="1")
+    env["PYTHONUNBUFFERED"] = "1"  # unbuffered stdout: a row written in two parts would interleave
     env["GPUBRIDGE_SIM_VENDORS"] = "nvidia,amd"
     for k in ("GPUBRIDGE_VENDOR", "GPUBRIDGE_BRIDGE", "GPUBRIDGE_NAMESPACE", "GPUBRIDGE_P2P_CHUNK"):
         env.pop(k, None)

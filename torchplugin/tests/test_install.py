@@ -52,7 +52,7 @@ def executable(path: Path, text: str) -> Path:
     return path
 
 
-def tested_torch() -> list[tuple[int, ...]]:
+def ci_torch_versions() -> list[tuple[int, ...]]:
     """The torch versions make test runs the plugin's suite on besides the
     project's own (the Makefile's TORCH_VERSIONS), oldest first."""
     line = next(x for x in (REPO / "Makefile").read_text().splitlines() if x.startswith("TORCH_VERSIONS"))
@@ -65,7 +65,7 @@ def test_torch_bounds_are_the_tested_range() -> None:
     the newest tested is the last minor below the upper bound."""
     req = next(x for x in (PKG / "pyproject.toml").read_text().splitlines() if x.strip().startswith('"torch'))
     assert req.strip() == '"torch>=2.8,<2.16",', req
-    oldest, newest = tested_torch()[0], tested_torch()[-1]
+    oldest, newest = ci_torch_versions()[0], ci_torch_versions()[-1]
     assert oldest[:2] == (2, 8), oldest
     assert newest[:2] == (2, 15), newest
     readme = (REPO / "README.md").read_text()
@@ -299,7 +299,7 @@ def test_fresh_venv_runs_the_examples(tmp_path: Path) -> None:
         p = run(py, "-c", "import torch; print(torch.__version__)")
         assert p.returncode == 0, p.stderr
         installed = tuple(int(x) for x in p.stdout.split("+")[0].split(".")[:2])
-        assert installed == tested_torch()[-1][:2], (p.stdout, tested_torch())
+        assert installed == ci_torch_versions()[-1][:2], (p.stdout, ci_torch_versions())
 
         p = run(py, "-m", "gpubridge", "--tools")
         assert p.returncode == 0, p.stderr
