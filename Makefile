@@ -53,8 +53,8 @@ golint: deps
 # The Python package gpubridge (torchplugin/): ruff and mypy from the venv.
 pylint: venv
 	cd torchplugin && $(CURDIR)/.venv/bin/ruff check . && $(CURDIR)/.venv/bin/ruff format --check . && $(CURDIR)/.venv/bin/mypy gpubridge
-	$(CURDIR)/.venv/bin/ruff check --config torchplugin/pyproject.toml examples ci bench
-	$(CURDIR)/.venv/bin/ruff format --check --config torchplugin/pyproject.toml examples ci bench
+	$(CURDIR)/.venv/bin/ruff check --config torchplugin/pyproject.toml examples ci bench tools lib
+	$(CURDIR)/.venv/bin/ruff format --check --config torchplugin/pyproject.toml examples ci bench tools lib
 	$(CURDIR)/.venv/bin/ruff check --config kit/pyproject.toml kit
 	$(CURDIR)/.venv/bin/ruff format --check --config kit/pyproject.toml kit
 	cd kit && $(CURDIR)/.venv/bin/mypy
@@ -151,8 +151,8 @@ test-long: deps
 
 # The feed's latency budget (docs/BENCHMARKS.md, "Feed latency"). It fails
 # when the budget is missed, which it is on machines with few CPUs.
-bench-latency: build
-	GPUBRIDGE_BIN=$(BIN) $(GO) test -count=1 -run '^$$' -bench BenchmarkServeLatency -benchtime 1x ./tools/gbbridge/
+bench-latency: venv build
+	GPUBRIDGE_BIN=$(BIN) GPUBRIDGE_PYTHON=$(PY) $(GO) test -count=1 -run '^$$' -bench BenchmarkServeLatency -benchtime 1x ./tools/gbbridge/
 
 demo: venv build
 	@ci/demo.sh $(BIN)

@@ -2,7 +2,10 @@
 trace file, GPUBRIDGE_TRACE), for one op and size, skipping the first calls
 (set-up, JOINs): where a small call's time goes. The "serve" row is the
 bridge's own wall time inside the "bridge" phase (gbbridge's stats), so
-"bridge" minus "serve" is the feed's round trip.
+"bridge" minus "serve" is the feed's round trip, split into "to serve"
+(the plugin's request until the collective starts in gbbridge: the write,
+serve's wake-up and dispatch) and "from serve" (the collective's end until
+the plugin has the DONE: the write back, the plugin's wake-up and decode).
 
     python3 bench/trace_phases.py TRACE.jsonl [--op all_reduce] [--bytes 4] [--skip 100]
 
@@ -42,6 +45,13 @@ def main() -> int:
         b = r.get("bridge")
         if b:
             phases["serve"].append((b["end"] - b["start"]) / 1e3)
+            # The two legs of the feed (one clock: CLOCK_MONOTONIC on both
+            # sides): request sent to the collective's start in gbbridge, and
+            # its end to the plugin's return.
+            br = next((ph for ph in r["phases"] if ph["name"] == "bridge"), None)
+            if br:
+                phases.setdefault("to serve", []).append((b["start"] - br["start"]) / 1e3)
+                phases.setdefault("from serve", []).append((br["end"] - b["end"]) / 1e3)
     out = {
         "schema": "gpubridge.trace-phases/v1",
         "op": a.op,

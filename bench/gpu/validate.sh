@@ -14,7 +14,8 @@
 # 2-stage pipeline example over gpubridge against NCCL, GPipe and 1F1B)
 # latency (issue 16: the 4-byte all_reduce of 4 CPU ranks, flat and
 # reduce-bridge-broadcast against Gloo, for each GPUBRIDGE_SPIN_US in
-# GB_SPINS (default "- 50 200 1000"; -: unset); and BenchmarkServeLatency
+# GB_SPINS (default "- 50 200 1000"; -: unset); and BenchmarkServeLatency (the
+# plugin's Python feed client timed beside the Go one)
 # when gbtest/gbbridge.test was built and carried:
 # go test -c -o gbtest/gbbridge.test ./tools/gbbridge; then one traced
 # run whose phase medians bench/trace_phases.py writes to latency-phases.json).
@@ -79,9 +80,9 @@ for s in "${steps[@]}"; do
       latency)
         rc=0
         if [ -x gbtest/gbbridge.test ]; then
-          GPUBRIDGE_BIN=$PWD/bin timeout 60 gbtest/gbbridge.test -test.run '^$' -test.bench BenchmarkServeLatency \
+          GPUBRIDGE_BIN=$PWD/bin GPUBRIDGE_PYTHON=python3 timeout 90 gbtest/gbbridge.test -test.run '^$' -test.bench BenchmarkServeLatency \
             -test.benchtime 1x > "$d/serve-latency.txt" 2>&1 || rc=1
-          grep -E 'Benchmark|ok|FAIL' "$d/serve-latency.txt" | tail -n 4
+          grep -E 'Benchmark|python|ok|FAIL' "$d/serve-latency.txt" | tail -n 5
         fi
         read -r -a spins <<< "${GB_SPINS:-- 50 200 1000}"
         per=$(( (lim - 70) / ${#spins[@]} ))

@@ -178,23 +178,67 @@ type helperPair struct {
 
 func startBare(t testing.TB) *helperPair {
 	addr := storetest.Start(t)
-	return startHelpers(t, func(i int) []string {
-		return []string{"GBBRIDGE_BARE_MEMBER=" + strconv.Itoa(i), "GBBRIDGE_BARE_STORE=" + addr}
+	return startHelpers(t, func(i int) *exec.Cmd {
+		return selfHelper(t, "GBBRIDGE_BARE_MEMBER="+strconv.Itoa(i), "GBBRIDGE_BARE_STORE="+addr)
 	})
 }
 
 func startFeedClients(t testing.TB, ps []*serveProc) *helperPair {
-	return startHelpers(t, func(i int) []string { return []string{"GBBRIDGE_FEED_CLIENT=" + ps[i].ready.Feed} })
+	return startHelpers(t, func(i int) *exec.Cmd {
+		return selfHelper(t, "GBBRIDGE_FEED_CLIENT="+ps[i].ready.Feed)
+	})
 }
 
-func startHelpers(t testing.TB, env func(i int) []string) *helperPair {
+// startPythonFeedClients is startFeedClients with the plugin's own client
+// (gpubridge._feed, run by python, testdata/feed_client.py); nil where the
+// plugin's sources are not found above the working directory.
+func startPythonFeedClients(t testing.TB, ps []*serveProc, python string) *helperPair {
+	root := pluginRoot()
+	if root == "" {
+		return nil
+	}
+	script := filepath.Join(root, "tools", "gbbridge", "testdata", "feed_client.py")
+	return startHelpers(t, func(i int) *exec.Cmd {
+		cmd := exec.Command(python, script, ps[i].ready.Feed)
+		cmd.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join(root, "torchplugin"))
+		return cmd
+	})
+}
+
+// pluginRoot is the nearest directory at or above the working directory
+// that holds torchplugin/gpubridge (the test runs in tools/gbbridge; the GPU
+// host runs the test binary from the repository's root), or "".
+func pluginRoot() string {
+	dir, err := os.Getwd()
+	if err != nil {
+		return ""
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "torchplugin", "gpubridge", "_feed.py")); err == nil {
+			return dir
+		}
+		up := filepath.Dir(dir)
+		if up == dir {
+			return ""
+		}
+		dir = up
+	}
+}
+
+// selfHelper runs this test binary as one of TestMain's helper processes.
+func selfHelper(t testing.TB, env ...string) *exec.Cmd {
+	self, err := os.Executable()
+	require.NoError(t, err)
+	cmd := exec.Command(self, "-test.run", "^$")
+	cmd.Env = append(os.Environ(), env...)
+	return cmd
+}
+
+func startHelpers(t testing.TB, command func(i int) *exec.Cmd) *helperPair {
 	t.Helper()
 	b := &helperPair{}
 	for i := 0; i < 2; i++ {
-		self, err := os.Executable()
-		require.NoError(t, err)
-		cmd := exec.Command(self, "-test.run", "^$")
-		cmd.Env = append(os.Environ(), env(i)...)
+		cmd := command(i)
 		cmd.Stderr = os.Stderr
 		in, err := cmd.StdinPipe()
 		require.NoError(t, err)
@@ -270,6 +314,10 @@ const ClientSpin = 100 * time.Microsecond
 //	go test -run '^$' -bench BenchmarkServeLatency -benchtime 1x ./tools/gbbridge/
 //
 // GPUBRIDGE_LATENCY_ITERS changes the round trips per variant (2000).
+// With GPUBRIDGE_PYTHON (a python that has numpy; make bench-latency sets the
+// project venv's), the plugin's own Python client runs the spinning variant
+// too, on a second pair of serves, in the same alternating blocks: its
+// median against the Go client's is what the plugin's client adds.
 func BenchmarkServeLatency(b *testing.B) {
 	if raceEnabled {
 		b.Skip("timing: the race detector distorts it (run without -race)")
@@ -282,16 +330,27 @@ func BenchmarkServeLatency(b *testing.B) {
 	c := newCluster(b)
 	ps := startPair(b, c, "--streams", "2", "--crc")
 	fed := startFeedClients(b, ps)
+	// The plugin's Python client on a pair of its own (a serve takes one feed).
+	var py *helperPair
+	if python := os.Getenv("GPUBRIDGE_PYTHON"); python != "" {
+		py = startPythonFeedClients(b, startPair(b, newCluster(b), "--streams", "2", "--crc"), python)
+	}
 	bare.rounds(b, 100)
 	fed.rounds(b, 100)
 	spin := ClientSpin.String()
-	var bt, ft, st, pp []time.Duration
+	if py != nil {
+		py.rounds(b, 100, spin)
+	}
+	var bt, ft, st, pt, pp []time.Duration
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		for k := 0; k < max(1, iters/500); k++ {
 			bt = append(bt, bare.rounds(b, min(500, iters))...)
 			ft = append(ft, fed.rounds(b, min(500, iters), "0s")...)
 			st = append(st, fed.rounds(b, min(500, iters), spin)...)
+			if py != nil {
+				pt = append(pt, py.rounds(b, min(500, iters), spin)...)
+			}
 		}
 		pp = append(pp, pingPong(b, 2000)...)
 	}
@@ -316,6 +375,15 @@ func BenchmarkServeLatency(b *testing.B) {
 	b.ReportMetric(us(median(st)), "serve-spin-µs")
 	b.ReportMetric(us(over), "added-µs")
 	b.ReportMetric(us(median(pp)), "floor-µs")
+	if py != nil {
+		// The plugin's client against the Go reference client, both spinning.
+		b.Logf("  the plugin's Python client (gpubridge._feed), spin %s: %s  (+%.1f µs over the Go client)",
+			spin, quantiles(pt), us(median(pt)-median(st)))
+		b.ReportMetric(us(median(pt)), "python-spin-µs")
+		b.ReportMetric(us(median(pt)-median(st)), "python-over-go-µs")
+	} else {
+		b.Logf("  the plugin's Python client: not run (set GPUBRIDGE_PYTHON to a python with numpy)")
+	}
 	if over > feed.LatencyBudget {
 		b.Errorf("the feed adds %s at the median, over the %s budget (%d CPUs here; with fewer than about 8 the scheduler dominates)",
 			over, feed.LatencyBudget, runtime.NumCPU())

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 
-def main():
+def main() -> None:
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     world = dist.get_world_size()

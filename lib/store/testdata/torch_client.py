@@ -8,15 +8,18 @@ the exit status is non-zero. Leaves keys behind for the Go side to check:
 "/from_python" = b"hello", "/py/nested/k" = b"v" (via PrefixStore).
 """
 
+from __future__ import annotations
+
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 
 # Deadlines are for hangs: GPUBRIDGE_TEST_TIMEOUT_SCALE stretches them on a
 # loaded machine (lib/testenv).
@@ -27,7 +30,7 @@ except ValueError:
 TIMEOUT = timedelta(seconds=60 * SCALE)
 
 
-def expect_raises(fn, what):
+def expect_raises(fn: Callable[[], object], what: str) -> tuple[Exception, float]:
     start = time.monotonic()
     try:
         fn()
@@ -37,13 +40,13 @@ def expect_raises(fn, what):
     raise AssertionError(f"{what}: did not raise")
 
 
-def eq(got, want, what):
+def eq(got: Any, want: Any, what: str) -> None:
     if got != want:
         raise AssertionError(f"{what}: got {got!r}, want {want!r}")
     print(f"  {what}: {got!r}", flush=True)
 
 
-def main():
+def main() -> None:
     host, port = sys.argv[1], int(sys.argv[2])
     print(f"torch {torch.__version__}", flush=True)
     s = dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT)
@@ -83,7 +86,7 @@ def main():
     eq(s.add("ctr", 1), 3, "add after get timeout")
 
     # Server-side WAIT woken by another client.
-    def later():
+    def later() -> None:
         time.sleep(0.3)
         other.set("late", "here")
         other.add("late_ctr", 5)
@@ -117,7 +120,7 @@ def main():
         eq(s.queue_pop("q", block=False), b"b", "queue_pop non-blocking")
         expect_raises(lambda: s.queue_pop("q", block=False), "queue_pop empty")
 
-        def push_later():
+        def push_later() -> None:
             time.sleep(0.3)
             other.queue_push("q2", "later")
 

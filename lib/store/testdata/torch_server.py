@@ -19,17 +19,21 @@ from datetime import timedelta
 import torch.distributed as dist
 
 
-def view(store, prefixes):
+def view(store: dist.Store, prefixes: list[str]) -> dist.Store:
     for p in prefixes:
         store = dist.PrefixStore(p, store)
     return store
 
 
-def main():
+def main() -> None:
     use_libuv = sys.argv[1] == "libuv"
     store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=5), use_libuv=use_libuv,
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=5),
+        use_libuv=use_libuv,
     )
     assert store.libuvBackend == use_libuv, store.libuvBackend
     print(f"PORT {store.port}", flush=True)
