@@ -19,8 +19,11 @@ import (
 
 // Client is the reference implementation of the feed's client side: what
 // the torch plugin does in Python, in Go, for tests, selftest and bench. It
-// is safe for concurrent use.
+// is safe for concurrent use. Its Broadcast, AllGather, ReduceScatter,
+// Barrier, Send and Recv are OnBridge's on bridge 0.
 type Client struct {
+	OnBridge // the requests on bridge 0
+
 	conn    *net.UnixConn
 	welcome feed.WelcomeMsg
 
@@ -116,6 +119,7 @@ func DialVersion(ctx context.Context, path string, max uint16) (*Client, error) 
 		dead: make(chan struct{}), wbuf: make([]byte, 0, 256),
 		rtok: make(chan struct{}, 1), rbuf: make([]byte, 2*feed.MaxMessage),
 	}
+	c.OnBridge = OnBridge{c: c}
 	c.rtok <- struct{}{}
 	c.raw, _ = conn.SyscallConn()
 	c.callPool.New = func() any { return &Call{c: c} }
@@ -421,7 +425,7 @@ func (c *Client) do(ctx context.Context, r feed.Request) (feed.DoneMsg, error) {
 
 // AllReduce reduces buf in place across the bridge members.
 func (c *Client) AllReduce(ctx context.Context, buf feed.Span, dt reduce.DType, op reduce.Op) error {
-	_, err := c.do(ctx, feed.Request{Kind: feed.MsgAllReduce, Buf: buf, DType: dt, Op: op})
+	_, err := c.OnBridge.AllReduce(ctx, buf, dt, op)
 	return err
 }
 
@@ -440,44 +444,6 @@ func (c *Client) AllReduceCodec(ctx context.Context, buf feed.Span, dt reduce.DT
 	return c.do(ctx, r)
 }
 
-// Broadcast copies root's buf into every member's buf.
-func (c *Client) Broadcast(ctx context.Context, buf feed.Span, root int) error {
-	_, err := c.do(ctx, feed.Request{Kind: feed.MsgBroadcast, Buf: buf, Peer: int32(root)})
-	return err
-}
-
-// AllGather concatenates every member's in into out, in member order.
-func (c *Client) AllGather(ctx context.Context, out, in feed.Span) error {
-	_, err := c.do(ctx, feed.Request{Kind: feed.MsgAllGather, Buf: in, Out: out})
-	return err
-}
-
-// ReduceScatter reduces in across members and leaves this member's share in
-// out.
-func (c *Client) ReduceScatter(ctx context.Context, out, in feed.Span, dt reduce.DType, op reduce.Op) error {
-	_, err := c.do(ctx, feed.Request{Kind: feed.MsgReduceScatter, Buf: in, Out: out, DType: dt, Op: op})
-	return err
-}
-
-// Barrier returns once every member has entered the barrier.
-func (c *Client) Barrier(ctx context.Context) error {
-	_, err := c.do(ctx, feed.Request{Kind: feed.MsgBarrier})
-	return err
-}
-
-// Send sends buf to member peer with tag.
-func (c *Client) Send(ctx context.Context, peer int, tag uint32, buf feed.Span) error {
-	_, err := c.do(ctx, feed.Request{Kind: feed.MsgSend, Buf: buf, Peer: int32(peer), Tag: tag})
-	return err
-}
-
-// Recv receives the next message from member peer with tag into buf and
-// returns its length.
-func (c *Client) Recv(ctx context.Context, peer int, tag uint32, buf feed.Span) (int, error) {
-	d, err := c.do(ctx, feed.Request{Kind: feed.MsgRecv, Buf: buf, Peer: int32(peer), Tag: tag})
-	return int(d.Bytes), err
-}
-
 // ---- more bridges (feed protocol 4) ----
 
 // Join asks the server to join bridge id, name, of the given global ranks
@@ -488,64 +454,72 @@ func (c *Client) Join(ctx context.Context, id uint32, name string, ranks []uint3
 	})
 }
 
-// OnBridge is the client's requests on one bridge: each carries the BRIDGE
-// extension with its id.
+// OnBridge is the client's requests on one bridge: bridge 0 (the Client's
+// own, embedded; no BRIDGE extension) or a joined one (On; each request
+// carries the BRIDGE extension with its id).
 type OnBridge struct {
-	c  *Client
-	id uint32
+	c      *Client
+	id     uint32
+	joined bool
 }
 
 // On returns the client's requests on bridge id (a joined one; 0 names
-// bridge 0).
-func (c *Client) On(id uint32) *OnBridge { return &OnBridge{c: c, id: id} }
+// bridge 0, with the extension).
+func (c *Client) On(id uint32) *OnBridge { return &OnBridge{c: c, id: id, joined: true} }
 
 func (b *OnBridge) do(ctx context.Context, r feed.Request) (feed.DoneMsg, error) {
-	r.Bridge, r.HasBridge = b.id, true
+	if b.joined {
+		r.Bridge, r.HasBridge = b.id, true
+	}
 	return b.c.do(ctx, r)
 }
 
 // Do sends a request on the bridge and waits for its DONE.
 func (b *OnBridge) Do(ctx context.Context, r feed.Request) (feed.DoneMsg, error) {
-	r.Bridge, r.HasBridge = b.id, true
+	if b.joined {
+		r.Bridge, r.HasBridge = b.id, true
+	}
 	return b.c.Do(ctx, r)
 }
 
-// AllReduce is Client.AllReduce on the bridge.
+// AllReduce is Client.AllReduce on the bridge, with its DONE.
 func (b *OnBridge) AllReduce(ctx context.Context, buf feed.Span, dt reduce.DType, op reduce.Op) (feed.DoneMsg, error) {
 	return b.do(ctx, feed.Request{Kind: feed.MsgAllReduce, Buf: buf, DType: dt, Op: op})
 }
 
-// Broadcast is Client.Broadcast on the bridge.
+// Broadcast copies root's buf into every member's buf.
 func (b *OnBridge) Broadcast(ctx context.Context, buf feed.Span, root int) error {
 	_, err := b.do(ctx, feed.Request{Kind: feed.MsgBroadcast, Buf: buf, Peer: int32(root)})
 	return err
 }
 
-// AllGather is Client.AllGather on the bridge.
+// AllGather concatenates every member's in into out, in member order.
 func (b *OnBridge) AllGather(ctx context.Context, out, in feed.Span) error {
 	_, err := b.do(ctx, feed.Request{Kind: feed.MsgAllGather, Buf: in, Out: out})
 	return err
 }
 
-// ReduceScatter is Client.ReduceScatter on the bridge.
+// ReduceScatter reduces in across members and leaves this member's share in
+// out.
 func (b *OnBridge) ReduceScatter(ctx context.Context, out, in feed.Span, dt reduce.DType, op reduce.Op) error {
 	_, err := b.do(ctx, feed.Request{Kind: feed.MsgReduceScatter, Buf: in, Out: out, DType: dt, Op: op})
 	return err
 }
 
-// Barrier is Client.Barrier on the bridge.
+// Barrier returns once every member has entered the barrier.
 func (b *OnBridge) Barrier(ctx context.Context) error {
 	_, err := b.do(ctx, feed.Request{Kind: feed.MsgBarrier})
 	return err
 }
 
-// Send is Client.Send on the bridge: peer is a member index of it.
+// Send sends buf to member peer (a member index of the bridge) with tag.
 func (b *OnBridge) Send(ctx context.Context, peer int, tag uint32, buf feed.Span) error {
 	_, err := b.do(ctx, feed.Request{Kind: feed.MsgSend, Buf: buf, Peer: int32(peer), Tag: tag})
 	return err
 }
 
-// Recv is Client.Recv on the bridge.
+// Recv receives the next message from member peer with tag into buf and
+// returns its length.
 func (b *OnBridge) Recv(ctx context.Context, peer int, tag uint32, buf feed.Span) (int, error) {
 	d, err := b.do(ctx, feed.Request{Kind: feed.MsgRecv, Buf: buf, Peer: int32(peer), Tag: tag})
 	return int(d.Bytes), err
