@@ -59,16 +59,6 @@ func (pr *peer) readerDone() {
 	}
 }
 
-// isDrained says whether every reader of the peer's streams has ended.
-func (pr *peer) isDrained() bool {
-	select {
-	case <-pr.drained:
-		return true
-	default:
-		return false
-	}
-}
-
 func newPeer(p2pStreams int) *peer {
 	pr := &peer{
 		ctl:        make(chan struct{}, 1),
