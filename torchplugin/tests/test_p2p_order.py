@@ -19,6 +19,7 @@ from testenv import scale
 from gpubridge import _inflight as fl
 from gpubridge._endpoints import pair_bridge
 from gpubridge._p2p import (
+    MAX_AUTO_CHUNK,
     MAX_TAG,
     WINDOW_BYTES,
     WINDOW_CHUNKS,
@@ -27,6 +28,7 @@ from gpubridge._p2p import (
     _Channel,
     _Runner,
     _Transfer,
+    chunk_bytes,
 )
 from gpubridge._policy import DEFAULT_P2P_CHUNK, Policy, parse_bytes
 from gpubridge._worker import Task
@@ -270,3 +272,23 @@ def test_runner_close_joins_its_threads_and_drops_their_transfers() -> None:
     assert not any(th.is_alive() for th in threads)
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize(
+    ("n", "want"),
+    [
+        (0, 4 << 20),
+        (1, 4 << 20),
+        (128 << 20, 4 << 20),  # 32 chunks of GPUBRIDGE_P2P_CHUNK: one window
+        ((128 << 20) + 1, (4 << 20) + 4096),  # 4 KiB multiples
+        (512 << 20, 16 << 20),
+        ((1 << 30) + 5, 16 << 20),  # capped: the window slides (16 of 16 MiB in flight)
+        (160000, 8192),  # p2p_worker's long message at GPUBRIDGE_P2P_CHUNK=4096: 20 chunks
+    ],
+)
+def test_chunks_grow_to_stay_within_a_window(n: int, want: int) -> None:
+    c = chunk_bytes(n, 4 << 20 if n != 160000 else 4096)
+    assert c == want
+    assert -(-n // c) <= WINDOW_CHUNKS or c == MAX_AUTO_CHUNK
+    if n != 160000:
+        assert chunk_bytes(n, 32 << 20) == max(32 << 20, want)  # a larger GPUBRIDGE_P2P_CHUNK is kept
