@@ -337,6 +337,19 @@
 // concurrent Sends on different tags may interleave, which the receiver
 // undoes by tag; Sends on the same tag go one after the other.
 //
+// Order when many are in flight: PostSend and PostRecv fix a call's place
+// in its (peer, tag) order without blocking, and the Pending they return
+// runs it (Wait); Send and Recv are the two in one. Sends on a tag go out
+// in the order they were posted (a tag's queue: the first holds the tag
+// for its whole message; one that gives up leaves the queue, and message
+// numbers have no gap); Recvs are matched in the order they were posted: a
+// PostRecv takes the message at the head of the tag's queue, arrived whole
+// (Wait copies it) or still arriving (what arrived is copied into its
+// buffer and the rest lands there), else it waits in the tag's posted
+// Recvs, which frames fill in order. So a caller that posts from one
+// goroutine and waits from many (gbbridge serve, in the order it reads its
+// requests) gets message i in Recv i.
+//
 // Striped messages: a message of at least 512 KiB, when the mesh has
 // point-to-point streams (P of them; lib/bridge asks for 4), is announced
 // on the control stream by one KindP2P frame flagged FlagStripe (Seq and

@@ -59,16 +59,6 @@ func (pr *peer) readerDone() {
 	}
 }
 
-// isDrained says whether every reader of the peer's streams has ended.
-func (pr *peer) isDrained() bool {
-	select {
-	case <-pr.drained:
-		return true
-	default:
-		return false
-	}
-}
-
 func newPeer(p2pStreams int) *peer {
 	pr := &peer{
 		ctl:        make(chan struct{}, 1),
@@ -105,21 +95,45 @@ func (pr *peer) takePosted(tag uint32) *recvReq {
 	return q[0]
 }
 
-// tagSend orders the messages sent on one tag.
+// tagSend orders the messages sent on one tag: Sends are queued in the
+// order they were posted, and the first in the queue holds the tag for its
+// whole message.
 type tagSend struct {
-	sem  chan struct{} // held for a whole message
-	next uint64        // number of the last message sent
+	queue []*sendTurn // guarded by the peer's tagMu
+	next  uint64      // number of the last message sent; the holder's
 }
 
-func (pr *peer) tagSend(tag uint32) *tagSend {
+// sendTurn is one posted Send's place in its tag's queue: ready is closed
+// when it reaches the head.
+type sendTurn struct{ ready chan struct{} }
+
+// postSend queues a Send on tag and returns its place.
+func (pr *peer) postSend(tag uint32) (*tagSend, *sendTurn) {
 	pr.tagMu.Lock()
 	defer pr.tagMu.Unlock()
 	ts := pr.tags[tag]
 	if ts == nil {
-		ts = &tagSend{sem: make(chan struct{}, 1)}
+		ts = &tagSend{}
 		pr.tags[tag] = ts
 	}
-	return ts
+	t := &sendTurn{ready: make(chan struct{})}
+	ts.queue = append(ts.queue, t)
+	if len(ts.queue) == 1 {
+		close(t.ready)
+	}
+	return ts, t
+}
+
+// leaveSend takes a Send out of its tag's queue (it finished or gave up),
+// passing the tag on when it held it.
+func (pr *peer) leaveSend(ts *tagSend, t *sendTurn) {
+	pr.tagMu.Lock()
+	defer pr.tagMu.Unlock()
+	i := slices.Index(ts.queue, t)
+	ts.queue = slices.Delete(ts.queue, i, i+1)
+	if i == 0 && len(ts.queue) > 0 {
+		close(ts.queue[0].ready)
+	}
 }
 
 // recvReq is a posted Recv.
@@ -187,52 +201,15 @@ func (c *Comm) checkPeer(peer int) error {
 	return nil
 }
 
-// Send sends buf to peer as one message with tag. It returns once buf may
-// be reused (the message is on its way, not necessarily received). Messages
-// to one peer with one tag are received in the order of their Sends;
-// concurrent Sends may interleave their frames on the wire, except on the
-// same tag, where they go one after the other.
+// Send sends buf to peer as one message with tag: PostSend, then Wait. It
+// returns once buf may be reused (the message is on its way, not
+// necessarily received). Messages to one peer with one tag are received in
+// the order their Sends were posted; concurrent Sends may interleave their
+// frames on the wire, except on the same tag, where they go one after the
+// other.
 func (c *Comm) Send(ctx context.Context, peer int, tag uint32, buf []byte) error {
-	desc := fmt.Sprintf("tag %d, %s to member %d", tag, fmtBytes(len(buf)), peer)
-	if err := c.checkPeer(peer); err != nil {
-		return &Error{Op: "send", Desc: desc, Err: err}
-	}
-	desc = fmt.Sprintf("tag %d, %s to %s", tag, fmtBytes(len(buf)), c.mesh.Peer(peer))
-	if err := c.hardState(); err != nil {
-		return &Error{Op: "send", Desc: desc, Err: err}
-	}
-	if err := c.peers[peer].goneErr(); err != nil {
-		return &Error{Op: "send", Desc: desc, Err: err}
-	}
-	ctx, cancel, limit := c.deadline(ctx)
-	defer cancel()
-	ts := c.peers[peer].tagSend(tag)
-	select {
-	case ts.sem <- struct{}{}:
-	case <-ctx.Done():
-		return &Error{Op: "send", Desc: desc, Err: c.classify(ctx, ctx.Err(), peer, limit, false, "an earlier message on this tag was still being sent")}
-	case <-c.stop:
-		return &Error{Op: "send", Desc: desc, Err: c.hardState()}
-	}
-	defer func() { <-ts.sem }()
-	seq := ts.next + 1
-	if ok, unit := c.stripes(len(buf)); ok {
-		return c.sendStripedMessage(ctx, peer, tag, seq, ts, buf, unit, desc, limit)
-	}
-	frames := max(1, (len(buf)+c.chunk-1)/c.chunk)
-	for i := range frames {
-		lo := i * c.chunk
-		hi := min(lo+c.chunk, len(buf))
-		h := wire.Header{Kind: wire.KindP2P, Seq: seq, Step: tag, Chunk: uint32(i)}
-		if i == frames-1 {
-			h.Flags = wire.FlagLast
-		}
-		if err := c.sendControl(ctx, peer, h, buf[lo:hi]); err != nil {
-			return c.sendFailed(ctx, err, i == 0, peer, seq, desc, limit)
-		}
-		ts.next = seq
-	}
-	return nil
+	_, err := c.PostSend(peer, tag, buf).Wait(ctx)
+	return err
 }
 
 // sendFailed is Send's error when a frame of message seq failed with err.
@@ -273,123 +250,18 @@ func (c *Comm) sendStripedMessage(ctx context.Context, peer int, tag uint32, seq
 }
 
 // Recv receives the next message from peer with tag into buf and returns
-// its length. Messages are matched by (peer, tag) only: a Recv for one tag
-// completes whatever other tags have pending. A message longer than buf is
-// an error wrapping ErrTooLong; it is consumed, buf holds its first
-// len(buf) bytes and the length returned is the message's.
+// its length: PostRecv, then Wait. Messages are matched by (peer, tag)
+// only, in the order the Recvs were posted: a Recv for one tag completes
+// whatever other tags have pending. A message longer than buf is an error
+// wrapping ErrTooLong; it is consumed, buf holds its first len(buf) bytes
+// and the length returned is the message's.
 //
 // When ctx ends before a message matched, nothing is consumed. When it ends
-// while a message is arriving into buf, the message goes back to the head
-// of the queue with what arrived so far, for the next Recv on the tag
-// (unless it had already overflowed buf, then it is dropped).
+// while a message is arriving into buf, the message goes to the next Recv
+// posted on the tag, else back to the head of the queue, with what arrived
+// so far (unless it had already overflowed buf, then it is dropped).
 func (c *Comm) Recv(ctx context.Context, peer int, tag uint32, buf []byte) (int, error) {
-	desc := fmt.Sprintf("tag %d from member %d, %s buffer", tag, peer, fmtBytes(len(buf)))
-	if err := c.checkPeer(peer); err != nil {
-		return 0, &Error{Op: "recv", Desc: desc, Err: err}
-	}
-	desc = fmt.Sprintf("tag %d from %s, %s buffer", tag, c.mesh.Peer(peer), fmtBytes(len(buf)))
-	if err := c.hardState(); err != nil {
-		return 0, &Error{Op: "recv", Desc: desc, Err: err}
-	}
-	ctx, cancel, limit := c.deadline(ctx)
-	defer cancel()
-	pr := c.peers[peer]
-	fail := func(seq uint64, err error) (int, error) {
-		return 0, &Error{Op: "recv", Seq: seq, Desc: desc, Err: err}
-	}
-	stopped := func(seq uint64) (int, error) {
-		if err := c.hardState(); err != nil {
-			return fail(seq, err)
-		}
-		if err := pr.goneErr(); err != nil {
-			return fail(seq, err)
-		}
-		return fail(seq, c.classify(ctx, ctx.Err(), peer, limit, true, "no message with this tag arrived"))
-	}
-	for {
-		pr.mu.Lock()
-		if q := pr.unexpected[tag]; len(q) > 0 {
-			m := q[0]
-			if !m.complete {
-				// Arriving: wait for its end, then take it. (Messages
-				// that arrived whole are delivered even once the peer
-				// has gone.)
-				pr.mu.Unlock()
-				if pr.isDrained() {
-					return stopped(0)
-				}
-				select {
-				case <-m.done:
-				case <-ctx.Done():
-					return stopped(0)
-				case <-c.stop:
-					return stopped(0)
-				case <-pr.drained:
-				}
-				continue
-			}
-			pr.unexpected[tag] = q[1:]
-			if len(q) == 1 {
-				delete(pr.unexpected, tag)
-			}
-			pr.mu.Unlock()
-			c.unexpected.Add(-int64(len(m.data)))
-			copy(buf, m.data)
-			if len(m.data) > len(buf) {
-				return len(m.data), &Error{Op: "recv", Seq: m.seq, Desc: desc, Err: tooLong(len(m.data), len(buf))}
-			}
-			return len(m.data), nil
-		}
-		if pr.goneErr() != nil {
-			pr.mu.Unlock()
-			return stopped(0)
-		}
-		req := &recvReq{buf: buf, done: make(chan struct{})}
-		pr.posted[tag] = append(pr.posted[tag], req)
-		pr.mu.Unlock()
-		select {
-		case <-req.done:
-		case <-ctx.Done():
-		case <-c.stop:
-		case <-pr.gone:
-			// Nothing new matches now; a striped message arriving may
-			// still be completed by the point-to-point streams.
-			pr.mu.Lock()
-			arriving := req.state == filling && req.sm != nil
-			pr.mu.Unlock()
-			if arriving {
-				select {
-				case <-req.done:
-				case <-ctx.Done():
-				case <-c.stop:
-				case <-pr.drained:
-				}
-			}
-		}
-		pr.mu.Lock()
-		switch req.state {
-		case posted:
-			pr.posted[tag] = slices.DeleteFunc(pr.posted[tag], func(r *recvReq) bool { return r == req })
-			if len(pr.posted[tag]) == 0 {
-				delete(pr.posted, tag)
-			}
-			pr.mu.Unlock()
-			return stopped(0)
-		case filling:
-			if req.sm != nil {
-				c.detachStriped(pr, tag, req)
-			} else {
-				c.detach(pr, tag, req)
-			}
-			pr.mu.Unlock()
-			return stopped(req.seq)
-		}
-		pr.mu.Unlock()
-		if req.total > len(buf) {
-			return req.total, &Error{Op: "recv", Seq: req.seq, Desc: desc, Err: tooLong(req.total, len(buf))}
-		}
-		return req.total, nil
-	}
+	return c.PostRecv(peer, tag, buf).Wait(ctx)
 }
 
 func tooLong(n, size int) error {

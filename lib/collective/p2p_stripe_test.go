@@ -255,7 +255,9 @@ func TestP2PStripedRecvCancel(t *testing.T) {
 			}
 			if c.overflow {
 				next := msg(4, 1, 3*testChunk)
-				cl.comms[0].peers[1].tagSend(4).next = 1 // message 1 was written by hand
+				ts, turn := cl.comms[0].peers[1].postSend(4)
+				ts.next = 1 // message 1 was written by hand
+				cl.comms[0].peers[1].leaveSend(ts, turn)
 				require.NoError(t, cl.comms[0].Send(ctx, 1, 4, next))
 				buf := make([]byte, 8*testChunk)
 				n, err := recv.Recv(ctx, 0, 4, buf)

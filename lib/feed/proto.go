@@ -12,11 +12,20 @@ import (
 // FlagCallerReduces; version 3 the request's codec byte (CodecVersion) and
 // the FEEDBACK_KEY extension (ExtFeedbackKey); version 4 JOIN (MsgJoin) and
 // the BRIDGE extension (ExtBridge): more bridges on one feed
-// (BridgesVersion).
+// (BridgesVersion); version 5 the promise that SENDs and RECVs are matched
+// in request order (P2POrderVersion).
 const (
-	Version    = 4
+	Version    = 5
 	MinVersion = 1
 )
+
+// P2POrderVersion is the feed protocol version from which the server
+// promises that the SENDs of one (bridge, peer, tag) are sent, and its
+// RECVs matched, in the order the server read the requests, however many
+// are in flight (docs/FEED.md §4). Nothing on the wire changed: a server
+// of this version keeps the promise in every session; the version tells a
+// client that it may rely on it.
+const P2POrderVersion uint16 = 5
 
 // Magic opens every HELLO body: "GBFD" in little-endian order.
 const Magic uint32 = 0x44464247

@@ -1,4 +1,4 @@
-"""The feed protocol of ``gbbridge serve`` (docs/FEED.md, versions 1 to 4): its
+"""The feed protocol of ``gbbridge serve`` (docs/FEED.md, versions 1 to 5): its
 constants, numbering, errors and message codec.
 
 This mirrors ``lib/feed`` (Go), which is the reference; only the wire format
@@ -37,6 +37,7 @@ __all__ = [
     "MAX_MESSAGE",
     "MAX_TEXT",
     "MIN_VERSION",
+    "P2P_ORDER_VERSION",
     "REQUEST_SIZE",
     "VERSION",
     "BridgeError",
@@ -74,7 +75,7 @@ __all__ = [
     "parse_header",
 ]
 
-VERSION: Final = 4
+VERSION: Final = 5
 MIN_VERSION: Final = 1
 # The version that brought FLAG_CALLER_REDUCES.
 CALLER_REDUCES_VERSION: Final = 2
@@ -84,6 +85,10 @@ CODEC_VERSION: Final = 3
 # The version that brought JOIN and the BRIDGE extension (§3b): more
 # bridges on one feed; before it every request runs on bridge 0.
 BRIDGES_VERSION: Final = 4
+# The version from which gbbridge matches the SENDs and RECVs of a (bridge,
+# peer, tag) in request order, many in flight at once (§4); nothing on the
+# wire changed.
+P2P_ORDER_VERSION: Final = 5
 MAGIC: Final = 0x44464247  # "GBFD" little-endian
 HEADER_SIZE: Final = 8
 MAX_MESSAGE: Final = 64 << 10

@@ -5,30 +5,31 @@ through gbbridge's tagged SEND/RECV, which never wait behind collectives.
 Two island leaders use the leaders' bridge (bridge 0); any other pair a
 2-member bridge of its own, ``pair/<lo>-<hi>`` (gpubridge._endpoints),
 JOINed by both ranks on first use, on an endpoint started then if the rank
-has none (feed protocol 4). A tensor goes as messages of at most
-GPUBRIDGE_P2P_CHUNK bytes (a setting every rank shares, so both ends cut it
-alike) through a pooled feed region: on GPUs each chunk's copy to the host
-runs on a copy stream and its SEND starts once that copy is done, and each
-received chunk is copied to the GPU as soon as its RECV is done, so copies
-overlap the wire. Sends and receives are apart, so both directions can be
-in flight at once (1F1B does that).
+has none (feed protocol 4). A tensor goes as messages of GPUBRIDGE_P2P_CHUNK
+bytes (a setting every rank shares, so both ends cut it alike), or larger
+ones for a tensor of more than WINDOW_CHUNKS of them (chunk_bytes), through
+a pooled feed region: on GPUs each chunk's copy to the host runs on a copy
+stream and its SEND starts once that copy is done, and each received chunk
+is copied to the GPU as soon as its RECV is done, so copies overlap the
+wire. Sends and receives are apart, so both directions can be in flight at
+once (1F1B does that).
 
 Order. Messages of one (peer, tag) keep their order: each transfer takes a
-ticket when it is called and issues its requests in ticket order. gbbridge
-runs every SEND and RECV request on a goroutine of its own, so two requests
-of one (peer, tag) in flight at once may reach the bridge in either order:
-the chunks of a (peer, tag) therefore go round-robin over LANES wire tags
-(``lane << 24 | tag``), and a lane takes its next request only once its
-previous one is done. Both ends count the chunks of the (peer, tag) alike,
-so chunk i is on lane i mod LANES on both, and up to LANES chunks are in
-flight (16: 64 MiB at the default 4 MiB chunk). Waiting for a lane's
-previous request costs a round trip through both gbbridges; on the H200
-split test a 64 MiB send went at 0.53x the all_reduce's algbw with 4
-lanes, 0.60x with 8 and 1.57x with 16 (docs/BENCHMARKS.md). Tags across
-islands are therefore 0 to 2^24 - 1."""
+ticket when it is called and issues its requests in ticket order, and
+gbbridge matches a (bridge, peer, tag)'s SENDs and RECVs in the order it
+read them (feed protocol 5, docs/FEED.md §4; an older gbbridge is refused
+by name). So a (peer, tag)'s chunks all go on the tag itself, and tags
+across islands are the whole of the wire's u32. Up to WINDOW_CHUNKS chunks
+and WINDOW_BYTES bytes of a (peer, tag) are in flight at once (a sliding
+window: the next chunk waits for the oldest only when the window is full,
+never for a round trip per chunk). The bound is what a sender may push
+ahead of a late receiver, which gbbridge queues against its 1 GiB limit,
+and keeps a feed's requests in flight under gbbridge's 1024 with many
+(peer, tag)s busy at once."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import logging
@@ -47,6 +48,7 @@ from gpubridge._endpoint import BridgeEndpoint
 from gpubridge._endpoints import Endpoints, pair_bridge
 from gpubridge._failure import Breaker
 from gpubridge._feed import Call, FeedClient, Kind, Span
+from gpubridge._feed_protocol import P2P_ORDER_VERSION
 from gpubridge._island import IslandGroup
 from gpubridge._layout import Layout
 from gpubridge._worker import Task, Work
@@ -68,49 +70,61 @@ class Route:
         self.name, self.members, self.member = name, members, member
 
 
-# Wire tags per (peer, tag): chunks in flight at once on one (peer, tag).
-LANES = 16
-_LANE_SHIFT = 24
-MAX_TAG = (1 << _LANE_SHIFT) - 1
+# Tags across islands: the wire's u32 (feed protocol 5: no lanes).
+MAX_TAG = (1 << 32) - 1
+# The window of one (direction, bridge, peer, tag): the requests in flight
+# at once. 256 MiB bounds what a sender pushes ahead of a late receiver
+# (gbbridge queues it against 1 GiB); 32 chunks keep a feed of many busy
+# (peer, tag)s under gbbridge's 1024 requests in flight.
+WINDOW_BYTES = 256 << 20
+WINDOW_CHUNKS = 32
 MAX_AUTO_CHUNK = 16 << 20  # chunk_bytes grows chunks up to this
 
 
 def chunk_bytes(n: int, chunk: int) -> int:
     """The chunk of an n-byte transfer: GPUBRIDGE_P2P_CHUNK, or larger (up
-    to MAX_AUTO_CHUNK, 4 KiB multiples) so that every chunk is in flight at
-    once (at most LANES chunks). Both ends know n (a RECV's tensor has the
-    SEND's size), so they cut alike. Past LANES chunks each lane waits for
-    its previous request: a 256 MiB send in 4 MiB chunks ran at 0.47x the
-    all_reduce's algbw where 64 MiB ran at 1.31x. The cap bounds what a
-    sender may push ahead of a late receiver (LANES chunks per (peer, tag),
-    256 MiB), which gbbridge queues against its 1 GiB limit."""
-    per_lane = -(-n // LANES)
-    return max(chunk, min(-(-per_lane // 4096) * 4096, MAX_AUTO_CHUNK))
+    to MAX_AUTO_CHUNK, 4 KiB multiples) so that the transfer is at most
+    WINDOW_CHUNKS chunks: each request costs a feed round of its own (on
+    the 2-core simulation 1 MiB chunks ran a 64 MiB send at half the speed
+    of 4 MiB ones), and up to 512 MiB every chunk is then in flight at
+    once; larger transfers slide the window (16 chunks of 16 MiB in
+    flight). Both ends know n (a RECV's tensor has the SEND's size), so
+    they cut alike."""
+    per_window = -(-n // WINDOW_CHUNKS)
+    return max(chunk, min(-(-per_window // 4096) * 4096, MAX_AUTO_CHUNK))
 
 
 class _Channel:
     """The messages of one direction, bridge, peer and tag: transfers issue
-    their requests in the order they were called (tickets), chunk i on lane
-    i mod LANES, one request per lane at a time."""
+    their requests in the order they were called (tickets), at most one
+    window of them in flight. users counts the transfers holding it (from
+    their ticket to their end), under PointToPoint's lock: the channel is
+    dropped when none does."""
 
-    def __init__(self, tag: int) -> None:
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._next = 0  # the next ticket handed out
         self._turn = 0  # the ticket whose turn it is
-        self._tag = tag
-        self._chunks = 0  # chunks issued so far (in turn only)
-        self._lanes: list[Call | None] = [None] * LANES
+        self._inflight: collections.deque[tuple[Call, int]] = collections.deque()  # in turn only
+        self._bytes = 0  # of the requests in _inflight
+        self.users = 0
 
-    def issue(self, start: Callable[[int], Call], secs: float) -> Call:
-        """In turn: starts the next chunk's request (start(wire tag)) on its
-        lane, once the lane's previous request finished."""
-        lane = self._chunks % LANES
-        self._chunks += 1
-        prev = self._lanes[lane]
-        if prev is not None:
-            prev.join(secs)
-        call = start(lane << _LANE_SHIFT | self._tag)
-        self._lanes[lane] = call
+    def full(self, nbytes: int) -> bool:
+        """In turn: whether a request of nbytes must wait for room (the
+        requests that finished leave the window first)."""
+        q = self._inflight
+        while q and q[0][0].finished:
+            self._bytes -= q.popleft()[1]
+        return bool(q) and (len(q) >= WINDOW_CHUNKS or self._bytes + nbytes > WINDOW_BYTES)
+
+    def issue(self, start: Callable[[], Call], nbytes: int, secs: float) -> Call:
+        """In turn: starts the next chunk's request (start()), of nbytes,
+        once the window has room for it (waiting for the oldest first)."""
+        while self.full(nbytes):
+            self._inflight[0][0].join(secs)
+        call = start()
+        self._inflight.append((call, nbytes))
+        self._bytes += nbytes
         return call
 
     def ticket(self) -> int:
@@ -189,12 +203,29 @@ class PointToPoint:
             return self._island.send(t, local, tag) if op == "send" else self._island.recv(t, local, tag)
         return self._bridged(op, t, peer, tag)
 
-    def _channel(self, key: Hashable, tag: int) -> _Channel:
+    def _take(self, key: Hashable) -> tuple[_Channel, int]:
+        """The channel of key and a ticket on it, held until release."""
         with self._lock:
             ch = self._channels.get(key)
             if ch is None:
-                ch = self._channels[key] = _Channel(tag)
-            return ch
+                ch = self._channels[key] = _Channel()
+            ch.users += 1
+            return ch, ch.ticket()
+
+    def _release(self, key: Hashable, ch: _Channel) -> None:
+        """A transfer is over with its channel: the channel goes once no
+        transfer holds it (a job of many tags keeps none idle). The next
+        transfer of key then starts a new one: the last one's requests were
+        all issued (its turns are over), so order is kept."""
+        with self._lock:
+            ch.users -= 1
+            if ch.users == 0 and self._channels.get(key) is ch:
+                del self._channels[key]
+
+    def channels(self) -> int:
+        """The channels held now (tests)."""
+        with self._lock:
+            return len(self._channels)
 
     def _streams(self) -> tuple[Any, Any]:
         with self._lock:
@@ -213,8 +244,8 @@ class PointToPoint:
                 f"gpubridge: {op} with tag {tag}: tags of point-to-point across islands are 0..{MAX_TAG}"
             )
         route = self.route(peer)
-        ch = self._channel((op, route.name, route.member, tag), tag)
-        ticket = ch.ticket()
+        key = (op, route.name, route.member, tag)
+        ch, ticket = self._take(key)
         gpu = self._device.type == "cuda"
         fut: Any = torch.futures.Future(devices=[self._device]) if gpu else torch.futures.Future()
         nb = t.numel() * t.element_size()
@@ -226,8 +257,12 @@ class PointToPoint:
             after = _gpu.new_event()
             after.record(torch.cuda.current_stream(self._device))
             t.record_stream(d2h if op == "send" else h2d)
-        xfer = _Transfer(self, op, t, peer, tag, route, ch, ticket, task, after)
-        self._runner.submit(xfer.run)
+        xfer = _Transfer(self, op, t, peer, tag, route, key, ch, ticket, task, after)
+        try:
+            self._runner.submit(xfer.run)
+        except BaseException:
+            xfer.abandon()
+            raise
         return Work(task, self._device, self._timeout)
 
     def join(self, secs: float) -> None:
@@ -315,11 +350,12 @@ class _Transfer:
     """One cross-island send or recv, run on its own thread."""
 
     def __init__(
-        self, p2p: PointToPoint, op: str, t: torch.Tensor, peer: int, tag: int, route: Route, ch: _Channel,
-        ticket: int, task: Task, after: Any,
+        self, p2p: PointToPoint, op: str, t: torch.Tensor, peer: int, tag: int, route: Route, key: Hashable,
+        ch: _Channel, ticket: int, task: Task, after: Any,
     ) -> None:  # fmt: skip
         self.p, self.op, self.t, self.peer, self.tag = p2p, op, t, peer, tag
-        self.route, self.ch, self.ticket, self.task, self.after = route, ch, ticket, task, after
+        self.route, self.key, self.ch, self.ticket = route, key, ch, ticket
+        self.task, self.after = task, after
         self.gpu = p2p._device.type == "cuda"
         self.secs = p2p._timeout.total_seconds()
         self.what = f"{op} {'to' if op == 'send' else 'from'} rank {peer} (tag {tag})"
@@ -332,6 +368,12 @@ class _Transfer:
         held: tuple[Any, torch.Tensor] | None = None
         try:
             ep = p._endpoints.get()
+            if ep.feed.version < P2P_ORDER_VERSION:
+                raise RuntimeError(
+                    f"point-to-point across islands needs a gbbridge serve that speaks feed protocol "
+                    f"{P2P_ORDER_VERSION} (SEND and RECV matched in request order); this one speaks version "
+                    f"{ep.feed.version}: use the gbbridge of this gpubridge"
+                )
             bridge = None if self.route.name is None else ep.join(self.route.name, self.route.members)
             src = as_bytes(self.t)
             n = src.numel()
@@ -360,6 +402,13 @@ class _Transfer:
             if ep is not None and held is not None:
                 with contextlib.suppress(Exception):
                     ep.regions.release(*held)
+            self.p._release(self.key, self.ch)
+
+    def abandon(self) -> None:
+        """The transfer never ran (it could not be submitted): its turn
+        passes on and its hold on the channel ends."""
+        self._pass_turn()
+        self.p._release(self.key, self.ch)
 
     def _issue(self, fn: Callable[[], _T]) -> _T:
         """Runs fn (which issues this transfer's requests) in its turn."""
@@ -371,10 +420,11 @@ class _Transfer:
             self.ch.done(self.ticket)
 
     def _start(self, feed: FeedClient, kind: Kind, span: Span, bridge: int | None) -> Call:
-        """The request of one chunk, on its lane (in this transfer's turn)."""
-        peer = self.route.member
+        """The request of one chunk, once the window has room (in this
+        transfer's turn)."""
+        peer, tag = self.route.member, self.tag
         return self.ch.issue(
-            lambda wire: feed.start(kind, span, peer=peer, tag=wire, bridge=bridge), self.secs + 60.0
+            lambda: feed.start(kind, span, peer=peer, tag=tag, bridge=bridge), span.nbytes, self.secs + 60.0
         )
 
     def _pass_turn(self) -> None:
@@ -424,8 +474,9 @@ class _Transfer:
     ) -> Any:  # fmt: skip
         """Returns the event after the copies to the GPU (None on CPU).
         A chunk's copy out is queued as soon as it has arrived, while later
-        chunks are still on the wire: a lane takes its next RECV only once
-        its previous one is done, so that is also when it is copied."""
+        chunks are still on the wire: before each RECV is issued, the
+        chunks that arrived are copied out, and when the window is full
+        this transfer's oldest chunk is waited for and copied out first."""
         feed, p = ep.feed, self.p
         if self.gpu:
             p._h2d.wait_event(self.after)
@@ -449,9 +500,7 @@ class _Transfer:
             nonlocal done
             calls: list[Call] = []
             for a, b in spans:
-                # The lane's previous RECV (LANES back) is done once this
-                # one may start: copy it out first.
-                if len(calls) >= LANES:
+                while done < len(calls) and (calls[done].finished or self.ch.full(b - a)):
                     calls[done].join(self.secs + 60.0)
                     copy_out(done, calls[done])
                     done += 1

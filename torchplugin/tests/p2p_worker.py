@@ -7,10 +7,13 @@ VENDOR:ISLAND per rank). MODE:
   once (isend/irecv, all posted before any is waited for): two tags per
   peer, sent in one order and received in the other, two messages on one
   tag (their order kept), several dtypes and sizes (more than one chunk of
-  GPUBRIDGE_P2P_CHUNK); then a batch_isend_irecv and blocking send/recv
-  between every pair; every received byte checked against what its sender
-  made. The rank records whether it has an endpoint and which bridges it
-  joined.
+  GPUBRIDGE_P2P_CHUNK); tags past 2^24 (BIG_TAGS: the wire's tag is the
+  torch tag, feed protocol 5) with a message of more than 16 chunks (the
+  lanes of old) on one; then a batch_isend_irecv and blocking
+  send/recv between every pair; every received byte checked against what
+  its sender made. The rank records whether it has an endpoint, which
+  bridges it joined, and how many point-to-point channels it still holds
+  once every transfer is over (none: idle ones are dropped).
 - ``leaders``: collectives (GPUBRIDGE_POLICY=reduce-bridge-broadcast), P2P
   inside islands and between leaders only: no rank that leads no island may
   have started an endpoint.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -44,6 +48,11 @@ import gpubridge  # noqa: E402,F401  (registers the backend)
 # (dtype, elements): 5000 float32 are 20000 bytes, several chunks of the
 # test's GPUBRIDGE_P2P_CHUNK (4096)
 SHAPES = [(torch.float32, 5000), (torch.bfloat16, 33), (torch.int64, 7)]
+# Tags across islands past the 2^24 of the lanes of old, up to the largest
+# torch passes (a C int); tag BIG_TAGS[0] carries LONG float32 (160000
+# bytes: 20 chunks, 4096 grown to 8192 to stay within the window's 32).
+BIG_TAGS = ((1 << 24) + 5, (1 << 31) - 1)
+LONG = 40000
 
 
 def payload(src: int, dst: int, tag: int, k: int, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -77,6 +86,13 @@ def all_pairs(world: int) -> int:
                     expect.append(
                         (got, payload(peer, rank, tag, k * 8 + si, dt, n), f"{peer}->{rank} tag {tag}")
                     )
+        for tag in BIG_TAGS:
+            n = LONG if tag == BIG_TAGS[0] else 9
+            reqs.append(dist.isend(payload(rank, peer, tag % 64, 60, torch.float32, n), peer, tag=tag))
+            got = torch.zeros(n)
+            reqs.append(dist.irecv(got, peer, tag=tag))
+            want = payload(peer, rank, tag % 64, 60, torch.float32, n)
+            expect.append((got, want, f"{peer}->{rank} tag {tag}"))
     for q in reqs:
         q.wait()
     for got, want, what in expect:
@@ -146,6 +162,9 @@ def main() -> int:
     pg = dist.distributed_c10d._get_default_group()
     topo = pg.topology
     checks = all_pairs(world) if mode == "pairs" else leaders_only(world, topo)
+    deadline = time.monotonic() + 30.0  # a transfer lets its channel go just after its Work completes
+    while pg._p2p.channels() and time.monotonic() < deadline:
+        time.sleep(0.01)
     ep = pg._endpoint
     info = {
         "role": topo["self"]["role"],
@@ -154,6 +173,7 @@ def main() -> int:
         "lazily_started": pg._endpoints.lazily_started,
         "bridges": ep.bridges if ep is not None else [],
         "bridge_pid": ep.process.proc.pid if ep is not None else None,
+        "channels_left": pg._p2p.channels(),
     }
     dist.destroy_process_group()
     info["bridge_exit"] = pg.bridge_exit

@@ -19,6 +19,7 @@ from gpubridge._feed_protocol import (
     BRIDGE_TAG,
     BRIDGES_VERSION,
     HEADER_SIZE,
+    P2P_ORDER_VERSION,
     REQUEST_SIZE,
     VERSION,
     DType,
@@ -32,10 +33,10 @@ from gpubridge._feed_protocol import (
 )
 
 
-def test_version_4_constants() -> None:
-    assert (VERSION, BRIDGES_VERSION, BRIDGE_TAG, int(Kind.JOIN)) == (4, 4, 3, 10)
-    # HELLO offers versions 1 to 4
-    assert struct.unpack_from("<HH", encode_hello(1, "x"), HEADER_SIZE + 4) == (1, 4)
+def test_version_constants() -> None:
+    assert (VERSION, BRIDGES_VERSION, P2P_ORDER_VERSION, BRIDGE_TAG, int(Kind.JOIN)) == (5, 4, 5, 3, 10)
+    # HELLO offers versions 1 to 5
+    assert struct.unpack_from("<HH", encode_hello(1, "x"), HEADER_SIZE + 4) == (1, 5)
 
 
 def test_join_layout() -> None:

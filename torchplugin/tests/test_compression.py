@@ -162,7 +162,7 @@ class _OldServer:
 
 @pytest.mark.parametrize("version", [2, 3])
 def test_feed_client_and_server_versions(version: int) -> None:
-    """The client offers versions 1..4 and takes a server of version 2 too:
+    """The client offers versions 1..5 and takes a server of version 2 too:
     raw requests say codec 0 and carry no extension; a codec or an
     error-feedback key is refused before anything is sent unless the
     server speaks version 3."""

@@ -1,6 +1,6 @@
 """Point-to-point between any two ranks, in simulation, under torchrun
 (tests/p2p_worker.py): every pair of ranks in both directions at once, with
-tags, bit for bit, across islands over each pair's own bridge (between
+tags (past 2^24 too), bit for bit, across islands over each pair's own bridge (between
 leaders: bridge 0) on endpoints started on first need; and a job that only
 needs the leaders starts no endpoint anywhere else. Afterwards no gbbridge
 serve may be left (run_job checks)."""
@@ -57,13 +57,14 @@ def test_every_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vendors: li
     monkeypatch.setenv("GPUBRIDGE_P2P_CHUNK", "4096")  # several chunks per message
     results = launch(tmp_path, vendors, "pairs")
     n = len(vendors)
-    assert all(res["checks"] == 11 * (n - 1) for res in results), [res["checks"] for res in results]
+    assert all(res["checks"] == 13 * (n - 1) for res in results), [res["checks"] for res in results]
     islands = results[0]["islands"]
     for r, res in enumerate(results):
         assert res["endpoint"], f"rank {r} has no endpoint"
         assert res["lazily_started"] == (res["role"] != "leader"), (r, res)
         assert res["bridges"] == expected_bridges(islands, r), (r, res["bridges"])
         assert res["bridge_exit"] == 0, (r, res)  # a clean BYE, every bridge fine
+        assert res["channels_left"] == 0, (r, res)  # idle channels are dropped
 
 
 @needs_tools

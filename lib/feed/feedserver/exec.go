@@ -103,6 +103,7 @@ type call struct {
 	started time.Time
 	inLen   uint64
 	res     *residual // a lossy all_reduce's error feedback (FEEDBACK_KEY)
+	pend    Pending   // a SEND's or RECV's, posted when it was read
 	done    feed.DoneMsg
 
 	// streaming
@@ -122,10 +123,12 @@ func (s *Server) refuse(r *feed.Request, st feed.Status, msg string, arrived tim
 	s.reply(r.ID, st, fmt.Sprintf("%s %d: %s", r.Kind, r.ID, msg), arrived)
 }
 
-// accept validates a request and starts it: point-to-point requests run at
-// once on their own goroutine; collectives are queued in order on their
-// bridge's lane, and exec says that bridge 0's queue was idle, so the
-// caller is to run it (a joined bridge's queue gets a goroutine).
+// accept validates a request and starts it: point-to-point requests are
+// posted to their bridge at once, in the order read (so that a (bridge,
+// peer, tag)'s SENDs and RECVs are matched in request order), and waited
+// for on a goroutine of their own; collectives are queued in order on
+// their bridge's lane, and exec says that bridge 0's queue was idle, so
+// the caller is to run it (a joined bridge's queue gets a goroutine).
 func (s *Server) accept(r *feed.Request, arrived time.Time) (exec bool, err error) {
 	if err := s.checkID(r.ID); err != nil {
 		return false, err
@@ -183,11 +186,16 @@ func (s *Server) accept(r *feed.Request, arrived time.Time) (exec bool, err erro
 		s.smu.Unlock()
 	}
 	if c.p2p() {
+		if r.Kind == feed.MsgSend {
+			c.pend = l.bridge.PostSend(int(r.Peer), r.Tag, buf)
+		} else {
+			c.pend = l.bridge.PostRecv(int(r.Peer), r.Tag, buf)
+		}
 		s.wg.Add(1)
-		go func() {
+		s.o.goP2P(func() {
 			defer s.wg.Done()
 			s.run(c)
-		}()
+		})
 		return false, nil
 	}
 	s.emu.Lock()
@@ -215,8 +223,10 @@ func (s *Server) run(c *call) {
 	*d = feed.DoneMsg{ID: c.req.ID}
 	if cause := context.Cause(s.ctx); cause != nil {
 		d.Status, d.Error = feed.StatusAborted, "feed server stopping: "+cause.Error()
+		c.abandon()
 	} else if b := c.lane.brokenErr(); b != nil {
 		d.Status, d.Error = feed.StatusBroken, brokenText(b)
+		c.abandon()
 	} else if err := s.call(c); err != nil {
 		s.failed(c, err)
 	} else {
@@ -280,12 +290,9 @@ func (s *Server) collective(c *call, p *Progress) (err error) {
 		d.Bytes = uint64(len(c.out))
 	case feed.MsgBarrier:
 		err = br.Barrier(s.ctx)
-	case feed.MsgSend:
-		err = br.Send(s.ctx, int(c.req.Peer), c.req.Tag, c.buf)
-		d.Bytes = uint64(len(c.buf))
-	case feed.MsgRecv:
+	case feed.MsgSend, feed.MsgRecv:
 		var n int
-		n, err = br.Recv(s.ctx, int(c.req.Peer), c.req.Tag, c.buf)
+		n, err = c.pend.Wait(s.ctx)
 		d.Bytes = uint64(n)
 	}
 	return err
@@ -333,8 +340,24 @@ func (s *Server) finish(c *call) {
 	c.mu.Lock()
 	c.wake, c.readyEnd = nil, 0
 	c.mu.Unlock()
-	c.lane, c.buf, c.out, c.regs, c.prog, c.done.Error, c.res = nil, nil, nil, [2]*region{}, Progress{}, "", nil
+	c.lane, c.buf, c.out, c.regs, c.prog, c.done.Error, c.res, c.pend = nil, nil, nil, [2]*region{}, Progress{}, "", nil, nil
 	s.callPool.Put(c)
+}
+
+// canceled is the context of a posted SEND or RECV that is not to run.
+var canceled = func() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}()
+
+// abandon ends a posted SEND or RECV that is not to run (the server stops,
+// the bridge broke since it was posted): a SEND leaves its tag's order
+// unsent, a RECV consumes nothing that has not arrived whole.
+func (c *call) abandon() {
+	if c.pend != nil {
+		_, _ = c.pend.Wait(canceled)
+	}
 }
 
 // p2p reports whether the call is a send or recv, which run beside the

@@ -24,7 +24,7 @@ type fakeGroup struct {
 
 	mu     sync.Mutex
 	rounds map[uint64]*fakeRound
-	boxes  map[[3]int]chan []byte
+	boxes  map[[3]int]*fakeBox
 
 	// failSeq makes the collective with this sequence number fail on
 	// failMember with failErr.
@@ -91,7 +91,7 @@ func (m *fakeMember) lastCall() fakeCall {
 }
 
 func newFakeGroup(n, chunk int) []*fakeMember {
-	g := &fakeGroup{n: n, chunk: chunk, rounds: map[uint64]*fakeRound{}, boxes: map[[3]int]chan []byte{}}
+	g := &fakeGroup{n: n, chunk: chunk, rounds: map[uint64]*fakeRound{}, boxes: map[[3]int]*fakeBox{}}
 	out := make([]*fakeMember, n)
 	for i := range out {
 		out[i] = &fakeMember{g: g, self: i}
@@ -250,35 +250,73 @@ func (m *fakeMember) Barrier(ctx context.Context) error {
 	return err
 }
 
-func (m *fakeMember) box(from, to int, tag uint32) chan []byte {
+// fakeBox carries the messages of one (from, to, tag) in the order their
+// sends were posted, to the recvs in the order they were posted: send i
+// is recv i's.
+type fakeBox struct {
+	mu           sync.Mutex
+	sends, recvs int
+	msgs         map[int][]byte
+	wake         chan struct{} // closed (and replaced) when a message is put
+}
+
+func (m *fakeMember) box(from, to int, tag uint32) *fakeBox {
 	m.g.mu.Lock()
 	defer m.g.mu.Unlock()
 	k := [3]int{from, to, int(tag)}
 	b := m.g.boxes[k]
 	if b == nil {
-		b = make(chan []byte, 64)
+		b = &fakeBox{msgs: map[int][]byte{}, wake: make(chan struct{})}
 		m.g.boxes[k] = b
 	}
 	return b
 }
 
-func (m *fakeMember) Send(ctx context.Context, peer int, tag uint32, buf []byte) error {
-	select {
-	case m.box(m.self, peer, tag) <- append([]byte{}, buf...):
-		return nil
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	}
+// fakePending is a posted send or recv: its run is Wait.
+type fakePending func(ctx context.Context) (int, error)
+
+func (f fakePending) Wait(ctx context.Context) (int, error) { return f(ctx) }
+
+func (m *fakeMember) PostSend(peer int, tag uint32, buf []byte) Pending {
+	b := m.box(m.self, peer, tag)
+	b.mu.Lock()
+	i := b.sends
+	b.sends++
+	b.mu.Unlock()
+	return fakePending(func(ctx context.Context) (int, error) {
+		b.mu.Lock()
+		b.msgs[i] = append([]byte{}, buf...)
+		close(b.wake)
+		b.wake = make(chan struct{})
+		b.mu.Unlock()
+		return len(buf), nil
+	})
 }
 
-func (m *fakeMember) Recv(ctx context.Context, peer int, tag uint32, buf []byte) (int, error) {
-	select {
-	case b := <-m.box(peer, m.self, tag):
-		if len(b) > len(buf) {
-			return 0, errors.New("fake recv: message longer than the buffer")
+func (m *fakeMember) PostRecv(peer int, tag uint32, buf []byte) Pending {
+	b := m.box(peer, m.self, tag)
+	b.mu.Lock()
+	i := b.recvs
+	b.recvs++
+	b.mu.Unlock()
+	return fakePending(func(ctx context.Context) (int, error) {
+		for {
+			b.mu.Lock()
+			msg, ok := b.msgs[i]
+			wake := b.wake
+			delete(b.msgs, i)
+			b.mu.Unlock()
+			if ok {
+				if len(msg) > len(buf) {
+					return 0, errors.New("fake recv: message longer than the buffer")
+				}
+				return copy(buf, msg), nil
+			}
+			select {
+			case <-wake:
+			case <-ctx.Done():
+				return 0, context.Cause(ctx)
+			}
 		}
-		return copy(buf, b), nil
-	case <-ctx.Done():
-		return 0, context.Cause(ctx)
-	}
+	})
 }

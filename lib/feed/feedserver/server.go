@@ -78,9 +78,16 @@ type ServerOptions struct {
 	// that cannot be registered is still served (its sends are staged).
 	Register transport.Registrar
 	Log      *slog.Logger
+
+	// goP2P runs the wait of a posted SEND or RECV (default: a goroutine
+	// of its own); tests start them in another order.
+	goP2P func(func())
 }
 
 func (o *ServerOptions) defaults() {
+	if o.goP2P == nil {
+		o.goP2P = func(f func()) { go f() }
+	}
 	orDefault(&o.MaxRegions, DefaultMaxRegions)
 	orDefault(&o.MaxRegionBytes, DefaultMaxRegionBytes)
 	orDefault(&o.MaxInflight, DefaultMaxInflight)

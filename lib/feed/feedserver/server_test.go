@@ -770,11 +770,11 @@ func TestHandshake(t *testing.T) {
 		return readMsg(t, conn), errc
 	}
 	t.Run("version mismatch", func(t *testing.T) {
-		m, errc := answer(t, 5, 6)
+		m, errc := answer(t, 6, 7)
 		em, ok := m.(*feed.ErrorMsg)
 		require.True(t, ok)
 		assert.Equal(t, feed.ErrCodeVersion, em.Code)
-		assert.Contains(t, em.Text, "client speaks feed protocol 5..6, this gbbridge speaks 1..4")
+		assert.Contains(t, em.Text, "client speaks feed protocol 6..7, this gbbridge speaks 1..5")
 		var pe *ProtocolError
 		require.ErrorAs(t, waitErr(t, errc), &pe)
 	})
@@ -782,7 +782,13 @@ func TestHandshake(t *testing.T) {
 		m, _ := answer(t, 1, 9)
 		w, ok := m.(*feed.WelcomeMsg)
 		require.True(t, ok)
-		assert.Equal(t, uint16(4), w.Version)
+		assert.Equal(t, uint16(5), w.Version)
+	})
+	t.Run("version 5 client", func(t *testing.T) {
+		m, _ := answer(t, 5, 5)
+		w, ok := m.(*feed.WelcomeMsg)
+		require.True(t, ok)
+		assert.Equal(t, feed.P2POrderVersion, w.Version)
 	})
 	t.Run("version 4 client", func(t *testing.T) {
 		m, _ := answer(t, 4, 4)
