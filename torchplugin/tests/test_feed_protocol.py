@@ -100,7 +100,7 @@ def test_codec_byte_and_feedback_key() -> None:
 
 def test_session_messages() -> None:
     hello = encode_hello(1234, "rank 0")
-    assert hello == header(Kind.HELLO, struct.pack("<IHHI", 0x44464247, 1, 4, 1234) + text("rank 0"))
+    assert hello == header(Kind.HELLO, struct.pack("<IHHI", 0x44464247, 1, 5, 1234) + text("rank 0"))
     assert encode_region(5, 2, 1 << 20) == header(Kind.REGION, struct.pack("<QIIQ", 5, 2, 0, 1 << 20))
     assert encode_release(6, 2) == header(Kind.RELEASE, struct.pack("<QI", 6, 2))
     assert encode_ready(7, 4096) == header(Kind.READY, struct.pack("<QQ", 7, 4096))
