@@ -8,8 +8,8 @@ VENDOR:ISLAND per rank). MODE:
   peer, sent in one order and received in the other, two messages on one
   tag (their order kept), several dtypes and sizes (more than one chunk of
   GPUBRIDGE_P2P_CHUNK); tags past 2^24 (BIG_TAGS: the wire's tag is the
-  torch tag, feed protocol 5) with a message of more than 16 chunks (the
-  lanes of old) on one; then a batch_isend_irecv and blocking
+  torch tag, feed protocol 5) with a message of a whole window of chunks
+  on one; then a batch_isend_irecv and blocking
   send/recv between every pair; every received byte checked against what
   its sender made. The rank records whether it has an endpoint, which
   bridges it joined, and how many point-to-point channels it still holds
@@ -50,7 +50,7 @@ import gpubridge  # noqa: E402,F401  (registers the backend)
 SHAPES = [(torch.float32, 5000), (torch.bfloat16, 33), (torch.int64, 7)]
 # Tags across islands past the 2^24 of the lanes of old, up to the largest
 # torch passes (a C int); tag BIG_TAGS[0] carries LONG float32 (160000
-# bytes: 20 chunks, 4096 grown to 8192 to stay within the window's 32).
+# bytes: 14 chunks, 4096 grown to 12288 to stay within the window's 16).
 BIG_TAGS = ((1 << 24) + 5, (1 << 31) - 1)
 LONG = 40000
 

@@ -279,11 +279,12 @@ def test_runner_close_joins_its_threads_and_drops_their_transfers() -> None:
     [
         (0, 4 << 20),
         (1, 4 << 20),
-        (128 << 20, 4 << 20),  # 32 chunks of GPUBRIDGE_P2P_CHUNK: one window
-        ((128 << 20) + 1, (4 << 20) + 4096),  # 4 KiB multiples
+        (64 << 20, 4 << 20),  # 16 chunks of GPUBRIDGE_P2P_CHUNK: one window
+        ((64 << 20) + 1, (4 << 20) + 4096),  # 4 KiB multiples
+        (256 << 20, 16 << 20),
         (512 << 20, 16 << 20),
         ((1 << 30) + 5, 16 << 20),  # capped: the window slides (16 of 16 MiB in flight)
-        (160000, 8192),  # p2p_worker's long message at GPUBRIDGE_P2P_CHUNK=4096: 20 chunks
+        (160000, 12288),  # p2p_worker's long message at GPUBRIDGE_P2P_CHUNK=4096: 14 chunks
     ],
 )
 def test_chunks_grow_to_stay_within_a_window(n: int, want: int) -> None:
