@@ -8,8 +8,8 @@
 # GB_COMPRESS_ARGS and GB_TRAIN_ARGS add arguments to their workers)
 # one-gpu-bench (plugin_bench.py and plugin_train.py as two torchrun nodes of
 # one rank on GPU 0: every call's check and the parameters' digests on a GPU)
-# p2p (issue 16: p2p_bench.py as two torchrun nodes of one rank, 64 MiB
-# send/recv across the islands against the bridged all_reduce's algbw, every
+# p2p (issue 16: p2p_bench.py as two torchrun nodes of one rank, 1 MiB
+# to 1 GiB send/recv across the islands against the bridged all_reduce's algbw, every
 # byte checked) pipeline (issue 16: pipeline-bench.sh, tokens/s of the
 # 2-stage pipeline example over gpubridge against NCCL, GPipe and 1F1B)
 # latency (issue 16: the 4-byte all_reduce of 4 CPU ranks, flat and
@@ -35,7 +35,7 @@ exec > >(tee -a "$out/validate.log") 2>&1
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
 all=(plugin-check exchange host-bridge codec trace rebalance overhead one-gpu-bench codec-compile compress compress-train p2p pipeline latency)
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=("${all[@]}")
-declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=200 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280 [p2p]=120 [pipeline]=240 [latency]=240)
+declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=200 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280 [p2p]=160 [pipeline]=240 [latency]=240)
 for s in "${steps[@]}"; do [ -n "${share[$s]:-}" ] || { echo "unknown step $s (steps: ${all[*]})"; exit 2; }; done
 budget=${GB_BUDGET_S:-540}; t_end=$(( $(date +%s) + budget ))
 echo "== $(date -u +%FT%TZ) validate: commit $GB_COMMIT; steps ${steps[*]}; $(nproc --all) cores"
@@ -74,7 +74,7 @@ for s in "${steps[@]}"; do
         two_nodes "$lim" "$d/train.log" bench/gpu/compress_train.py "$d/compress-train.jsonl" "${extra[@]}"
         rc=$?; tail -n 8 "$d/train.log.0"; [ "$rc" -eq 0 ] ;;
       p2p)
-        two_nodes "$lim" "$d/p2p.log" bench/gpu/p2p_bench.py --sizes 1M,64M --iters 10
+        two_nodes "$lim" "$d/p2p.log" bench/gpu/p2p_bench.py --sizes 1M,64M,256M,1G --iters 6
         rc=$?; grep '^{' "$d/p2p.log.0" > "$d/p2p.jsonl"; grep -v '^{' "$d/p2p.log.0" | tail -n 8; [ "$rc" -eq 0 ] ;;
       pipeline) OUT=$d GB_LIMIT_S=$(( (lim - 10) / 4 )) timeout "$lim" bash bench/gpu/pipeline-bench.sh ;;
       latency)
