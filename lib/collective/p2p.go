@@ -82,17 +82,23 @@ func newPeer(p2pStreams int) *peer {
 
 // takePosted takes the first Recv posted on tag, or returns nil when none
 // is. pr.mu is held.
-func (pr *peer) takePosted(tag uint32) *recvReq {
-	q := pr.posted[tag]
+func (pr *peer) takePosted(tag uint32) *recvReq { return takeFirst(pr.posted, tag) }
+
+// takeFirst takes the head of a per-tag queue (the posted Recvs, the
+// unexpected messages), or returns nil when it is empty.
+func takeFirst[T any](queues map[uint32][]*T, tag uint32) *T {
+	q := queues[tag]
 	if len(q) == 0 {
 		return nil
 	}
+	first := q[0]
+	q[0] = nil // the queue's array no longer holds it
 	if len(q) == 1 {
-		delete(pr.posted, tag)
+		delete(queues, tag)
 	} else {
-		pr.posted[tag] = q[1:]
+		queues[tag] = q[1:]
 	}
-	return q[0]
+	return first
 }
 
 // tagSend orders the messages sent on one tag: Sends are queued in the

@@ -26,15 +26,10 @@ type Pending interface {
 // until Wait. A Send that cannot run (a wrong peer, a broken communicator,
 // a peer gone) fails in Wait.
 func (c *Comm) PostSend(peer int, tag uint32, buf []byte) Pending {
-	p := &pendingSend{c: c, peer: peer, tag: tag, buf: buf}
-	p.desc = fmt.Sprintf("tag %d, %s to member %d", tag, fmtBytes(len(buf)), peer)
-	if err := c.checkPeer(peer); err != nil {
-		p.err = &Error{Op: "send", Desc: p.desc, Err: err}
-		return p
-	}
-	p.desc = fmt.Sprintf("tag %d, %s to %s", tag, fmtBytes(len(buf)), c.mesh.Peer(peer))
-	if err := c.hardState(); err != nil {
-		p.err = &Error{Op: "send", Desc: p.desc, Err: err}
+	p := &pendingSend{pendingP2P: c.newPending("send", peer, tag, buf, func(who string) string {
+		return fmt.Sprintf("tag %d, %s to %s", tag, fmtBytes(len(buf)), who)
+	})}
+	if p.err != nil {
 		return p
 	}
 	if err := c.peers[peer].goneErr(); err != nil {
@@ -45,14 +40,37 @@ func (c *Comm) PostSend(peer int, tag uint32, buf []byte) Pending {
 	return p
 }
 
-// pendingSend is a posted Send.
-type pendingSend struct {
+// pendingP2P is what a posted Send and a posted Recv share.
+type pendingP2P struct {
 	c    *Comm
 	peer int
 	tag  uint32
 	buf  []byte
 	desc string
 	err  error // refused when posted
+}
+
+// newPending is the start of a posted op ("send" or "recv"): its
+// description, naming the peer as describe(who) does (by member index
+// until the peer is known valid, then by the mesh's name for it), and the
+// error its Wait returns when it cannot be posted (a wrong peer, a broken
+// communicator).
+func (c *Comm) newPending(op string, peer int, tag uint32, buf []byte, describe func(who string) string) pendingP2P {
+	p := pendingP2P{c: c, peer: peer, tag: tag, buf: buf, desc: describe(fmt.Sprintf("member %d", peer))}
+	if err := c.checkPeer(peer); err != nil {
+		p.err = &Error{Op: op, Desc: p.desc, Err: err}
+		return p
+	}
+	p.desc = describe(c.mesh.Peer(peer))
+	if err := c.hardState(); err != nil {
+		p.err = &Error{Op: op, Desc: p.desc, Err: err}
+	}
+	return p
+}
+
+// pendingSend is a posted Send.
+type pendingSend struct {
+	pendingP2P
 	ts   *tagSend
 	turn *sendTurn
 }
@@ -118,28 +136,16 @@ func (p *pendingSend) send(ctx context.Context, limit time.Duration) error {
 // the next message to arrive, after the Recvs posted before it. Wait
 // completes it.
 func (c *Comm) PostRecv(peer int, tag uint32, buf []byte) Pending {
-	p := &pendingRecv{c: c, peer: peer, tag: tag, buf: buf}
-	p.desc = fmt.Sprintf("tag %d from member %d, %s buffer", tag, peer, fmtBytes(len(buf)))
-	if err := c.checkPeer(peer); err != nil {
-		p.err = &Error{Op: "recv", Desc: p.desc, Err: err}
-		return p
-	}
-	p.desc = fmt.Sprintf("tag %d from %s, %s buffer", tag, c.mesh.Peer(peer), fmtBytes(len(buf)))
-	if err := c.hardState(); err != nil {
-		p.err = &Error{Op: "recv", Desc: p.desc, Err: err}
+	p := &pendingRecv{pendingP2P: c.newPending("recv", peer, tag, buf, func(who string) string {
+		return fmt.Sprintf("tag %d from %s, %s buffer", tag, who, fmtBytes(len(buf)))
+	})}
+	if p.err != nil {
 		return p
 	}
 	pr := c.peers[peer]
 	pr.mu.Lock()
 	defer pr.mu.Unlock()
-	if q := pr.unexpected[tag]; len(q) > 0 {
-		m := q[0]
-		q[0] = nil
-		if len(q) == 1 {
-			delete(pr.unexpected, tag)
-		} else {
-			pr.unexpected[tag] = q[1:]
-		}
+	if m := takeFirst(pr.unexpected, tag); m != nil {
 		if m.complete {
 			// Messages that arrived whole are delivered even once the
 			// peer has gone; Wait copies it (not here: the poster may
@@ -184,14 +190,9 @@ func (c *Comm) claim(pr *peer, tag uint32, m *message, buf []byte) *recvReq {
 // pendingRecv is a posted Recv: a complete message it took (msg), or its
 // request, posted or filling (req).
 type pendingRecv struct {
-	c    *Comm
-	peer int
-	tag  uint32
-	buf  []byte
-	desc string
-	err  error // refused when posted
-	msg  *message
-	req  *recvReq
+	pendingP2P
+	msg *message
+	req *recvReq
 }
 
 // Wait waits for the Recv's message to arrive whole.
