@@ -103,18 +103,29 @@ class RegionPool:
     for reuse: sizes are powers of two from 1 MiB, page-locked once on
     GPUs (a cudaHostRegister of 64 MiB costs milliseconds). The region
     given back last is always kept, and older free ones are released
-    (least recently given back first) while the free regions pass
-    keep_bytes: a transfer larger than keep_bytes that repeats (a 1 GiB
-    tensor sent every step) reuses its pinned region instead of pinning
-    1 GiB again each time."""
+    (least recently given back first) while the free regions pass the
+    larger of keep_bytes and the most the pool's users ever held at once
+    (up to max_keep_bytes): a transfer larger than keep_bytes that repeats
+    (a 1 GiB tensor sent every step) reuses its pinned region instead of
+    pinning 1 GiB again each time, and so do a send and a recv of 1 GiB
+    each in flight together (1F1B's two directions), which need two."""
 
-    def __init__(self, feed: FeedClient, device: torch.device, keep_bytes: int = 512 << 20) -> None:
+    def __init__(
+        self,
+        feed: FeedClient,
+        device: torch.device,
+        keep_bytes: int = 512 << 20,
+        max_keep_bytes: int = 4 << 30,
+    ) -> None:
         self._feed = feed
         self._gpu = device.type == "cuda"
         self._keep = keep_bytes
+        self._max_keep = max(keep_bytes, max_keep_bytes)
         self._lock = threading.Lock()
         self._free: list[tuple[Region, torch.Tensor]] = []  # least recently given back first
         self._free_bytes = 0
+        self._held = 0  # bytes of the regions acquired and not given back
+        self._peak = 0  # the most ever held at once
         self._closed = False
 
     def acquire(self, nbytes: int) -> tuple[Region, torch.Tensor]:
@@ -123,11 +134,18 @@ class RegionPool:
         with self._lock:
             if self._closed:
                 raise FeedError("gpubridge: the endpoint is closed")
+            self._held += size
             for i in range(len(self._free) - 1, -1, -1):  # the most recently given back
                 if self._free[i][0].size == size:
                     self._free_bytes -= size
+                    self._peak = max(self._peak, self._held)
                     return self._free.pop(i)
-        r = self._feed.map_region(size)
+        try:
+            r = self._feed.map_region(size)
+        except BaseException:
+            with self._lock:
+                self._held -= size
+            raise
         t = torch.frombuffer(r.mem, dtype=torch.uint8, count=size)
         if self._gpu:
             try:
@@ -136,7 +154,11 @@ class RegionPool:
                 del t
                 with contextlib.suppress(FeedError):
                     self._feed.release(r)
+                with self._lock:
+                    self._held -= size
                 raise
+        with self._lock:
+            self._peak = max(self._peak, self._held)
         return r, t
 
     def release(self, region: Region, t: torch.Tensor) -> None:
@@ -144,12 +166,14 @@ class RegionPool:
         recently given back of the others released past keep_bytes."""
         drop: list[tuple[Region, torch.Tensor]] = []
         with self._lock:
+            self._held -= region.size
             if self._closed:
                 drop.append((region, t))
             else:
                 self._free.append((region, t))
                 self._free_bytes += region.size
-                while self._free_bytes > self._keep and len(self._free) > 1:
+                keep = max(self._keep, min(self._peak, self._max_keep))
+                while self._free_bytes > keep and len(self._free) > 1:
                     old = self._free.pop(0)
                     self._free_bytes -= old[0].size
                     drop.append(old)
