@@ -205,7 +205,10 @@ class FeedClient:
         self._wlock = threading.Lock()  # writes and request ids
         self._next_id = 0
         self._lock = threading.Lock()
+        # Waiters take _cond's lock as `with self._lock` (the same lock):
+        # a Condition's own __enter__ is a Python call on every request.
         self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads in _cond.wait (notify only when some are)
         self._calls: dict[int, Call] = {}
         self._regions: dict[int, Region] = {}
         self._next_region = 0
@@ -213,6 +216,10 @@ class FeedClient:
         self._got_bye = False
         self._reading = False  # a thread reads the socket
         self._rbuf = bytearray()
+        # What one read takes: a buffer kept, not a new bytes object of
+        # 128 KiB per read.
+        self._rscratch = bytearray(2 * MAX_MESSAGE)
+        self._rview = memoryview(self._rscratch)
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
 
@@ -322,7 +329,7 @@ class FeedClient:
         spin_until = time.monotonic() + self.spin if self.spin > 0 else 0.0
         while True:
             try:
-                data = self._sock.recv(2 * MAX_MESSAGE, socket.MSG_DONTWAIT)
+                n = self._sock.recv_into(self._rscratch, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 now = time.monotonic()
                 if now < spin_until:
@@ -333,23 +340,23 @@ class FeedClient:
                 continue
             except OSError as e:
                 raise FeedError(f"gpubridge feed: read: {e}") from e
-            if not data:
+            if not n:
                 if self._got_bye:
                     raise FeedError("gpubridge feed: client closed")
                 raise FeedError("gpubridge feed: the server closed the feed")
-            self._rbuf += data
+            self._rbuf += self._rview[:n]
             return
 
     def _fail(self, err: FeedError) -> FeedError:
         """Makes the feed unusable with err (the first error wins) and
         finishes every call in flight with it; returns the error in force."""
-        with self._cond:
+        with self._lock:
             if self._err is None:
                 self._err = err
                 for k in self._calls.values():
                     k.error = err
                 self._calls.clear()
-                self._cond.notify_all()
+                self._wake()
             return self._err
 
     def _pump(self, deadline: float) -> None:
@@ -377,7 +384,7 @@ class FeedClient:
     def _handle(self, kind: int, body: bytes) -> None:
         if kind == Kind.DONE:
             done = decode_done(body)
-            with self._cond:
+            with self._lock:
                 k = self._calls.pop(done.request_id, None)
                 if k is None:
                     raise ProtocolError(
@@ -385,7 +392,7 @@ class FeedClient:
                         "which is not in flight"
                     )
                 k.done = done
-                self._cond.notify_all()
+                self._wake()
         elif kind == Kind.PROGRESS:
             rid, off, n = decode_progress(body)
             with self._lock:
@@ -402,10 +409,25 @@ class FeedClient:
         else:
             raise ProtocolError(f"gpubridge feed: unexpected {kind_name(kind)} message from the server")
 
+    def _wait(self, timeout: float) -> None:
+        """_cond.wait, counted; the caller holds the lock."""
+        self._waiting += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._waiting -= 1
+
+    def _wake(self) -> None:
+        """_cond.notify_all when a thread waits (a Condition's notify costs
+        microseconds even with none, on every request); the caller holds
+        the lock."""
+        if self._waiting:
+            self._cond.notify_all()
+
     def _await(self, cond: Callable[[], bool], deadline: float) -> None:
         """Returns once cond() holds (checked under the lock) or the feed
         failed; reads the socket meanwhile whenever no other thread does."""
-        with self._cond:
+        with self._lock:
             while True:
                 if cond() or self._err is not None:
                     return
@@ -415,7 +437,7 @@ class FeedClient:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise FeedTimeout("gpubridge feed: timed out waiting for the server")
-                self._cond.wait(left)
+                self._wait(left)
         try:
             while True:
                 with self._lock:
@@ -423,9 +445,9 @@ class FeedClient:
                         return
                 self._pump(deadline)
         finally:
-            with self._cond:
+            with self._lock:
                 self._reading = False
-                self._cond.notify_all()
+                self._wake()
 
     def pump(self, timeout: float) -> None:
         """Handles the messages that arrive within timeout seconds (so that
@@ -433,7 +455,7 @@ class FeedClient:
         request), unless another thread is reading the socket. Never raises
         FeedTimeout; a broken feed shows in :attr:`error` and in the next
         wait."""
-        with self._cond:
+        with self._lock:
             if self._reading or self._err is not None:
                 return
             self._reading = True
@@ -441,9 +463,9 @@ class FeedClient:
             with contextlib.suppress(FeedTimeout):
                 self._pump(time.monotonic() + timeout)
         finally:
-            with self._cond:
+            with self._lock:
                 self._reading = False
-                self._cond.notify_all()
+                self._wake()
 
     # -- requests --
 
@@ -497,7 +519,8 @@ class FeedClient:
         anything is sent."""
         if kind < Kind.ALL_REDUCE:
             raise ValueError(f"gpubridge feed: {kind} is not a request")
-        dt, o, c = DType.of(dtype), Op.of(op), Codec(codec)
+        dt, o = DType.of(dtype), Op.of(op)
+        c = codec if type(codec) is Codec else Codec(codec)
         if (c != Codec.RAW or feedback_key is not None) and not self.codecs:
             what = f"codec {c.versioned}" if c != Codec.RAW else "an error-feedback key"
             raise FeedError(
@@ -731,9 +754,9 @@ class FeedClient:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread in poll
         deadline = time.monotonic() + 5
-        with self._cond:
+        with self._lock:
             while self._reading and time.monotonic() < deadline:
-                self._cond.wait(0.05)
+                self._wait(0.05)
             regions = list(self._regions.values())
             self._regions.clear()
         self._sock.close()

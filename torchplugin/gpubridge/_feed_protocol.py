@@ -14,7 +14,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
@@ -177,6 +177,8 @@ class DType(IntEnum):
         """Returns the dtype named by v: a DType, its number, a name (torch and
         short spellings too: "bf16", "torch.float32", "long"), a numpy dtype or
         a ``torch.dtype`` (through its name)."""
+        if type(v) is cls:  # the hot path: no Enum lookup
+            return v
         if v is None:
             return cls.NONE
         if isinstance(v, int):
@@ -245,6 +247,8 @@ class Op(IntEnum):
 
     @classmethod
     def of(cls, v: Op | int | str) -> Op:
+        if type(v) is cls:
+            return v
         if isinstance(v, int):
             return cls(v)
         try:
@@ -323,8 +327,7 @@ class Welcome:
     transport: str
 
 
-@dataclass(frozen=True, slots=True)
-class BridgePeer:
+class BridgePeer(NamedTuple):
     """One peer's part of BridgeStats: its member index, when its first
     frame came relative to start (ns; None: none came, as a ring member
     hears only from its predecessor), and per stream the ns waited on it."""
@@ -334,8 +337,7 @@ class BridgePeer:
     blocked_ns: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class BridgeStats:
+class BridgeStats(NamedTuple):
     """DONE's tag 1 (layout version 1): one collective as gbbridge saw it.
     Times are CLOCK_MONOTONIC ns of the bridge's host, the trace clock."""
 
@@ -350,9 +352,10 @@ class BridgeStats:
     peers_cut: bool  # the value held fewer peers than the bridge has
 
 
-@dataclass(frozen=True)
-class Done:
-    """A request's DONE; bridge: what gbbridge measured of a collective."""
+class Done(NamedTuple):
+    """A request's DONE; bridge: what gbbridge measured of a collective.
+    (DONE, its stats and Span are named tuples, not dataclasses: one of
+    each is made per request, and a tuple is made several times faster.)"""
 
     request_id: int
     status: Status
@@ -364,8 +367,7 @@ class Done:
     bridge: BridgeStats | None = None
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """Bytes [offset, offset+nbytes) of a region; region 0 is the empty span."""
 
     region: int = 0
@@ -554,7 +556,32 @@ def decode_error(body: bytes, *, whole: bool = True) -> tuple[int, str]:
     return code, text
 
 
+_STATUSES: Final = tuple(Status)
+_TEXT_LEN = struct.Struct("<H")
+
+
 def decode_done(body: bytes) -> Done:
+    # The hot path of every request: one DONE per call, so the common
+    # shapes (no text, or a text, then BRIDGE_STATS or nothing) are read
+    # without the general decoder; anything else goes through _Dec.
+    if len(body) < _DONE.size + 2:
+        return _decode_done_slow(body)
+    rid, status, zero, seq, nbytes, queue_us, total_us = _DONE.unpack_from(body)
+    (n,) = _TEXT_LEN.unpack_from(body, _DONE.size)
+    pos = _DONE.size + 2 + n
+    if zero != 0 or n > MAX_TEXT or pos > len(body) or not 0 <= status < len(_STATUSES):
+        return _decode_done_slow(body)
+    text = body[pos - n : pos].decode("utf-8", "replace") if n else ""
+    bridge = None
+    if pos != len(body):
+        tag, size = _EXT.unpack_from(body, pos) if len(body) - pos >= _EXT.size else (-1, 0)
+        if tag != BRIDGE_STATS_TAG or pos + _EXT.size + size != len(body):
+            return _decode_done_slow(body)
+        bridge = decode_bridge_stats(body[pos + _EXT.size :])
+    return Done(rid, _STATUSES[status], seq, nbytes, queue_us, total_us, text, bridge)
+
+
+def _decode_done_slow(body: bytes) -> Done:
     d = _Dec(Kind.DONE, body)
     rid, status, zero, seq, nbytes, queue_us, total_us = d.fixed(_DONE)
     if zero != 0:
@@ -568,6 +595,20 @@ def decode_done(body: bytes) -> Done:
         raise malformed(Kind.DONE, f"unknown status {status}") from None
     bridge = None if value is None else decode_bridge_stats(value)
     return Done(rid, st, seq, nbytes, queue_us, total_us, text, bridge)
+
+
+# One struct per (peers, streams) layout of BRIDGE_STATS: the whole value
+# in one unpack (a DONE per call carries one).
+_BRIDGE_LAYOUTS: dict[tuple[int, int], struct.Struct] = {}
+
+
+def _bridge_layout(p: int, s: int) -> struct.Struct:
+    st = _BRIDGE_LAYOUTS.get((p, s))
+    if st is None:
+        st = struct.Struct("<HHHH7Q" + f"IIq{s}Q" * p)
+        if len(_BRIDGE_LAYOUTS) < 256:
+            _BRIDGE_LAYOUTS[(p, s)] = st
+    return st
 
 
 def decode_bridge_stats(v: bytes) -> BridgeStats | None:
@@ -589,15 +630,16 @@ def decode_bridge_stats(v: bytes) -> BridgeStats | None:
     size = _BRIDGE_PEER.size + 8 * s
     if len(v) != (want := _BRIDGE.size + p * size):
         raise malformed(Kind.DONE, f"bridge stats: {len(v)} bytes, {p} peers of {s} streams take {want}")
-    blocked = struct.Struct(f"<{s}Q")
+    f = _bridge_layout(p, s).unpack_from(v)
     peers = []
+    k = 11  # the fields before the first peer
     for i in range(p):
-        off = _BRIDGE.size + i * size
-        member, zero, skew = _BRIDGE_PEER.unpack_from(v, off)
+        member, zero, skew = f[k], f[k + 1], f[k + 2]
         if zero:
             raise malformed(Kind.DONE, f"bridge stats: peer {i}: reserved word is not zero")
         skew_ns = None if skew == _BRIDGE_NOT_HEARD else skew
-        peers.append(BridgePeer(member, skew_ns, blocked.unpack_from(v, off + _BRIDGE_PEER.size)))
+        peers.append(BridgePeer(member, skew_ns, f[k + 3 : k + 3 + s]))
+        k += 3 + s
     cut = bool(flags & _BRIDGE_PEERS_CUT)
     return BridgeStats(start, arrived, end, sent, received, codec, red, tuple(peers), cut)
 

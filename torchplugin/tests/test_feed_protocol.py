@@ -26,6 +26,7 @@ from gpubridge._feed_protocol import (
     ProtocolError,
     Span,
     Status,
+    _decode_done_slow,
     decode_bridge_stats,
     decode_done,
     decode_error,
@@ -237,6 +238,40 @@ def test_malformed_bridge_stats_are_refused(value: bytes, want: str) -> None:
     assert want in str(e.value), e.value
     with pytest.raises(ProtocolError, match=want):
         decode_done(ok_done(BRIDGE_STATS_TAG, value))
+
+
+def _decoded(body: bytes, decode: object) -> object:
+    try:
+        return decode(body)  # type: ignore[operator]
+    except ProtocolError as e:
+        return ("refused", str(e))
+
+
+def test_done_fast_path_is_the_general_decoder() -> None:
+    """decode_done reads the usual DONEs without the general decoder; on
+    every body (valid ones, and each byte of them changed, and every
+    truncation) it returns or refuses exactly as the general decoder does."""
+    stats = _bridge_value()
+    bodies = [
+        ok_done(BRIDGE_STATS_TAG, stats),
+        ok_done(BRIDGE_STATS_TAG, _patched(0, 2)),  # another layout: skipped
+        ok_done(5, b"xyz"),  # an unknown extension
+        ok_done(BRIDGE_STATS_TAG, stats) + struct.pack("<HH", 6, 1) + b"z",  # stats, then another
+        struct.pack("<QIIQQQQ", 9, 2, 0, 3, 64, 5, 6) + text("peer 1 gone é"),
+        struct.pack("<QIIQQQQ", 9, 0, 0, 3, 64, 5, 6) + text(""),
+    ]
+    seen = 0
+    for b in bodies:
+        cases = [b[:k] for k in range(len(b) + 1)]
+        for i in range(len(b)):
+            for x in (0x00, 0x01, 0x80, 0xFF):
+                m = bytearray(b)
+                m[i] ^= x
+                cases.append(bytes(m))
+        for c in cases:
+            assert _decoded(c, decode_done) == _decoded(c, _decode_done_slow), c.hex()
+            seen += 1
+    assert seen > 1000
 
 
 # Go's fuzz seeds of the feed decoder (lib/feed/testdata/fuzz/FuzzFeedDecode):
