@@ -67,8 +67,52 @@ type Options struct {
 	// caller. Default DefaultStreamBytes; a negative value turns it off.
 	// It changes no result, so members may differ.
 	StreamBytes int
+	// Overlap says whether a data stream that hands out frames in pieces
+	// the receiver may hold (transport.PieceHolder: TCP) is read by one
+	// goroutine while another reduces the pieces already in (pipe.go), so
+	// that the kernel's copy out of the socket and the reduction run at
+	// once, on two cores. OverlapAuto (the default) is OverlapOn when
+	// GOMAXPROCS is at least 2, else OverlapOff. It changes no result, so
+	// members may differ.
+	Overlap Overlap
 	// Log receives a record when the communicator breaks; nil discards.
 	Log *slog.Logger
+}
+
+// Overlap is Options.Overlap.
+type Overlap int8
+
+const (
+	// OverlapAuto: on when the process may run goroutines on two cores
+	// or more at once (GOMAXPROCS >= 2). With one, the reader and the
+	// reducer would only take turns on it: the hand-over would cost a
+	// little per piece, and the pieces read ahead would push each other
+	// out of the cache before they are reduced.
+	OverlapAuto Overlap = iota
+	// OverlapOn: read and reduce a stream's pieces on two goroutines.
+	OverlapOn
+	// OverlapOff: one goroutine per stream reads a piece, reduces it,
+	// then reads the next.
+	OverlapOff
+)
+
+// on resolves o for a process that runs goroutines on procs cores
+// at once (runtime.GOMAXPROCS).
+func (o Overlap) on(procs int) bool {
+	return o == OverlapOn || o == OverlapAuto && procs >= 2
+}
+
+// ParseOverlap reads "auto", "on" or "off".
+func ParseOverlap(s string) (Overlap, error) {
+	switch s {
+	case "auto", "":
+		return OverlapAuto, nil
+	case "on":
+		return OverlapOn, nil
+	case "off":
+		return OverlapOff, nil
+	}
+	return OverlapAuto, fmt.Errorf("overlap %q: want auto, on or off", s)
 }
 
 // Errors a call's error can be tested for with errors.Is.
@@ -124,8 +168,9 @@ type Comm struct {
 	stripeMin           int // the smallest message striped (defaultStripeMin; tests lower it)
 	stripeUnit          int // the smallest frame of a striped message (defaultStripeFrame)
 	chunk               int
-	stream              int // Options.StreamBytes resolved: -1 off
-	small               int // Options.SmallBytes resolved: -1 off
+	stream              int  // Options.StreamBytes resolved: -1 off
+	small               int  // Options.SmallBytes resolved: -1 off
+	overlap             bool // Options.Overlap resolved
 	workers             int
 	timeout             time.Duration
 	log                 *slog.Logger
@@ -194,6 +239,7 @@ func newComm(mesh transport.Mesh, o Options, maxUnexpected int64) *Comm {
 		c.stream = -1
 	}
 	c.chunk = min(c.chunk, wire.MaxPayload)
+	c.overlap = o.Overlap.on(runtime.GOMAXPROCS(0))
 	if c.workers <= 0 {
 		c.workers = runtime.NumCPU()
 	}
