@@ -102,10 +102,22 @@ func (o Overlap) on(procs int) bool {
 	return o == OverlapOn || o == OverlapAuto && procs >= 2
 }
 
-// ParseOverlap reads "auto", "on" or "off".
+func (o Overlap) String() string {
+	switch o {
+	case OverlapAuto:
+		return "auto"
+	case OverlapOn:
+		return "on"
+	case OverlapOff:
+		return "off"
+	}
+	return fmt.Sprintf("Overlap(%d)", int8(o))
+}
+
+// ParseOverlap reads "auto", "on" or "off" (what String writes).
 func ParseOverlap(s string) (Overlap, error) {
 	switch s {
-	case "auto", "":
+	case "auto":
 		return OverlapAuto, nil
 	case "on":
 		return OverlapOn, nil

@@ -35,16 +35,16 @@ import (
 // hold its pieces (transport.PieceHolder: TCP) and Options.Overlap is on,
 // that is two goroutines: pieceReader reads the pieces off the stream,
 // pieceConsumer consumes them, so that the kernel's copy of the next
-// pieces out of the socket runs while the earlier ones are reduced (one
-// goroutine that reads a piece, then reduces it, moves a stream's bytes at
-// 1/(1/copy + 1/reduce) of the rates; two at the slower of them). At most
-// transport.MaxHeldPieces pieces per stream (2 MiB over TCP) are read
-// ahead, in buffers the stream reuses; a stream that receives no more than
-// one piece in the call keeps the one goroutine. Over a stream that can
-// hold frames (transport.Holder) the receive side is two goroutines too:
-// one reads chunks off the stream and holds them, one consumes them (waits
-// for the send, reduces, releases), so that the stream is read while the
-// previous chunk is reduced, without copying it.
+// pieces out of the socket runs while the earlier ones are reduced (with
+// c the copy's rate and r the reduction's, one goroutine that reads a
+// piece, then reduces it, moves a stream's bytes at 1/(1/c + 1/r); two at
+// min(c, r)). At most transport.MaxHeldPieces pieces per stream (2 MiB
+// over TCP) are read ahead, in buffers the stream reuses; a stream that
+// receives no more than one piece in the call keeps the one goroutine.
+// Over a stream that can hold frames (transport.Holder) the receive side
+// is two goroutines too: one reads chunks off the stream and holds them,
+// one consumes them (waits for the send, reduces, releases), so that the
+// stream is read while the previous chunk is reduced, without copying it.
 //
 // Both require the chunk lists of the paired segments to agree; run checks.
 //
