@@ -308,8 +308,8 @@ func TestOverlapPeerFailsMidFrame(t *testing.T) {
 // Over real TCP (PieceHolder: the TCP stream's own buffers, pieces of 512
 // KiB) the overlapped path and the one-goroutine path give the reference's
 // bits, for frames of one piece, of several with a ragged last, several
-// chunks per stream; and a peer that aborts in the middle of the call is
-// reported the same way by both.
+// chunks per stream, 2 members (exchange) and 4 (ring); and a peer that
+// aborts in the middle of the call is reported the same way by both.
 func TestOverlapRealTCP(t *testing.T) {
 	ctx := context.Background()
 	for _, members := range []int{2, 4} {
@@ -322,10 +322,11 @@ func TestOverlapRealTCP(t *testing.T) {
 				bytes   int
 				several bool // pieces per stream in the call
 			}{
-				// One piece per stream and call (2 members).
-				{reduce.Float32, reduce.Sum, 200 << 10, false},
+				// One piece per stream and call (2 members; the ring's
+				// 6 steps of 50 KiB for 4).
+				{reduce.BFloat16, reduce.Max, 200 << 10, false},
 				// Chunks of 2 pieces, a ragged last chunk.
-				{reduce.BFloat16, reduce.Max, members*(3<<20) + members*2*1234, true},
+				{reduce.Float32, reduce.Sum, members*(2<<20) + members*4*1234, true},
 			} {
 				inputs := make([][]byte, members)
 				for m := range inputs {
