@@ -176,6 +176,24 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
             ("shm 8 / Gloo", "shm-allreduce-4m-s8", "gloo-4"),
         ],
     )
+    if any(c.endswith("-nooverlap") for c in bw):
+        table(
+            "TCP, 8 streams: pieces read while earlier ones are reduced (--overlap) or one after the other",
+            [
+                ("exchange (ceiling)", "tcp-exchange-s8"),
+                ("2 members", "tcp-allreduce-s8"),
+                ("2 members, no overlap", "tcp-allreduce-s8-nooverlap"),
+                ("Gloo, 4 ranks", "gloo-4"),
+                ("4 members", "tcp-allreduce-4m-s8"),
+                ("4 members, no overlap", "tcp-allreduce-4m-s8-nooverlap"),
+            ],
+            [
+                ("2 / ceiling", "tcp-allreduce-s8", "tcp-exchange-s8"),
+                ("2, no overlap / ceiling", "tcp-allreduce-s8-nooverlap", "tcp-exchange-s8"),
+                ("4 / Gloo", "tcp-allreduce-4m-s8", "gloo-4"),
+                ("4, no overlap / Gloo", "tcp-allreduce-4m-s8-nooverlap", "gloo-4"),
+            ],
+        )
     iperf = [r for r in rows if r["collective"] == "iperf3"]
     for r in iperf:
         p(f"- {r['transport']}: {r['forward_gbps']:.2f} GB/s one way, {r['reverse_gbps']:.2f} GB/s the other")

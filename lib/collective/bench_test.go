@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -211,4 +212,49 @@ func BenchmarkDirectStream(b *testing.B) {
 			})
 		}
 	}
+}
+
+// BenchmarkTCPOverlap: the 2-member all_reduce (float32 sum, both members
+// in this process over a real TCP mesh on loopback, 8 streams, default
+// chunk) with each stream's pieces read while the earlier ones are reduced
+// (Options.Overlap on) and one after the other (off), alternating per size
+// so that a drifting machine moves both alike; the raw exchange of the
+// same bytes is issue 12's ceiling (gbbridge bench --collective exchange).
+//
+//	go test -run '^$' -bench TCPOverlap -benchtime 10x -count 5 ./lib/collective/
+func BenchmarkTCPOverlap(b *testing.B) {
+	const members = 2
+	sizes := []int{64 << 20, 256 << 20}
+	cl := newClusterMesh(b, realMeshes(b, transport.TCP, members, 8), Options{Timeout: time.Minute}, DefaultMaxUnexpected)
+	bufs := make([][]byte, members)
+	for m := range bufs {
+		bufs[m] = make([]byte, sizes[len(sizes)-1])
+	}
+	for _, size := range sizes {
+		for _, on := range []bool{true, false} {
+			b.Run(fmt.Sprintf("size=%s/overlap=%v", strings.ReplaceAll(fmtBytes(size), " ", ""), on), func(b *testing.B) {
+				for _, c := range cl.comms {
+					c.overlap = on
+				}
+				b.SetBytes(int64(size))
+				cpu0 := cpuTime(b)
+				for b.Loop() {
+					requireNoErrors(b, cl.each(func(m int, c *Comm) error {
+						return c.AllReduce(context.Background(), bufs[m][:size], reduce.Float32, reduce.Sum, nil)
+					}))
+				}
+				// The CPU both members took per call, whatever share of
+				// the machine they got: a loaded machine moves the time
+				// per call, less this.
+				b.ReportMetric(float64((cpuTime(b)-cpu0).Milliseconds())/float64(b.N), "cpu-ms/op")
+			})
+		}
+	}
+}
+
+// cpuTime is the CPU (user and system) this process has used so far.
+func cpuTime(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	require.NoError(b, syscall.Getrusage(syscall.RUSAGE_SELF, &ru))
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

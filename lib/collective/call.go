@@ -284,15 +284,7 @@ func (cl *call) recvHold(st transport.Holder, s, peer, step, chunk, n int, prima
 // piece (off within the payload), each valid only during the call. Errors
 // are recv's.
 func (cl *call) recvPieces(st transport.PieceReceiver, s, peer, step, chunk, n int, primary bool, fn func(off int, p []byte) error) error {
-	asked := time.Now()
-	err := st.RecvPieces(cl.ctx, func(h wire.Header) error {
-		if err := cl.check(peer, h, step, chunk, n); err != nil {
-			return &localError{err}
-		}
-		cl.frameIn(peer, s, asked, int(h.Len))
-		cl.heard[peer].Store(true)
-		return nil
-	}, func(off int, p []byte) error {
+	err := st.RecvPieces(cl.ctx, cl.checkPieces(s, peer, step, chunk, n), func(off int, p []byte) error {
 		if err := fn(off, p); err != nil {
 			return &localError{err}
 		}
@@ -302,6 +294,36 @@ func (cl *call) recvPieces(st transport.PieceReceiver, s, peer, step, chunk, n i
 		return nil
 	}
 	return cl.recvErr(err, peer, primary)
+}
+
+// recvPiecesHold is recvPieces for a stream whose pieces the receiver may
+// hold: fn gets each piece with its release (transport.PieceHolder), and
+// owns it whatever it returns. Errors are recv's.
+func (cl *call) recvPiecesHold(st transport.PieceHolder, s, peer, step, chunk, n int, primary bool, fn func(off int, p []byte, release func()) error) error {
+	err := st.RecvPiecesHold(cl.ctx, cl.checkPieces(s, peer, step, chunk, n), func(off int, p []byte, release func()) error {
+		if err := fn(off, p, release); err != nil {
+			return &localError{err}
+		}
+		return nil
+	})
+	if err == nil {
+		return nil
+	}
+	return cl.recvErr(err, peer, primary)
+}
+
+// checkPieces is the header check of recvPieces and recvPiecesHold, whose
+// receive begins now.
+func (cl *call) checkPieces(s, peer, step, chunk, n int) func(wire.Header) error {
+	asked := time.Now()
+	return func(h wire.Header) error {
+		if err := cl.check(peer, h, step, chunk, n); err != nil {
+			return &localError{err}
+		}
+		cl.frameIn(peer, s, asked, int(h.Len))
+		cl.heard[peer].Store(true)
+		return nil
+	}
 }
 
 // recvErr classifies an error of a receive from peer; primary is recv's.

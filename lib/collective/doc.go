@@ -163,7 +163,19 @@
 // (transport.PieceReceiver: TCP) each piece is reduced at once, from a
 // buffer that stays in cache, straight into the member's buffer; a piece
 // that arrives before the member's own chunk was sent waits in a spill
-// buffer until it is.
+// buffer until it is. With Options.Overlap on (by default when GOMAXPROCS
+// is 4 or more) a stream that receives more than one piece in the call
+// has a second goroutine: one reads the pieces off the socket (the
+// kernel's copy), up to transport.MaxHeldPieces ahead in buffers of the
+// stream (2 MiB over TCP), while the other reduces those already in, in
+// the same order and from the same bytes, so the results do not change.
+// With c the rate of the kernel's copy and r the reduction's, one
+// goroutine that does both moves a stream's bytes at 1/(1/c + 1/r); two
+// move them at min(c, r), on two cores.
+//
+// The overlap adds no pass through memory: the pieces stay in cache
+// either way (the reducing core reads them from the reading core's cache
+// rather than its own), and a spilled piece is copied once, as before.
 //
 // # Direct: reading each other's memory
 //

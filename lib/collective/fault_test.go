@@ -93,65 +93,70 @@ func TestErrorText(t *testing.T) {
 // TestStalledMember: a member that never calls makes the others time out
 // with an error naming it.
 func TestStalledMember(t *testing.T) {
-	for _, cfg := range []struct {
-		members int
-		op      string
-	}{{2, "all_reduce"}, {4, "all_reduce"}, {3, "barrier"}, {2, "broadcast"}, {3, "all_gather"}, {4, "reduce_scatter"}} {
-		t.Run(fmt.Sprintf("%s/%d", cfg.op, cfg.members), func(t *testing.T) {
-			// Long enough that every member but the stalled one is in the
-			// call before it runs out, even on a loaded machine: else a
-			// member late to start is the one named.
-			timeout := testenv.Scale(time.Second)
-			after := "timed out after " + fmtDuration(timeout) + " waiting for member"
-			cl := newCluster(t, cfg.members, 2, Options{ChunkBytes: testChunk, Timeout: timeout})
-			stalled := cfg.members - 1
-			start := time.Now()
-			errs := cl.each(func(m int, c *Comm) error {
-				if m == stalled {
-					return nil
-				}
-				ctx := context.Background()
-				buf := make([]byte, 64<<10)
-				switch cfg.op {
-				case "all_reduce":
-					return c.AllReduce(ctx, buf, reduce.Float32, reduce.Sum, nil)
-				case "barrier":
-					return c.Barrier(ctx)
-				case "broadcast":
-					return c.Broadcast(ctx, buf, 0, nil)
-				case "all_gather":
-					return c.AllGather(ctx, make([]byte, cfg.members*len(buf)), buf, nil)
-				default:
-					L := len(buf) / cfg.members
-					return c.ReduceScatter(ctx, make([]byte, L), buf[:L*cfg.members], reduce.Float32, reduce.Sum, nil)
-				}
-			})
-			elapsed := time.Since(start)
-			assert.Less(t, elapsed, timeout+testenv.Scale(5*time.Second), "bounded by the timeout")
-			for m, err := range errs {
-				if m == stalled {
-					continue
-				}
-				require.Error(t, err, "member %d", m)
-				t.Logf("member %d: %v", m, err)
-				assert.ErrorContains(t, err, cfg.op+" #1", "member %d", m)
-				assert.ErrorContains(t, err, after, "member %d", m)
-				assert.ErrorContains(t, err, fmt.Sprintf("member %d", stalled), "member %d", m)
-			}
-			// The one that waited on it directly names it in its own words.
-			next := mod(stalled+1, cfg.members)
-			if cfg.op == "broadcast" {
-				next = stalled - 1 // the chain runs 0, 1, ...: its predecessor sends to it
-			}
-			assert.ErrorContains(t, errs[next], fmt.Sprintf("%s %d", after, stalled))
-			// The stalled member, when it comes, fails at once with the
-			// others' reason (broken already, or on the abort it finds).
-			start = time.Now()
-			err := cl.comms[stalled].Barrier(context.Background())
-			require.ErrorContains(t, err, after)
-			assert.Less(t, time.Since(start), timeout/2, "at once, not after a timeout of its own")
-		})
+	for _, cfg := range []stallCase{{2, "all_reduce"}, {4, "all_reduce"}, {3, "barrier"}, {2, "broadcast"}, {3, "all_gather"}, {4, "reduce_scatter"}} {
+		t.Run(fmt.Sprintf("%s/%d", cfg.op, cfg.members), func(t *testing.T) { testStalledMember(t, cfg) })
 	}
+}
+
+// stallCase is a collective of TestStalledMember's.
+type stallCase struct {
+	members int
+	op      string
+}
+
+func testStalledMember(t *testing.T, cfg stallCase) {
+	// Long enough that every member but the stalled one is in the
+	// call before it runs out, even on a loaded machine: else a
+	// member late to start is the one named.
+	timeout := testenv.Scale(time.Second)
+	after := "timed out after " + fmtDuration(timeout) + " waiting for member"
+	cl := newCluster(t, cfg.members, 2, Options{ChunkBytes: testChunk, Timeout: timeout})
+	stalled := cfg.members - 1
+	start := time.Now()
+	errs := cl.each(func(m int, c *Comm) error {
+		if m == stalled {
+			return nil
+		}
+		ctx := context.Background()
+		buf := make([]byte, 64<<10)
+		switch cfg.op {
+		case "all_reduce":
+			return c.AllReduce(ctx, buf, reduce.Float32, reduce.Sum, nil)
+		case "barrier":
+			return c.Barrier(ctx)
+		case "broadcast":
+			return c.Broadcast(ctx, buf, 0, nil)
+		case "all_gather":
+			return c.AllGather(ctx, make([]byte, cfg.members*len(buf)), buf, nil)
+		default:
+			L := len(buf) / cfg.members
+			return c.ReduceScatter(ctx, make([]byte, L), buf[:L*cfg.members], reduce.Float32, reduce.Sum, nil)
+		}
+	})
+	elapsed := time.Since(start)
+	assert.Less(t, elapsed, timeout+testenv.Scale(5*time.Second), "bounded by the timeout")
+	for m, err := range errs {
+		if m == stalled {
+			continue
+		}
+		require.Error(t, err, "member %d", m)
+		t.Logf("member %d: %v", m, err)
+		assert.ErrorContains(t, err, cfg.op+" #1", "member %d", m)
+		assert.ErrorContains(t, err, after, "member %d", m)
+		assert.ErrorContains(t, err, fmt.Sprintf("member %d", stalled), "member %d", m)
+	}
+	// The one that waited on it directly names it in its own words.
+	next := mod(stalled+1, cfg.members)
+	if cfg.op == "broadcast" {
+		next = stalled - 1 // the chain runs 0, 1, ...: its predecessor sends to it
+	}
+	assert.ErrorContains(t, errs[next], fmt.Sprintf("%s %d", after, stalled))
+	// The stalled member, when it comes, fails at once with the
+	// others' reason (broken already, or on the abort it finds).
+	start = time.Now()
+	err := cl.comms[stalled].Barrier(context.Background())
+	require.ErrorContains(t, err, after)
+	assert.Less(t, time.Since(start), timeout/2, "at once, not after a timeout of its own")
 }
 
 // TestDeadlineFromContext: a context deadline replaces Options.Timeout.

@@ -44,9 +44,14 @@ func newClusterLimit(t testing.TB, n, streams int, o Options, maxUnexpected int6
 		switch {
 		case noHold:
 			meshes[i] = noHoldMesh{m}
+		case piecesHold:
+			meshes[i] = pieceHoldMesh{m}
 		case pieces:
 			meshes[i] = pieceMesh{m}
 		}
+	}
+	if piecesHold && o.Overlap == OverlapAuto {
+		o.Overlap = OverlapOn // whatever GOMAXPROCS
 	}
 	cl := newClusterMesh(t, meshes, o, maxUnexpected)
 	if stripedP2P {
@@ -126,43 +131,66 @@ func (s slowStream) Send(ctx context.Context, h wire.Header, p []byte) error {
 	return err
 }
 
-type slowMesh struct{ transport.Mesh }
+// slowHoldStream is slowStream over a pieceHoldStream.
+type slowHoldStream struct{ pieceHoldStream }
+
+func (s slowHoldStream) Send(ctx context.Context, h wire.Header, p []byte) error {
+	err := s.pieceHoldStream.Send(ctx, h, p)
+	time.Sleep(200 * time.Microsecond)
+	return err
+}
+
+// slowMesh's streams are slowStreams, or with hold slowHoldStreams.
+type slowMesh struct {
+	transport.Mesh
+	hold bool
+}
 
 func (m slowMesh) Stream(peer, i int) transport.Stream {
+	if m.hold {
+		return slowHoldStream{newPieceHoldStream(m.Mesh.Stream(peer, i))}
+	}
 	return slowStream{pieceStream{m.Mesh.Stream(peer, i)}}
 }
 
 // Chunks that arrive before the send they depend on wait in the spill
-// buffer; the results stay exact.
+// buffer; the results stay exact, with the reading of the pieces
+// overlapped with their reduction (hold) or not.
 func TestPiecesSpill(t *testing.T) {
-	for _, members := range []int{2, 3} {
-		t.Run(fmt.Sprint("members=", members), func(t *testing.T) {
-			meshes := transport.NewMem(members, 2, false)
-			for i, m := range meshes {
-				meshes[i] = slowMesh{m}
-			}
-			cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk, SmallBytes: -1}, DefaultMaxUnexpected)
-			rng := rand.New(rand.NewPCG(21, uint64(members)))
-			inputs := make([][]byte, members)
-			for m := range inputs {
-				inputs[m] = randData(rng, reduce.Float32, 20*testChunk/4+3)
-			}
-			want := wantAllReduce(cl.comms[0], reduce.Sum, reduce.Float32, inputs)
-			before := spills.Load()
-			bufs := make([][]byte, members)
-			requireNoErrors(t, cl.each(func(m int, c *Comm) error {
-				bufs[m] = slices.Clone(inputs[m])
-				return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
-			}))
-			for m := range bufs {
-				requireBits(t, want, bufs[m], 4, "member %d", m)
-			}
-			if members == 2 {
-				// (The ring's receives depend on sends of earlier steps.)
-				assert.Positive(t, spills.Load()-before, "no chunk went through the spill buffer")
-			}
-		})
+	for _, hold := range []bool{false, true} {
+		for _, members := range []int{2, 3} {
+			t.Run(fmt.Sprintf("hold=%v/members=%d", hold, members), func(t *testing.T) { testPiecesSpill(t, members, hold) })
+		}
 	}
+}
+
+func testPiecesSpill(t *testing.T, members int, hold bool) {
+	meshes := transport.NewMem(members, 2, false)
+	for i, m := range meshes {
+		meshes[i] = slowMesh{m, hold}
+	}
+	beforeOverlaps := overlaps.Load()
+	cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk, SmallBytes: -1, Overlap: OverlapOn}, DefaultMaxUnexpected)
+	rng := rand.New(rand.NewPCG(21, uint64(members)))
+	inputs := make([][]byte, members)
+	for m := range inputs {
+		inputs[m] = randData(rng, reduce.Float32, 20*testChunk/4+3)
+	}
+	want := wantAllReduce(cl.comms[0], reduce.Sum, reduce.Float32, inputs)
+	before := spills.Load()
+	bufs := make([][]byte, members)
+	requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+		bufs[m] = slices.Clone(inputs[m])
+		return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
+	}))
+	for m := range bufs {
+		requireBits(t, want, bufs[m], 4, "member %d", m)
+	}
+	if members == 2 {
+		// (The ring's receives depend on sends of earlier steps.)
+		assert.Positive(t, spills.Load()-before, "no chunk went through the spill buffer")
+	}
+	requireOverlapped(t, hold, beforeOverlaps)
 }
 
 // The collectives work over streams that cannot hold frames (Recv path).
@@ -418,6 +446,11 @@ func TestPiecesReportChunks(t *testing.T) {
 type progressStream struct{ pieceStream }
 
 func (s progressStream) SendProgress(ctx context.Context, h wire.Header, p []byte, progress func(int)) error {
+	return sendInThirds(ctx, s.pieceStream, h, p, progress)
+}
+
+// sendInThirds is progressStream's SendProgress over st.
+func sendInThirds(ctx context.Context, st transport.Stream, h wire.Header, p []byte, progress func(int)) error {
 	own := slices.Clone(p)
 	if progress != nil {
 		for k := 1; k <= 2; k++ {
@@ -425,55 +458,77 @@ func (s progressStream) SendProgress(ctx context.Context, h wire.Header, p []byt
 			time.Sleep(100 * time.Microsecond)
 		}
 	}
-	err := s.pieceStream.Send(ctx, h, own)
+	err := st.Send(ctx, h, own)
 	if err == nil && progress != nil {
 		progress(len(p))
 	}
 	return err
 }
 
-type progressMesh struct{ transport.Mesh }
+// progressHoldStream is progressStream over a pieceHoldStream.
+type progressHoldStream struct{ pieceHoldStream }
+
+func (s progressHoldStream) SendProgress(ctx context.Context, h wire.Header, p []byte, progress func(int)) error {
+	return sendInThirds(ctx, s.pieceHoldStream, h, p, progress)
+}
+
+// progressMesh's streams are progressStreams, or with hold
+// progressHoldStreams.
+type progressMesh struct {
+	transport.Mesh
+	hold bool
+}
 
 func (m progressMesh) Stream(peer, i int) transport.Stream {
+	if m.hold {
+		return progressHoldStream{newPieceHoldStream(m.Mesh.Stream(peer, i))}
+	}
 	return progressStream{pieceStream{m.Mesh.Stream(peer, i)}}
 }
 
 // Pieces whose send is reported out go straight to the destination, the
 // others wait or spill; every way gives the reference's bits, streamed
-// input too.
+// input too, with the reading of the pieces overlapped with their
+// reduction (hold) or not.
 func TestPiecesProgress(t *testing.T) {
-	for _, members := range []int{2, 3} {
-		t.Run(fmt.Sprint("members=", members), func(t *testing.T) {
-			meshes := transport.NewMem(members, 2, false)
-			for i, m := range meshes {
-				meshes[i] = progressMesh{m}
-			}
-			cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk, SmallBytes: -1}, DefaultMaxUnexpected)
-			rng := rand.New(rand.NewPCG(23, uint64(members)))
-			for _, streamed := range []bool{false, true} {
-				inputs := make([][]byte, members)
-				for m := range inputs {
-					inputs[m] = randData(rng, reduce.BFloat16, 30*testChunk/2+5)
-				}
-				want := wantAllReduce(cl.comms[0], reduce.Sum, reduce.BFloat16, inputs)
-				bufs := make([][]byte, members)
-				requireNoErrors(t, cl.each(func(m int, c *Comm) error {
-					bufs[m] = make([]byte, len(inputs[m]))
-					var p *Progress
-					if streamed {
-						garbage(bufs[m])
-						g := newReadyGate(t, len(bufs[m]))
-						go g.release(bufs[m], inputs[m], 700, 50*time.Microsecond)
-						p = &Progress{Ready: g.ready}
-					} else {
-						copy(bufs[m], inputs[m])
-					}
-					return c.AllReduce(context.Background(), bufs[m], reduce.BFloat16, reduce.Sum, p)
-				}))
-				for m := range bufs {
-					requireBits(t, want, bufs[m], 2, "member %d, streamed %v", m, streamed)
-				}
-			}
-		})
+	for _, hold := range []bool{false, true} {
+		for _, members := range []int{2, 3} {
+			t.Run(fmt.Sprintf("hold=%v/members=%d", hold, members), func(t *testing.T) { testPiecesProgress(t, members, hold) })
+		}
 	}
+}
+
+func testPiecesProgress(t *testing.T, members int, hold bool) {
+	meshes := transport.NewMem(members, 2, false)
+	for i, m := range meshes {
+		meshes[i] = progressMesh{m, hold}
+	}
+	beforeOverlaps := overlaps.Load()
+	cl := newClusterMesh(t, meshes, Options{ChunkBytes: testChunk, SmallBytes: -1, Overlap: OverlapOn}, DefaultMaxUnexpected)
+	rng := rand.New(rand.NewPCG(23, uint64(members)))
+	for _, streamed := range []bool{false, true} {
+		inputs := make([][]byte, members)
+		for m := range inputs {
+			inputs[m] = randData(rng, reduce.BFloat16, 30*testChunk/2+5)
+		}
+		want := wantAllReduce(cl.comms[0], reduce.Sum, reduce.BFloat16, inputs)
+		bufs := make([][]byte, members)
+		requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+			bufs[m] = make([]byte, len(inputs[m]))
+			var p *Progress
+			if streamed {
+				garbage(bufs[m])
+				g := newReadyGate(t, len(bufs[m]))
+				go g.release(bufs[m], inputs[m], 700, 50*time.Microsecond)
+				p = &Progress{Ready: g.ready}
+			} else {
+				copy(bufs[m], inputs[m])
+			}
+			return c.AllReduce(context.Background(), bufs[m], reduce.BFloat16, reduce.Sum, p)
+		}))
+		for m := range bufs {
+			requireBits(t, want, bufs[m], 2, "member %d, streamed %v", m, streamed)
+		}
+	}
+	requireOverlapped(t, hold, beforeOverlaps)
 }

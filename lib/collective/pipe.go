@@ -30,11 +30,21 @@ import (
 // TCP) the receiver consumes each piece as it arrives, from a buffer that
 // stays in cache, straight into the destination; pieces that arrive
 // before the send they depend on is done wait in a spill buffer (the
-// socket is never left undrained), and are consumed once it is. Over a
-// stream that can hold frames (transport.Holder) the receive side is two
-// goroutines: one reads chunks off the stream and holds them, one consumes
-// them (waits for the send, reduces, releases), so that the stream is read
-// while the previous chunk is reduced, without copying it.
+// socket is never left undrained for more than spillAfter), and are
+// consumed once it is (pieceSink). When the stream also lets the receiver
+// hold its pieces (transport.PieceHolder: TCP) and Options.Overlap is on,
+// that is two goroutines: pieceReader reads the pieces off the stream,
+// pieceConsumer consumes them, so that the kernel's copy of the next
+// pieces out of the socket runs while the earlier ones are reduced (with
+// c the copy's rate and r the reduction's, one goroutine that reads a
+// piece, then reduces it, moves a stream's bytes at 1/(1/c + 1/r); two at
+// min(c, r)). At most transport.MaxHeldPieces pieces per stream (2 MiB
+// over TCP) are read ahead, in buffers the stream reuses; a stream that
+// receives no more than one piece in the call keeps the one goroutine.
+// Over a stream that can hold frames (transport.Holder) the receive side
+// is two goroutines too: one reads chunks off the stream and holds them,
+// one consumes them (waits for the send, reduces, releases), so that the
+// stream is read while the previous chunk is reduced, without copying it.
 //
 // Both require the chunk lists of the paired segments to agree; run checks.
 //
@@ -117,10 +127,12 @@ func (pp *pipe) run() error {
 		recvTok := make(chan struct{}, nrecv) // receive (t, c) done, for the send of (t+sendLag, c)
 		sendTok := make(chan struct{}, nsend) // send (t, c) done, for the receive of (t+recvLag, c)
 		var (
-			st     transport.Stream
-			pr     transport.PieceReceiver
-			pieces bool
-			prog   *sendProgress
+			st      transport.Stream
+			pr      transport.PieceReceiver
+			pieces  bool
+			ph      transport.PieceHolder
+			overlap bool
+			prog    *sendProgress
 		)
 		if nrecv > 0 {
 			st = pp.cl.c.mesh.Stream(pp.prev, s)
@@ -128,6 +140,10 @@ func (pp *pipe) run() error {
 			// A compressed frame is unpacked whole: fp8's groups and
 			// zstd's planes do not fall on the stream's pieces.
 			pieces = pieces && pr.PieceSize() > 0 && pp.cl.codec == codec.Raw
+			// Reading ahead helps only a stream that receives more
+			// than one piece; a small call keeps its one hand-over less.
+			ph, overlap = st.(transport.PieceHolder)
+			overlap = overlap && pieces && pp.cl.c.overlap && pp.recvMore(s, pr.PieceSize())
 		}
 		if nsend > 0 && pieces && pp.recvFrom <= pp.recvTo {
 			if _, ok := pp.cl.c.mesh.Stream(pp.next, s).(transport.ProgressSender); ok {
@@ -138,8 +154,15 @@ func (pp *pipe) run() error {
 			pp.cl.spawn(func() error { return pp.sender(s, recvTok, sendTok, prog) })
 		}
 		if nrecv > 0 {
-			if pieces {
-				pp.cl.spawn(func() error { return pp.pieceReceiver(s, pr, recvTok, sendTok, prog) })
+			if overlap {
+				// The reader holds one piece, the consumer one, and
+				// the queue the rest: the reader never waits for a
+				// buffer, only for room in the queue.
+				q := make(chan heldPiece, transport.MaxHeldPieces-2)
+				pp.cl.spawn(func() error { return pp.pieceReader(s, ph, q) })
+				pp.cl.spawn(func() error { return pp.pieceConsumer(q, pp.newPieceSink(recvTok, sendTok, prog)) })
+			} else if pieces {
+				pp.cl.spawn(func() error { return pp.pieceReceiver(s, pr, pp.newPieceSink(recvTok, sendTok, prog)) })
 			} else if h, ok := st.(transport.Holder); ok {
 				held := make(chan heldChunk, 1)
 				pp.cl.spawn(func() error { return pp.holdReceiver(s, h, held) })
@@ -243,71 +266,223 @@ func (pp *pipe) consumed(k chunkAt) {
 }
 
 // pieceReceiver receives the chunks of data stream s piece by piece
-// (transport.PieceReceiver) and consumes every piece at once when the send
-// the chunk depends on is out (wholly, or, when the stream reports its
-// progress, as far as the piece), else keeps it in a spill buffer (one
-// chunk per stream, made on first need) until the frame is in and that
-// send is done. A piece waits at most spillAfter for its send: the socket
-// is never left undrained for longer, whatever the socket buffers.
-func (pp *pipe) pieceReceiver(s int, st transport.PieceReceiver, recvTok chan<- struct{}, sendTok <-chan struct{}, prog *sendProgress) error {
+// (transport.PieceReceiver) and hands every piece, as it arrives, to the
+// stream's pieceSink; the next piece is read once the sink is done with
+// it.
+func (pp *pipe) pieceReceiver(s int, st transport.PieceReceiver, sink *pieceSink) error {
 	cl := pp.cl
-	var spill []byte
-	var wait *time.Timer
 	return pp.recvChunks(s, func(k chunkAt) error {
-		needs := pp.recvWaits(k.t)
-		sent := !needs
-		var spilled [][2]int // pieces in the spill buffer: offset, length
-		err := cl.recvPieces(st, s, pp.prev, pp.stepOff+k.t, k.c, k.n, pp.primary, func(off int, p []byte) error {
-			if !sent {
-				select {
-				case <-sendTok:
-					sent = true
-				default:
-				}
-			}
-			direct := sent
-			if !direct && prog != nil {
-				var err error
-				if direct, err = prog.await(cl.ctx, k.t-pp.recvLag, k.c, off+len(p), &wait); err != nil {
-					return err
-				}
-			}
-			if direct {
-				return pp.recv(k.t, k.j, k.c, k.off+off, len(p), p)
-			}
-			if spill == nil {
-				spill = make([]byte, pp.chunk)
-			}
-			if len(spilled) == 0 {
-				spills.Add(1)
-			}
-			copy(spill[off:], p)
-			if n := len(spilled); n > 0 && spilled[n-1][0]+spilled[n-1][1] == off {
-				spilled[n-1][1] += len(p)
-			} else {
-				spilled = append(spilled, [2]int{off, len(p)})
-			}
-			return nil
-		})
+		sink.begin(k)
+		err := cl.recvPieces(st, s, pp.prev, pp.stepOff+k.t, k.c, k.n, pp.primary, sink.piece)
 		if err != nil {
 			return err
 		}
-		if needs && !sent {
-			if err := cl.await(sendTok); err != nil {
-				return err
-			}
+		return sink.end()
+	})
+}
+
+// heldPiece is what pieceReader hands pieceConsumer: bytes [off,
+// off+len(p)) of chunk k's payload, held until release; or, with end set
+// (and no piece), the end of chunk k's frame.
+type heldPiece struct {
+	k       chunkAt
+	off     int
+	p       []byte
+	release func()
+	end     bool
+}
+
+// pieceReader reads the chunks of data stream s off the stream piece by
+// piece (transport.PieceHolder) and queues them for pieceConsumer, each
+// chunk followed by its end: it reads the next pieces while the consumer
+// reduces the earlier ones. It waits only for room in the queue (q's
+// capacity and the pieces the stream lets it hold are such that a buffer
+// is always free), that is for the consumer, which waits at most
+// spillAfter per piece before it moves the piece to its spill buffer: so
+// the socket is never left undrained for longer, as with pieceReceiver.
+func (pp *pipe) pieceReader(s int, st transport.PieceHolder, q chan<- heldPiece) error {
+	defer close(q)
+	overlaps.Add(1)
+	cl := pp.cl
+	// hand queues h; false when the call is stopped. (A stopped call is
+	// checked first: once the consumer has gone, the queue may have room
+	// that nobody empties but its drain.)
+	hand := func(h heldPiece) bool {
+		if cl.ctx.Err() != nil {
+			return false
 		}
-		for _, sp := range spilled {
-			if err := pp.recv(k.t, k.j, k.c, k.off+sp[0], sp[1], spill[sp[0]:sp[0]+sp[1]]); err != nil {
-				return cl.recvErr(&localError{err}, pp.prev, pp.primary)
-			}
+		select {
+		case q <- h:
+			return true
+		case <-cl.ctx.Done():
+			return false
 		}
-		pp.consumed(k)
-		if pp.unblocksSend(k.t) {
-			recvTok <- struct{}{}
+	}
+	return pp.recvChunks(s, func(k chunkAt) error {
+		stopped := false
+		err := cl.recvPiecesHold(st, s, pp.prev, pp.stepOff+k.t, k.c, k.n, pp.primary, func(off int, p []byte, release func()) error {
+			if !hand(heldPiece{k: k, off: off, p: p, release: release}) {
+				release()
+				stopped = true
+				return errSibling
+			}
+			return nil
+		})
+		switch {
+		case stopped:
+			// It waited for the consumer, not for the peer.
+			return errSibling
+		case err != nil:
+			return err
+		case !hand(heldPiece{k: k, end: true}):
+			return errSibling
 		}
 		return nil
 	})
+}
+
+// pieceConsumer hands the pieces pieceReader queues to the stream's
+// pieceSink, in order, releasing each once the sink is done with it. On
+// an error it stops the call (so that the reader stops too) and releases
+// what the reader still queues until it has closed the queue.
+func (pp *pipe) pieceConsumer(q <-chan heldPiece, sink *pieceSink) (err error) {
+	cl := pp.cl
+	defer func() {
+		if err != nil {
+			cl.setErr(err)
+		}
+		for h := range q {
+			if !h.end {
+				h.release()
+			}
+		}
+	}()
+	in := false // a chunk's pieces are coming
+	for h := range q {
+		if !in {
+			sink.begin(h.k)
+			in = true
+		}
+		if h.end {
+			in = false
+			if err := sink.end(); err != nil {
+				return err
+			}
+			continue
+		}
+		err := sink.piece(h.off, h.p)
+		h.release()
+		if err != nil {
+			return cl.recvErr(&localError{err}, pp.prev, pp.primary)
+		}
+	}
+	// The queue closed: every chunk is done, or the reader failed (its
+	// error is the call's).
+	return nil
+}
+
+// pieceSink consumes the pieces of the chunks one data stream receives,
+// in order: every piece at once when the send the chunk depends on is out
+// (wholly, or, when the stream reports its progress, as far as the
+// piece), else into a spill buffer (one chunk per stream, made on first
+// need) until the frame is in and that send is done. A piece waits at
+// most spillAfter for its send.
+type pieceSink struct {
+	pp          *pipe
+	recvTok     chan<- struct{}
+	sendTok     <-chan struct{}
+	prog        *sendProgress
+	spill       []byte
+	wait        *time.Timer
+	k           chunkAt
+	needs, sent bool
+	spilled     [][2]int // pieces in the spill buffer: offset, length
+}
+
+func (pp *pipe) newPieceSink(recvTok chan<- struct{}, sendTok <-chan struct{}, prog *sendProgress) *pieceSink {
+	return &pieceSink{pp: pp, recvTok: recvTok, sendTok: sendTok, prog: prog}
+}
+
+// begin starts chunk k.
+func (ps *pieceSink) begin(k chunkAt) {
+	ps.k = k
+	ps.needs = ps.pp.recvWaits(k.t)
+	ps.sent = !ps.needs
+	ps.spilled = ps.spilled[:0]
+}
+
+// piece consumes bytes [off, off+len(p)) of the chunk's payload, or
+// copies them into the spill buffer; p is not kept.
+func (ps *pieceSink) piece(off int, p []byte) error {
+	pp, k := ps.pp, ps.k
+	if !ps.sent {
+		select {
+		case <-ps.sendTok:
+			ps.sent = true
+		default:
+		}
+	}
+	direct := ps.sent
+	if !direct && ps.prog != nil {
+		var err error
+		if direct, err = ps.prog.await(pp.cl.ctx, k.t-pp.recvLag, k.c, off+len(p), &ps.wait); err != nil {
+			return err
+		}
+	}
+	if direct {
+		return pp.recv(k.t, k.j, k.c, k.off+off, len(p), p)
+	}
+	if ps.spill == nil {
+		ps.spill = make([]byte, pp.chunk)
+	}
+	if len(ps.spilled) == 0 {
+		spills.Add(1)
+	}
+	copy(ps.spill[off:], p)
+	if n := len(ps.spilled); n > 0 && ps.spilled[n-1][0]+ps.spilled[n-1][1] == off {
+		ps.spilled[n-1][1] += len(p)
+	} else {
+		ps.spilled = append(ps.spilled, [2]int{off, len(p)})
+	}
+	return nil
+}
+
+// end finishes the chunk once its frame is wholly in: it waits for the
+// send the chunk depends on, consumes what was spilled, reports the chunk
+// and lets the sender go on.
+func (ps *pieceSink) end() error {
+	pp, k, cl := ps.pp, ps.k, ps.pp.cl
+	if ps.needs && !ps.sent {
+		if err := cl.await(ps.sendTok); err != nil {
+			return err
+		}
+	}
+	for _, sp := range ps.spilled {
+		if err := pp.recv(k.t, k.j, k.c, k.off+sp[0], sp[1], ps.spill[sp[0]:sp[0]+sp[1]]); err != nil {
+			return cl.recvErr(&localError{err}, pp.prev, pp.primary)
+		}
+	}
+	pp.consumed(k)
+	if pp.unblocksSend(k.t) {
+		ps.recvTok <- struct{}{}
+	}
+	return nil
+}
+
+// recvMore says whether data stream s receives more than piece bytes in
+// the call.
+func (pp *pipe) recvMore(s, piece int) bool {
+	S, got := pp.cl.c.streams, 0
+	for t := range pp.steps {
+		j := pp.recvSeg(t)
+		for c := s; c < pp.nchunks(j); c += S {
+			_, n := pp.span(j, c)
+			if got += n; got > piece {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // spillAfter is how long a piece waits for the send it depends on before
@@ -371,8 +546,9 @@ func (sp *sendProgress) await(ctx context.Context, t, c, n int, timer **time.Tim
 	}
 }
 
-// spills counts the chunks that began in a spill buffer (tests).
-var spills atomic.Int64
+// spills counts the chunks that began in a spill buffer, overlaps the
+// streams whose pieces were read ahead of their reduction (tests).
+var spills, overlaps atomic.Int64
 
 // chunkAt is a chunk of the schedule: step t, segment j, chunk c, bytes
 // [off, off+n) of the segment.

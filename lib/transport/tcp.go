@@ -72,8 +72,9 @@ type tcpStream struct {
 	rbroken error
 	// held holds the free RecvHold buffers (MaxHeld of them, grown on
 	// demand); a held frame's buffer returns here on release.
-	held  chan []byte
-	piece []byte // RecvPieces' buffer
+	held   chan []byte
+	piece  []byte     // RecvPieces' buffer
+	pieces *piecePool // RecvPiecesHold's buffers
 }
 
 // newTCPMesh takes ownership of conns[peer][stream] (nil for self).
@@ -89,7 +90,7 @@ func newTCPMesh(self, streams, p2p int, crc bool, desc string, peers, procs []st
 		}
 		m.links[p] = make([]*tcpStream, len(cs))
 		for i, c := range cs {
-			s := &tcpStream{m: m, peer: p, idx: i, conn: c, br: bufio.NewReaderSize(c, readBuf), held: make(chan []byte, MaxHeld)}
+			s := &tcpStream{m: m, peer: p, idx: i, conn: c, br: bufio.NewReaderSize(c, readBuf), held: make(chan []byte, MaxHeld), pieces: newPiecePool()}
 			for range MaxHeld {
 				s.held <- nil
 			}
@@ -272,6 +273,21 @@ func (s *tcpStream) PieceSize() int {
 // RecvPieces implements PieceReceiver: the payload is read piece by piece
 // into one buffer of the stream and handed to fn as it comes.
 func (s *tcpStream) RecvPieces(ctx context.Context, check func(wire.Header) error, fn func(off int, p []byte) error) error {
+	return s.recvPieces(ctx, check, false, func(off int, p []byte, _ func()) error { return fn(off, p) })
+}
+
+// RecvPiecesHold implements PieceHolder: each piece is read into a buffer
+// of the stream's piecePool, which returns there on release.
+func (s *tcpStream) RecvPiecesHold(ctx context.Context, check func(wire.Header) error, fn func(off int, p []byte, release func()) error) error {
+	return s.recvPieces(ctx, check, true, fn)
+}
+
+// noRelease is the release of a piece that is not held.
+func noRelease() {}
+
+// recvPieces is RecvPieces (hold false: one buffer, release does nothing)
+// and RecvPiecesHold (hold: a buffer of the pool per piece).
+func (s *tcpStream) recvPieces(ctx context.Context, check func(wire.Header) error, hold bool, fn func(off int, p []byte, release func()) error) error {
 	h, err := s.header(ctx)
 	if err != nil {
 		return err
@@ -286,7 +302,18 @@ func (s *tcpStream) RecvPieces(ctx context.Context, check func(wire.Header) erro
 			return err
 		}
 		for off := 0; off < len(p); off += tcpPiece {
-			if err := fn(off, p[off:min(off+tcpPiece, len(p))]); err != nil {
+			q, release := p[off:min(off+tcpPiece, len(p))], noRelease
+			if hold {
+				// A held piece outlives the call: copy it out of the
+				// frame's buffer, which the next frame reuses. (The
+				// frame is wholly read: the stream stays in step.)
+				b, r, err := s.pieces.take(ctx, tcpPiece, s.m.done, s.m.Peer(s.peer), s.idx)
+				if err != nil {
+					return err
+				}
+				q, release = b[:copy(b, q)], r
+			}
+			if err := fn(off, q, release); err != nil {
 				return err
 			}
 		}
@@ -296,16 +323,24 @@ func (s *tcpStream) RecvPieces(ctx context.Context, check func(wire.Header) erro
 		s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a refused frame: %w", s.m.Peer(s.peer), s.idx, err)
 		return err
 	}
-	if len(s.piece) < tcpPiece {
+	if !hold && len(s.piece) < tcpPiece {
 		s.piece = make([]byte, tcpPiece)
 	}
 	n := int(h.Len)
 	for off := 0; off < n; off += tcpPiece {
-		p := s.piece[:min(tcpPiece, n-off)]
+		b, release := s.piece, noRelease
+		if hold {
+			if b, release, err = s.pieces.take(ctx, tcpPiece, s.m.done, s.m.Peer(s.peer), s.idx); err != nil {
+				s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a frame was given up: %w", s.m.Peer(s.peer), s.idx, err)
+				return err
+			}
+		}
+		p := b[:min(tcpPiece, n-off)]
 		if _, err := io.ReadFull(s.br, p); err != nil {
+			release()
 			return s.brokenRead(ctx, err)
 		}
-		if err := fn(off, p); err != nil {
+		if err := fn(off, p, release); err != nil {
 			s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a frame was given up: %w", s.m.Peer(s.peer), s.idx, err)
 			return err
 		}

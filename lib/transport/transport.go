@@ -83,6 +83,38 @@ type PieceReceiver interface {
 	RecvPieces(ctx context.Context, check func(wire.Header) error, fn func(off int, p []byte) error) error
 }
 
+// MaxHeldPieces is how many pieces a PieceHolder stream lets its receiver
+// hold at once: one being read off the wire, one being consumed and two
+// queued between them (the collectives' reader and consumer, pipe.go).
+const MaxHeldPieces = 4
+
+// PieceHolder is implemented by PieceReceiver streams whose receiver may
+// keep a piece past the call that handed it over (the TCP stream), so that
+// one goroutine reads the next pieces off the wire while another consumes
+// the earlier ones: the kernel's copy out of the socket and the consumer's
+// pass over the piece (a reduction) then run at the same time, on two
+// cores, instead of one after the other. Each held piece has a buffer of
+// its own, of PieceSize bytes, at most MaxHeldPieces per stream (made on
+// first need and kept by the stream: MaxHeldPieces x PieceSize bytes per
+// stream at most, 2 MiB over TCP); the one released last is reused first,
+// so that a receiver that keeps up cycles through two buffers that stay in
+// cache. RecvPieces and RecvPiecesHold may be mixed on a stream, by its one
+// receiver goroutine.
+type PieceHolder interface {
+	PieceReceiver
+	// RecvPiecesHold is RecvPieces (check first; the pieces in order, of
+	// PieceSize bytes but the last; a KindAbort frame a *PeerError; an error
+	// of check or fn ends the call with it, and then the stream is out of
+	// step), except that a piece stays valid after fn returns, until its
+	// release is called. Once fn is called the piece is the receiver's,
+	// whatever fn returns: release must be called exactly once per piece
+	// (further calls do nothing), from any goroutine, in any order, also
+	// after the mesh was closed. Reading a piece while MaxHeldPieces are
+	// held waits for a release, or until ctx ends or the mesh is closed;
+	// such a wait that ends inside a frame leaves the stream out of step.
+	RecvPiecesHold(ctx context.Context, check func(wire.Header) error, fn func(off int, p []byte, release func()) error) error
+}
+
 // ProgressSender is implemented by streams that can say how much of a
 // frame's payload is out while they send it (the TCP stream, which then
 // writes a large payload in pieces), so that a receiver whose data depends

@@ -47,6 +47,19 @@ func (b *smallSize) Decode(ctx *kong.DecodeContext) error {
 	return err
 }
 
+// overlapFlag is --overlap: auto, on or off (collective.Options.Overlap).
+type overlapFlag collective.Overlap
+
+func (o *overlapFlag) Decode(ctx *kong.DecodeContext) error {
+	var s string
+	if err := ctx.Scan.PopValueInto("mode", &s); err != nil {
+		return err
+	}
+	v, err := collective.ParseOverlap(s)
+	*o = overlapFlag(v)
+	return err
+}
+
 // memberFlags are what selftest and bench share: how members meet and how
 // the bridge between them is set up.
 type memberFlags struct {
@@ -61,6 +74,7 @@ type memberFlags struct {
 	CRC       bool          `help:"CRC32C on every frame between members (off by default: it costs 25-45% at 256 MiB on a 2-core host, see docs/BENCHMARKS.md)." negatable:""`
 	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
 	Stream    smallSize     `help:"Direct collectives over shared memory copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written); 0 or off: never." default:"128M" placeholder:"BYTES"`
+	Overlap   overlapFlag   `help:"Over TCP, read the next pieces of a frame off the socket while the earlier ones are reduced, on two goroutines per stream (up to 2 MiB of pieces per stream): on, off, or auto (on when the process may use 4 cores or more)." default:"auto" placeholder:"auto|on|off"`
 	Timeout   time.Duration `help:"Deadline of the setup and of each collective." default:"60s"`
 }
 
@@ -70,7 +84,7 @@ func (f memberFlags) memberArgs(cmd string, rank, n int, storeAddr, ns string) [
 	return []string{cmd, "--store", storeAddr, "--rank", strconv.Itoa(rank), "--world-size", strconv.Itoa(n),
 		"--namespace", ns, "--transport", f.Transport, "--streams", strconv.Itoa(f.Streams),
 		"--chunk", strconv.Itoa(int(f.Chunk)), "--small", strconv.Itoa(int(f.Small)), "--crc=" + strconv.FormatBool(f.CRC),
-		"--workers", strconv.Itoa(f.Workers), "--stream", strconv.Itoa(int(f.Stream)), "--timeout", f.Timeout.String()}
+		"--workers", strconv.Itoa(f.Workers), "--stream", strconv.Itoa(int(f.Stream)), "--overlap", collective.Overlap(f.Overlap).String(), "--timeout", f.Timeout.String()}
 }
 
 // join makes this process member --rank of a run through --store: the
@@ -83,7 +97,8 @@ func (f memberFlags) join(env *cli.Env) (*bridge.Member, error) {
 	return bridge.Join(env.Ctx, bridge.Config{Store: f.Store, Namespace: f.Namespace, Size: f.WorldSize,
 		Mesh: transport.Config{Self: f.Rank, Transport: transport.Kind(f.Transport), Streams: f.Streams, CRC: f.CRC,
 			Timeout: f.Timeout, RingBytes: 2 * int(f.Chunk), Log: env.Log, Process: "gbbridge member"},
-		Comm: collective.Options{ChunkBytes: int(f.Chunk), SmallBytes: smallBytes(f.Small), Workers: f.Workers, StreamBytes: smallBytes(f.Stream), Timeout: f.Timeout, Log: env.Log},
+		Comm: collective.Options{ChunkBytes: int(f.Chunk), SmallBytes: smallBytes(f.Small), Workers: f.Workers, StreamBytes: smallBytes(f.Stream),
+			Overlap: collective.Overlap(f.Overlap), Timeout: f.Timeout, Log: env.Log},
 	})
 }
 
