@@ -6,10 +6,11 @@
 # over TCP and shm (8 streams) beside their exchange ceilings (the same
 # streams moving the same bytes, nothing reduced), the 4-member all_reduce,
 # the TCP all_reduces again with --overlap off (each stream's pieces read,
-# then reduced, by one goroutine: the A/B of the overlap), one core's memcpy, and torch Gloo's all_reduce of 2 and 4 ranks (the
-# anchor), 1 MiB .. 1 GiB, every row checked element by element after
-# timing; each gbbridge row names the algorithm that ran (exchange, ring,
-# direct). Then bench/report.py's tables.
+# then reduced, by one goroutine: the A/B of the overlap), one core's
+# memcpy, and torch Gloo's all_reduce of 2 and 4 ranks (the anchor),
+# 1 MiB .. 1 GiB, every row checked element by element after timing; each
+# gbbridge row names the algorithm that ran (exchange, ring, direct). Then
+# bench/report.py's tables.
 #
 # Needs bin/gbbridge built on the dev machine and carried, python3 with torch
 # (for Gloo). Writes under $OUT (default /tmp/gpubridge-out): rows.jsonl,
