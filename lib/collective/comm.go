@@ -71,9 +71,9 @@ type Options struct {
 	// the receiver may hold (transport.PieceHolder: TCP) is read by one
 	// goroutine while another reduces the pieces already in (pipe.go), so
 	// that the kernel's copy out of the socket and the reduction run at
-	// once, on two cores. OverlapAuto (the default) is OverlapOn when
-	// GOMAXPROCS is at least overlapMinProcs (4), else OverlapOff. It
-	// changes no result, so members may differ.
+	// once, on two cores. OverlapAuto (the default) is OverlapOff on
+	// every host so far (see overlapAuto). It changes no result, so
+	// members may differ.
 	Overlap Overlap
 	// Log receives a record when the communicator breaks; nil discards.
 	Log *slog.Logger
@@ -83,8 +83,7 @@ type Options struct {
 type Overlap int8
 
 const (
-	// OverlapAuto: on when the process may run goroutines on
-	// overlapMinProcs cores or more at once (GOMAXPROCS).
+	// OverlapAuto: whatever overlapAuto says for this process.
 	OverlapAuto Overlap = iota
 	// OverlapOn: read and reduce a stream's pieces on two goroutines.
 	OverlapOn
@@ -93,19 +92,22 @@ const (
 	OverlapOff
 )
 
-// overlapMinProcs is the fewest cores (GOMAXPROCS) on which OverlapAuto
-// reads ahead. The extra goroutine helps only where a core is free for it;
-// with one or two, each stream's sender and receiver (and the reductions'
-// helpers) keep them busy already, and reading ahead only adds hand-overs
-// and pieces that wait out of the reducing core's cache: on the 2-core
-// development box (two members, 8 streams) the 2-member TCP all_reduce ran
-// 10-20% slower with it on.
-const overlapMinProcs = 4
+// overlapAuto is what OverlapAuto resolves to for a process that runs
+// goroutines on procs cores at once (runtime.GOMAXPROCS): off, wherever it
+// was measured. Reading ahead was to let the kernel's copy and the
+// reduction run on two cores; with 8 streams each stream's sender and
+// receiver (and the reductions' helpers) keep the cores busy already, and
+// the hand-overs cost more than they save: the 2-member TCP all_reduce ran
+// 10-20% slower with it on on the 2-core development box, and on the
+// 16-core H200 host (52e06f4, host-bridge-bench) 8.3-8.6 GB/s on against
+// 9.2-9.6 off at 256 MiB and 1 GiB, 4 members 3.1 against 3.5. A host
+// where it pays (more cores per stream) would say so here.
+func overlapAuto(procs int) bool { return false }
 
 // on resolves o for a process that runs goroutines on procs cores
 // at once (runtime.GOMAXPROCS).
 func (o Overlap) on(procs int) bool {
-	return o == OverlapOn || o == OverlapAuto && procs >= overlapMinProcs
+	return o == OverlapOn || o == OverlapAuto && overlapAuto(procs)
 }
 
 func (o Overlap) String() string {

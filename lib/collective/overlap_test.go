@@ -228,7 +228,7 @@ func TestOverlapOption(t *testing.T) {
 		procs int
 		want  bool
 	}{
-		{OverlapAuto, 1, false}, {OverlapAuto, 2, false}, {OverlapAuto, 4, true}, {OverlapAuto, 16, true},
+		{OverlapAuto, 1, false}, {OverlapAuto, 2, false}, {OverlapAuto, 4, false}, {OverlapAuto, 16, false},
 		{OverlapOn, 1, true}, {OverlapOn, 16, true},
 		{OverlapOff, 1, false}, {OverlapOff, 16, false},
 	} {

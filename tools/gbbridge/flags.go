@@ -74,7 +74,7 @@ type memberFlags struct {
 	CRC       bool          `help:"CRC32C on every frame between members (off by default: it costs 25-45% at 256 MiB on a 2-core host, see docs/BENCHMARKS.md)." negatable:""`
 	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
 	Stream    smallSize     `help:"Direct collectives over shared memory copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written); 0 or off: never." default:"128M" placeholder:"BYTES"`
-	Overlap   overlapFlag   `help:"Over TCP, read the next pieces of a frame off the socket while the earlier ones are reduced, on two goroutines per stream (up to 2 MiB of pieces per stream): on, off, or auto (on when the process may use 4 cores or more)." default:"auto" placeholder:"auto|on|off"`
+	Overlap   overlapFlag   `help:"Over TCP, read the next pieces of a frame off the socket while the earlier ones are reduced, on two goroutines per stream (up to 2 MiB of pieces per stream): on, off, or auto (off: measured slower on the hosts tried, docs/BENCHMARKS.md)." default:"auto" placeholder:"auto|on|off"`
 	Timeout   time.Duration `help:"Deadline of the setup and of each collective." default:"60s"`
 }
 

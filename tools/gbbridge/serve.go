@@ -30,7 +30,7 @@ type serveCmd struct {
 	CRC           bool          `help:"CRC32C on every frame between members (off by default, like selftest and bench: see docs/ARCHITECTURE.md); every member must use the same." negatable:""`
 	Workers       int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
 	Stream        smallSize     `help:"Direct collectives over shared memory copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written); 0 or off: never." default:"128M" placeholder:"BYTES"`
-	Overlap       overlapFlag   `help:"Over TCP, read the next pieces of a frame off the socket while the earlier ones are reduced, on two goroutines per stream (up to 2 MiB of pieces per stream): on, off, or auto (on when the process may use 4 cores or more)." default:"auto" placeholder:"auto|on|off"`
+	Overlap       overlapFlag   `help:"Over TCP, read the next pieces of a frame off the socket while the earlier ones are reduced, on two goroutines per stream (up to 2 MiB of pieces per stream): on, off, or auto (off: measured slower on the hosts tried, docs/BENCHMARKS.md)." default:"auto" placeholder:"auto|on|off"`
 	Timeout       time.Duration `help:"Deadline of one collective or point-to-point operation." default:"5m"`
 	SetupTimeout  time.Duration `help:"Deadline of the store connection and the bridge setup, and then of the wait for the plugin's feed connection." default:"60s"`
 	Interface     string        `help:"Network interface to listen on and advertise. Default: the one that routes to the store's host." env:"GPUBRIDGE_IFNAME" placeholder:"NAME"`
