@@ -194,6 +194,22 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
                 ("4, no overlap / Gloo", "tcp-allreduce-4m-s8-nooverlap", "gloo-4"),
             ],
         )
+    if any(c.endswith("-spin200") for c in bw):
+        table(
+            "shm, 8 streams: waiters spin 200 µs before sleeping (--spin-us 200, serve under the plugin's auto) or 5 µs",
+            [
+                ("2 members", "shm-allreduce-s8"),
+                ("2 members, spin 200", "shm-allreduce-s8-spin200"),
+                ("Gloo, 4 ranks", "gloo-4"),
+                ("4 members", "shm-allreduce-4m-s8"),
+                ("4 members, spin 200", "shm-allreduce-4m-s8-spin200"),
+            ],
+            [
+                ("2, spin 200 / spin 5", "shm-allreduce-s8-spin200", "shm-allreduce-s8"),
+                ("4 / Gloo", "shm-allreduce-4m-s8", "gloo-4"),
+                ("4, spin 200 / Gloo", "shm-allreduce-4m-s8-spin200", "gloo-4"),
+            ],
+        )
     iperf = [r for r in rows if r["collective"] == "iperf3"]
     for r in iperf:
         p(f"- {r['transport']}: {r['forward_gbps']:.2f} GB/s one way, {r['reverse_gbps']:.2f} GB/s the other")

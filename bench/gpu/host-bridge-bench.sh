@@ -5,8 +5,8 @@
 # gbbridge bench, members as processes on this host: the 2-member all_reduce
 # over TCP and shm (8 streams) beside their exchange ceilings (the same
 # streams moving the same bytes, nothing reduced), the 4-member all_reduce,
-# the TCP all_reduces again with --overlap off (each stream's pieces read,
-# then reduced, by one goroutine: the A/B of the overlap), one core's
+# the shm all_reduces again with the waiters spinning 200 us (--spin-us,
+# as the plugin's serve does where every process has a core), one core's
 # memcpy, and torch Gloo's all_reduce of 2 and 4 ranks (the anchor),
 # 1 MiB .. 1 GiB, every row checked element by element after timing; each
 # gbbridge row names the algorithm that ran (exchange, ring, direct). Then
@@ -49,11 +49,12 @@ b shm-allreduce-s8 --members 2 --transport shm --streams 8
 # copies before issue 12's streaming stores), for a before/after in one run.
 b shm-allreduce-s8-nostream --members 2 --transport shm --streams 8 --stream off
 b tcp-allreduce-4m-s8 --members 4 --transport tcp --streams 8
-# The TCP all_reduce with each stream's pieces read and reduced by one
-# goroutine (--overlap off: before the overlap), for a before/after in one
-# run.
-b tcp-allreduce-s8-nooverlap --members 2 --transport tcp --streams 8 --overlap off
-b tcp-allreduce-4m-s8-nooverlap --members 4 --transport tcp --streams 8 --overlap off
+# The shm all_reduces with the waiters spinning 200 us before they sleep
+# (--spin-us: what the plugin's serve does where every process has a core)
+# instead of 5: a sleeper's wake-up costs tens of microseconds on a VM, and
+# the direct path has several per call.
+b shm-allreduce-s8-spin200 --members 2 --transport shm --streams 8 --spin-us 200
+b shm-allreduce-4m-s8-spin200 --members 4 --transport shm --streams 8 --spin-us 200
 b shm-allreduce-4m-s8 --members 4 --transport shm --streams 8
 bytes=$("$PY" -c 'import sys
 m={"K":1<<10,"M":1<<20,"G":1<<30}

@@ -75,7 +75,15 @@ type memberFlags struct {
 	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
 	Stream    smallSize     `help:"Direct collectives over shared memory copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written); 0 or off: never." default:"128M" placeholder:"BYTES"`
 	Overlap   overlapFlag   `help:"Over TCP, read the next pieces of a frame off the socket while the earlier ones are reduced, on two goroutines per stream (up to 2 MiB of pieces per stream): on, off, or auto (off: measured slower on the hosts tried, docs/BENCHMARKS.md)." default:"auto" placeholder:"auto|on|off"`
+	SpinUS    int           `help:"Microseconds a shm stream's waiter checks its ring before sleeping, as serve's --spin-us (the plugin passes 200 where every process has a core)." default:"5" name:"spin-us" placeholder:"US"`
 	Timeout   time.Duration `help:"Deadline of the setup and of each collective." default:"60s"`
+}
+
+// Validate refuses flags a member would refuse, before members start
+// (kong calls it after parsing).
+func (f memberFlags) Validate() error {
+	_, err := spinOf(f.SpinUS)
+	return err
 }
 
 // memberArgs are the flags that make a child process member rank of n
@@ -84,7 +92,8 @@ func (f memberFlags) memberArgs(cmd string, rank, n int, storeAddr, ns string) [
 	return []string{cmd, "--store", storeAddr, "--rank", strconv.Itoa(rank), "--world-size", strconv.Itoa(n),
 		"--namespace", ns, "--transport", f.Transport, "--streams", strconv.Itoa(f.Streams),
 		"--chunk", strconv.Itoa(int(f.Chunk)), "--small", strconv.Itoa(int(f.Small)), "--crc=" + strconv.FormatBool(f.CRC),
-		"--workers", strconv.Itoa(f.Workers), "--stream", strconv.Itoa(int(f.Stream)), "--overlap", collective.Overlap(f.Overlap).String(), "--timeout", f.Timeout.String()}
+		"--workers", strconv.Itoa(f.Workers), "--stream", strconv.Itoa(int(f.Stream)), "--overlap", collective.Overlap(f.Overlap).String(), "--spin-us", strconv.Itoa(f.SpinUS),
+		"--timeout", f.Timeout.String()}
 }
 
 // join makes this process member --rank of a run through --store: the
@@ -94,9 +103,13 @@ func (f memberFlags) join(env *cli.Env) (*bridge.Member, error) {
 	if f.WorldSize < 2 || f.Rank < 0 || f.Rank >= f.WorldSize {
 		return nil, fmt.Errorf("with --store, --rank (0..N-1) and --world-size N >= 2 are needed; got rank %d of %d", f.Rank, f.WorldSize)
 	}
+	spin, err := spinOf(f.SpinUS)
+	if err != nil {
+		return nil, err
+	}
 	return bridge.Join(env.Ctx, bridge.Config{Store: f.Store, Namespace: f.Namespace, Size: f.WorldSize,
 		Mesh: transport.Config{Self: f.Rank, Transport: transport.Kind(f.Transport), Streams: f.Streams, CRC: f.CRC,
-			Timeout: f.Timeout, RingBytes: 2 * int(f.Chunk), Log: env.Log, Process: "gbbridge member"},
+			Timeout: f.Timeout, RingBytes: 2 * int(f.Chunk), Spin: spin, Log: env.Log, Process: "gbbridge member"},
 		Comm: collective.Options{ChunkBytes: int(f.Chunk), SmallBytes: smallBytes(f.Small), Workers: f.Workers, StreamBytes: smallBytes(f.Stream),
 			Overlap: collective.Overlap(f.Overlap), Timeout: f.Timeout, Log: env.Log},
 	})

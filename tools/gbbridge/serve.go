@@ -54,8 +54,8 @@ func (c *serveCmd) Run(env *cli.Env) error {
 	if err != nil {
 		return cli.CannotRun(err)
 	}
-	if c.SpinUS < 0 || time.Duration(c.SpinUS)*time.Microsecond > transport.MaxSpin {
-		return cli.CannotRun(fmt.Errorf("--spin-us %d: 0..%d allowed", c.SpinUS, transport.MaxSpin.Microseconds()))
+	if _, err := spinOf(c.SpinUS); err != nil {
+		return cli.CannotRun(err)
 	}
 	if c.DieWithParent {
 		if err := cli.DieWithParent(c.ParentPID); err != nil {
@@ -251,9 +251,19 @@ func (c *serveCmd) commOptions(log *slog.Logger) collective.Options {
 		StreamBytes: smallBytes(c.Stream), Overlap: collective.Overlap(c.Overlap), Timeout: c.Timeout, Log: log}
 }
 
-// spin is the shm waiters' spin; 0 means none (Config's zero is its default).
+// spin is the shm waiters' spin (checked in Run).
 func (c *serveCmd) spin() time.Duration {
-	return max(time.Duration(c.SpinUS)*time.Microsecond, time.Nanosecond)
+	s, _ := spinOf(c.SpinUS)
+	return s
+}
+
+// spinOf is --spin-us as transport.Config.Spin: 0 means none (Config's
+// zero is its default).
+func spinOf(us int) (time.Duration, error) {
+	if us < 0 || time.Duration(us)*time.Microsecond > transport.MaxSpin {
+		return 0, fmt.Errorf("--spin-us %d: 0..%d allowed", us, transport.MaxSpin.Microseconds())
+	}
+	return max(time.Duration(us)*time.Microsecond, time.Nanosecond), nil
 }
 
 // p2pStreamsOf is the point-to-point streams a named bridge gets (0: the
