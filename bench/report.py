@@ -196,7 +196,7 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
         )
     if any(c.endswith("-spin200") for c in bw):
         table(
-            "shm, 8 streams: waiters spin 200 µs before sleeping (--spin-us 200, serve under the plugin's auto) or 5 µs",
+            "shm, 8 streams: waiters spin 200 µs before sleeping (--spin-us 200: serve under auto) or 5 µs",
             [
                 ("2 members", "shm-allreduce-s8"),
                 ("2 members, spin 200", "shm-allreduce-s8-spin200"),
