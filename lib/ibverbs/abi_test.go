@@ -57,8 +57,8 @@ var abiChecks = []struct {
 
 // The constants gbverbs.h restates.
 var abiConstants = [][2]string{
-	{"GBV_QPT_RC", "IBV_QPT_RC"}, {"GBV_QPS_INIT", "IBV_QPS_INIT"}, {"GBV_QPS_RTR", "IBV_QPS_RTR"}, {"GBV_QPS_RTS", "IBV_QPS_RTS"},
-	{"GBV_QPS_ERR", "IBV_QPS_ERR"}, {"GBV_QP_STATE", "IBV_QP_STATE"}, {"GBV_QP_ACCESS_FLAGS", "IBV_QP_ACCESS_FLAGS"},
+	{"GBV_QPT_RC", "IBV_QPT_RC"}, {"GBV_QPS_RESET", "IBV_QPS_RESET"}, {"GBV_QPS_INIT", "IBV_QPS_INIT"}, {"GBV_QPS_RTR", "IBV_QPS_RTR"},
+	{"GBV_QPS_RTS", "IBV_QPS_RTS"}, {"GBV_QPS_SQD", "IBV_QPS_SQD"}, {"GBV_QPS_SQE", "IBV_QPS_SQE"}, {"GBV_QPS_ERR", "IBV_QPS_ERR"}, {"GBV_QP_STATE", "IBV_QP_STATE"}, {"GBV_QP_ACCESS_FLAGS", "IBV_QP_ACCESS_FLAGS"},
 	{"GBV_QP_PKEY_INDEX", "IBV_QP_PKEY_INDEX"}, {"GBV_QP_PORT", "IBV_QP_PORT"}, {"GBV_QP_AV", "IBV_QP_AV"},
 	{"GBV_QP_PATH_MTU", "IBV_QP_PATH_MTU"}, {"GBV_QP_TIMEOUT", "IBV_QP_TIMEOUT"}, {"GBV_QP_RETRY_CNT", "IBV_QP_RETRY_CNT"},
 	{"GBV_QP_RNR_RETRY", "IBV_QP_RNR_RETRY"}, {"GBV_QP_RQ_PSN", "IBV_QP_RQ_PSN"}, {"GBV_QP_MAX_QP_RD_ATOMIC", "IBV_QP_MAX_QP_RD_ATOMIC"},
@@ -78,6 +78,9 @@ var abiConstants = [][2]string{
 	{"int(PortActive)", "IBV_PORT_ACTIVE"}, {"int(PortDown)", "IBV_PORT_DOWN"}, {"int(LinkEthernet)", "IBV_LINK_LAYER_ETHERNET"},
 	{"int(LinkInfiniBand)", "IBV_LINK_LAYER_INFINIBAND"}, {"int(GIDTypeRoCEv2)", "IBV_GID_TYPE_ROCE_V2"},
 	{"int(AccessRemoteWrite)", "IBV_ACCESS_REMOTE_WRITE"},
+	{"int(QPReset)", "IBV_QPS_RESET"}, {"int(QPInit)", "IBV_QPS_INIT"}, {"int(QPReadyToReceive)", "IBV_QPS_RTR"},
+	{"int(QPReadyToSend)", "IBV_QPS_RTS"}, {"int(QPSendDrain)", "IBV_QPS_SQD"}, {"int(QPSendError)", "IBV_QPS_SQE"},
+	{"int(QPError)", "IBV_QPS_ERR"},
 }
 
 // goConstants are the Go constants abiConstants names, by expression.
@@ -89,6 +92,9 @@ var goConstants = map[string]int{
 	"EventPortActive": EventPortActive, "EventPortErr": EventPortErr,
 	"int(PortActive)": int(PortActive), "int(PortDown)": int(PortDown), "int(LinkEthernet)": int(LinkEthernet),
 	"int(LinkInfiniBand)": int(LinkInfiniBand), "int(GIDTypeRoCEv2)": int(GIDTypeRoCEv2), "int(AccessRemoteWrite)": int(AccessRemoteWrite),
+	"int(QPReset)": int(QPReset), "int(QPInit)": int(QPInit), "int(QPReadyToReceive)": int(QPReadyToReceive),
+	"int(QPReadyToSend)": int(QPReadyToSend), "int(QPSendDrain)": int(QPSendDrain), "int(QPSendError)": int(QPSendError),
+	"int(QPError)": int(QPError),
 }
 
 // gbverbs.h (and the Go constants) describe libibverbs' binary interface:

@@ -33,6 +33,12 @@ var ErrUnavailable = errors.New("libibverbs is not available")
 // (ib_uverbs is not loaded): libibverbs' device list fails with ENOSYS.
 var ErrNoKernelSupport = errors.New("the kernel has no RDMA support (no /sys/class/infiniband_verbs: is ib_uverbs loaded?)")
 
+// ErrQPInError is wrapped, beside the library's errno, by a failed move of
+// a queue pair to another state when the queue pair turns out to be in the
+// error state already: the device failed it on its own (a request it
+// refused, a failed completion), so the move was not a bad argument.
+var ErrQPInError = errors.New("the queue pair is in the error state already")
+
 // LibraryPath is the library Load opens for path "": GPUBRIDGE_IBVERBS_LIB
 // when set, else DefaultLibrary.
 func LibraryPath(path string) string {
@@ -248,6 +254,41 @@ const (
 	StatusRNRRetry  = 13
 	StatusFatal     = 19
 )
+
+// QPState is a queue pair's state (enum ibv_qp_state).
+type QPState int
+
+// Queue pair states.
+const (
+	QPReset          QPState = 0
+	QPInit           QPState = 1
+	QPReadyToReceive QPState = 2
+	QPReadyToSend    QPState = 3
+	QPSendDrain      QPState = 4
+	QPSendError      QPState = 5
+	QPError          QPState = 6
+)
+
+// String is the state as the verbs specification abbreviates it: RTR, RTS, ERR.
+func (s QPState) String() string {
+	switch s {
+	case QPReset:
+		return "RESET"
+	case QPInit:
+		return "INIT"
+	case QPReadyToReceive:
+		return "RTR"
+	case QPReadyToSend:
+		return "RTS"
+	case QPSendDrain:
+		return "SQD"
+	case QPSendError:
+		return "SQE"
+	case QPError:
+		return "ERR"
+	}
+	return fmt.Sprintf("qp-state(%d)", int(s))
+}
 
 // RTR is what moving a queue pair to Ready To Receive needs: the remote
 // queue pair, its path and the first packet sequence number expected.

@@ -18,3 +18,9 @@ func TestGIDString(t *testing.T) {
 	assert.Equal(t, "RoCE v2", GIDTypeRoCEv2.String())
 	assert.Equal(t, 100.0, PortAttr{ActiveWidth: 2, ActiveSpeed: 32}.Gbps())
 }
+
+func TestQPStateString(t *testing.T) {
+	assert.Equal(t, "RTR", QPReadyToReceive.String())
+	assert.Equal(t, "ERR", QPError.String())
+	assert.Equal(t, "qp-state(9)", QPState(9).String())
+}

@@ -35,6 +35,7 @@ static struct {
 	void (*ack_async_event)(struct gbv_async_event *);
 	void *(*create_qp)(void *, struct gbv_qp_init_attr *);
 	int (*modify_qp)(void *, struct gbv_qp_attr *, int);
+	int (*query_qp)(void *, struct gbv_qp_attr *, int, struct gbv_qp_init_attr *);
 	int (*destroy_qp)(void *);
 } L;
 
@@ -79,6 +80,7 @@ int gbv_load(const char *path, char *err, int errlen) {
 	SYM(ack_async_event, "ibv_ack_async_event");
 	SYM(create_qp, "ibv_create_qp");
 	SYM(modify_qp, "ibv_modify_qp");
+	SYM(query_qp, "ibv_query_qp");
 	SYM(destroy_qp, "ibv_destroy_qp");
 #undef SYM
 	/* Optional: GID types and interfaces (rdma-core 32 and later). */
@@ -142,6 +144,16 @@ int gbv_get_async_event(void *ctx, struct gbv_async_event *ev) { return L.get_as
 void gbv_ack_async_event(struct gbv_async_event *ev) { L.ack_async_event(ev); }
 void *gbv_create_qp(void *pd, struct gbv_qp_init_attr *attr) { return L.create_qp(pd, attr); }
 int gbv_modify_qp(void *qp, struct gbv_qp_attr *attr, int mask) { return L.modify_qp(qp, attr, mask); }
+int gbv_query_qp_state(void *qp, int *state) {
+	struct gbv_qp_attr attr;
+	struct gbv_qp_init_attr init;
+	memset(&attr, 0, sizeof attr);
+	memset(&init, 0, sizeof init);
+	int r = L.query_qp(qp, &attr, GBV_QP_STATE, &init);
+	if (r == 0)
+		*state = attr.qp_state;
+	return r;
+}
 int gbv_destroy_qp(void *qp) { return L.destroy_qp(qp); }
 
 /* The data path goes through the context's operations table, as

@@ -40,6 +40,9 @@ void gbv_ack_async_event(struct gbv_async_event *ev);
 
 void *gbv_create_qp(void *pd, struct gbv_qp_init_attr *attr);
 int gbv_modify_qp(void *qp, struct gbv_qp_attr *attr, int mask);
+/* gbv_query_qp_state reads the queue pair's state as the device has it
+ * (a device moves a queue pair to ERR on its own) into *state. */
+int gbv_query_qp_state(void *qp, int *state);
 int gbv_destroy_qp(void *qp);
 
 /* gbv_post_write posts one signaled RDMA WRITE (with immediate data when

@@ -370,9 +370,29 @@ func (pd *PD) NewRCQP(send, recv *CQ, cp QPCap) (*QP, error) {
 // Num is the queue pair's number.
 func (qp *QP) Num() uint32 { return uint32((*C.struct_gbv_qp)(qp.p).qp_num) }
 
+// State is the queue pair's state as the device has it now: a device
+// moves a queue pair to ERR on its own (a request it refused, a failed
+// completion), which libibverbs' cached state does not show.
+func (qp *QP) State() (QPState, error) {
+	var st C.int
+	if r := C.gbv_query_qp_state(qp.p, &st); r != 0 {
+		return 0, fmt.Errorf("ibv_query_qp: %w", retErr(r))
+	}
+	return QPState(st), nil
+}
+
+// modify moves the queue pair to another state. When the move fails and
+// the queue pair is in the error state, the error wraps ErrQPInError too:
+// ERR leads nowhere but RESET, so that is why it failed.
 func (qp *QP) modify(a *C.struct_gbv_qp_attr, mask C.int, what string) error {
 	if r := C.gbv_modify_qp(qp.p, a, mask); r != 0 {
-		return fmt.Errorf("ibv_modify_qp to %s: %w", what, retErr(r))
+		err := retErr(r)
+		if a.qp_state != C.GBV_QPS_ERR {
+			if st, qerr := qp.State(); qerr == nil && st == QPError {
+				return fmt.Errorf("ibv_modify_qp to %s: %w: %w", what, err, ErrQPInError)
+			}
+		}
+		return fmt.Errorf("ibv_modify_qp to %s: %w", what, err)
 	}
 	return nil
 }

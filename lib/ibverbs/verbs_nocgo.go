@@ -32,5 +32,11 @@ func (c *Context) QueryPort(int) (PortAttr, error) { return PortAttr{}, errNoCgo
 // GIDs fails: the build has no cgo.
 func (c *Context) GIDs(int) ([]GIDEntry, error) { return nil, errNoCgo }
 
+// QP is a queue pair (never, without cgo).
+type QP struct{}
+
+// State fails: the build has no cgo.
+func (qp *QP) State() (QPState, error) { return 0, errNoCgo }
+
 // StatusString is a completion status as a number.
 func StatusString(status int) string { return fmt.Sprintf("status %d", status) }

@@ -76,6 +76,13 @@ type Config struct {
 	// record before it is published (tests: a forged peer).
 	verbsOpen  func(ctx context.Context, c *Config) (verbsPort, vDev, error)
 	verbsForge func(*verbsEndpoint)
+	// verbsConnectStep is called as each of this member's queue pairs
+	// connects, to peer on stream st (the control stream's index is
+	// Streams + P2PStreams): between its moves to ready-to-receive and to
+	// ready-to-send (sending false), and after (sending true); an error
+	// fails the connect. Tests: hold a member in either state, so that
+	// the members' moves and writes come in a chosen order.
+	verbsConnectStep func(ctx context.Context, peer, st int, qp vQP, sending bool) error
 }
 
 // MemberInfo is one bridge member as discovery describes it.

@@ -169,6 +169,11 @@ var (
 	// ErrPeerDied: the peer's process is gone (shm); the error is a
 	// *ProcessDiedError.
 	ErrPeerDied = errors.New("process died")
+	// ErrRingRefused: a device refused an RDMA write into a receive ring
+	// (verbs): the ring address or key in the receiving member's endpoint
+	// record is not valid. The writer's error and the receiver's both
+	// carry these words, whichever reaches a member first.
+	ErrRingRefused = errors.New("refused a write into its receive ring")
 )
 
 // ProcessDiedError is a peer member's process found dead (shm: through its

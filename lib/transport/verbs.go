@@ -406,16 +406,22 @@ func (m *verbsMesh) wcError(s *verbsStream, w ibverbs.WC) error {
 		return &PeerError{Peer: m.Peer(s.peer), Err: fmt.Errorf("stream %d: a request was flushed (the queue pair failed)", s.idx)}
 	}
 	what := ibverbs.StatusString(w.Status)
+	recv := w.WRID&wrRecv != 0
 	var err error
-	switch w.Status {
-	case ibverbs.StatusRemAccess:
-		err = fmt.Errorf("refused a write into its receive ring on stream %d (%s): the ring address or key its endpoint record gave is not valid (a forged or stale record?)", s.idx, what)
-	case ibverbs.StatusRetryExc:
+	switch {
+	case w.Status == ibverbs.StatusRemAccess && recv:
+		// The receive a peer's write took (rdma_rxe completes it so):
+		// this member's device refused the write, and failed the queue
+		// pair.
+		err = fmt.Errorf("stream %d: this member's device %w from it (%s): the ring address or key in this member's endpoint record is not valid (a forged or stale record?)", s.idx, ErrRingRefused, what)
+	case w.Status == ibverbs.StatusRemAccess:
+		err = fmt.Errorf("%w on stream %d (%s): the ring address or key its endpoint record gave is not valid (a forged or stale record?)", ErrRingRefused, s.idx, what)
+	case w.Status == ibverbs.StatusRetryExc:
 		err = fmt.Errorf("%w (stream %d: no acknowledgement after %d tries, %s): did %s die, or did the link go down? (this side: %s)",
 			ErrConnClosed, s.idx, verbsRetries+1, what, m.process(s.peer), m.dev.port())
-	case ibverbs.StatusRNRRetry:
+	case w.Status == ibverbs.StatusRNRRetry:
 		err = fmt.Errorf("stopped posting receives on stream %d (%s)", s.idx, what)
-	case ibverbs.StatusRemInvReq, ibverbs.StatusRemOp:
+	case w.Status == ibverbs.StatusRemInvReq, w.Status == ibverbs.StatusRemOp:
 		err = fmt.Errorf("rejected a request on stream %d (%s)", s.idx, what)
 	default:
 		err = fmt.Errorf("stream %d failed locally: %s (vendor error %#x; %s)", s.idx, what, w.VendorErr, m.dev.port())

@@ -135,7 +135,10 @@ func verbsLoopback(ctx context.Context, sel verbsPort, dev vDev) (int, error) {
 	for i, q := range qps {
 		r := vRemote{qpn: qps[1-i].num(), lid: sel.port.Attr.LID, gid: sel.gid.GID, global: sel.port.Attr.LinkLayer == ibverbs.LinkEthernet,
 			mtu: sel.port.Attr.ActiveMTU, gidIndex: sel.gid.Index, port: sel.port.Num}
-		if err := q.connect(r, 0x123456, 0x123456); err != nil {
+		if err := q.readyToReceive(r, 0x123456); err != nil {
+			return 0, err
+		}
+		if err := q.readyToSend(0x123456); err != nil {
 			return 0, err
 		}
 	}

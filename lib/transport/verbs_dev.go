@@ -43,9 +43,18 @@ type vMR interface {
 // vQP is one Reliable Connected queue pair and its completion queue.
 type vQP interface {
 	num() uint32
-	// connect moves it to ready-to-send, connected to the peer's queue
-	// pair remote, with the packet sequence numbers of both directions.
-	connect(remote vRemote, sendPSN, recvPSN uint32) error
+	// readyToReceive connects it to the peer's queue pair remote, its
+	// first packet expected numbered recvPSN: from then on the device
+	// takes (or refuses) the peer's writes.
+	readyToReceive(remote vRemote, recvPSN uint32) error
+	// readyToSend moves it on to ready-to-send, its first request
+	// numbered sendPSN. The error wraps ibverbs.ErrQPInError when the
+	// queue pair had failed already: its device refused a peer's write
+	// while it was ready to receive, say (RC rules: the responder of a
+	// refused request fails its queue pair).
+	readyToSend(sendPSN uint32) error
+	// state is its state as the device has it now.
+	state() (ibverbs.QPState, error)
 	// write posts a signaled RDMA WRITE of sges to raddr under rkey, with
 	// immediate data imm when withImm; no sges is a zero-length write.
 	write(wrID uint64, sges []ibverbs.SGE, raddr uint64, rkey uint32, imm uint32, withImm bool) error

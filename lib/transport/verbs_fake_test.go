@@ -110,7 +110,7 @@ func (d *fakeDev) newQP(key, sendWR, recvWR int) (vQP, error) {
 	d.f.mu.Lock()
 	defer d.f.mu.Unlock()
 	d.f.nextQPN++
-	q := &fakeQP{d: d, key: key, qpn: d.f.nextQPN, maxRecv: recvWR, maxSend: sendWR}
+	q := &fakeQP{d: d, key: key, qpn: d.f.nextQPN, st: ibverbs.QPInit, maxRecv: recvWR, maxSend: sendWR}
 	d.f.qps[q.qpn] = q
 	d.qps++
 	return q, nil
@@ -165,6 +165,7 @@ type fakeQP struct {
 	qpn              uint32
 	peer             *fakeQP
 	sendPSN, recvPSN uint32
+	st               ibverbs.QPState // the last move's; errored overrides it
 	errored, gone    bool
 	cq               []ibverbs.WC
 	recvs            []uint64 // posted receive ids
@@ -180,18 +181,59 @@ type fakeHooks struct {
 
 func (q *fakeQP) num() uint32 { return q.qpn }
 
-func (q *fakeQP) connect(r vRemote, sendPSN, recvPSN uint32) error {
+// move checks a move from state from (f.mu held): as on a device, a
+// queue pair in the error state moves nowhere.
+func (q *fakeQP) move(from, to ibverbs.QPState) error {
+	switch {
+	case q.gone:
+		return errors.New("fake: move of a destroyed queue pair")
+	case q.errored:
+		return fmt.Errorf("fake: move to %s: invalid argument: %w", to, ibverbs.ErrQPInError)
+	case q.st != from:
+		return fmt.Errorf("fake: move to %s from %s: invalid argument", to, q.st)
+	}
+	q.st = to
+	return nil
+}
+
+func (q *fakeQP) readyToReceive(r vRemote, recvPSN uint32) error {
 	f := q.d.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if err := q.move(ibverbs.QPInit, ibverbs.QPReadyToReceive); err != nil {
+		return err
+	}
 	// As on a device, the remote queue pair need not exist (its packets
 	// then go unanswered).
-	p := f.qps[r.qpn]
-	q.peer, q.sendPSN, q.recvPSN = p, sendPSN, recvPSN
-	if p != nil && p.peer == q && (p.sendPSN != q.recvPSN || p.recvPSN != q.sendPSN) {
+	q.peer, q.recvPSN = f.qps[r.qpn], recvPSN
+	return nil
+}
+
+func (q *fakeQP) readyToSend(sendPSN uint32) error {
+	f := q.d.f
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := q.move(ibverbs.QPReadyToReceive, ibverbs.QPReadyToSend); err != nil {
+		return err
+	}
+	q.sendPSN = sendPSN
+	if p := q.peer; p != nil && p.peer == q && p.st == ibverbs.QPReadyToSend && (p.sendPSN != q.recvPSN || p.recvPSN != q.sendPSN) {
 		f.psnMismatch++
 	}
 	return nil
+}
+
+func (q *fakeQP) state() (ibverbs.QPState, error) {
+	f := q.d.f
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	switch {
+	case q.gone:
+		return 0, errors.New("fake: query of a destroyed queue pair")
+	case q.errored:
+		return ibverbs.QPError, nil
+	}
+	return q.st, nil
 }
 
 // push adds a completion (f.mu held) and signals the device.
@@ -258,6 +300,16 @@ func (q *fakeQP) complete(wr uint64, op int, fault fakeFault) {
 		w.Status = ibverbs.StatusRemAccess
 		q.push(w)
 		q.failLocked()
+		// The responder of a refused request fails its queue pair too,
+		// ready to send or not; rdma_rxe completes the receive the write
+		// took with the same status first.
+		if p := q.peer; p != nil && !p.gone && !p.errored && p.st >= ibverbs.QPReadyToReceive {
+			if len(p.recvs) > 0 {
+				p.push(ibverbs.WC{WRID: p.recvs[0], Status: ibverbs.StatusRemAccess, Opcode: ibverbs.OpcodeRecv, QPNum: p.qpn})
+				p.recvs = p.recvs[1:]
+			}
+			p.failLocked()
+		}
 	case faultHold:
 		q.held = append(q.held, w)
 	default:

@@ -128,7 +128,9 @@ func ringInput(data []byte) ([]byte, []uint16) {
 type nullQP struct{}
 
 func (nullQP) num() uint32                                                     { return 1 }
-func (nullQP) connect(vRemote, uint32, uint32) error                           { return nil }
+func (nullQP) readyToReceive(vRemote, uint32) error                            { return nil }
+func (nullQP) readyToSend(uint32) error                                        { return nil }
+func (nullQP) state() (ibverbs.QPState, error)                                 { return ibverbs.QPReadyToSend, nil }
 func (nullQP) write(uint64, []ibverbs.SGE, uint64, uint32, uint32, bool) error { return nil }
 func (nullQP) sendImm(uint64, uint32) error                                    { return nil }
 func (nullQP) postRecv(uint64) error                                           { return nil }

@@ -126,13 +126,16 @@ func (d *hwDev) newQP(key, sendWR, recvWR int) (vQP, error) {
 
 func (q *hwQP) num() uint32 { return q.qp.Num() }
 
-func (q *hwQP) connect(r vRemote, sendPSN, recvPSN uint32) error {
-	if err := q.qp.ReadyToReceive(ibverbs.RTR{Port: r.port, MTU: r.mtu, DestQPN: r.qpn, RecvPSN: recvPSN, DestLID: r.lid,
-		DestGID: r.gid, SGIDIndex: r.gidIndex, Global: r.global, HopLimit: 64, MinRNRTimer: verbsMinRNR}); err != nil {
-		return err
-	}
+func (q *hwQP) readyToReceive(r vRemote, recvPSN uint32) error {
+	return q.qp.ReadyToReceive(ibverbs.RTR{Port: r.port, MTU: r.mtu, DestQPN: r.qpn, RecvPSN: recvPSN, DestLID: r.lid,
+		DestGID: r.gid, SGIDIndex: r.gidIndex, Global: r.global, HopLimit: 64, MinRNRTimer: verbsMinRNR})
+}
+
+func (q *hwQP) readyToSend(sendPSN uint32) error {
 	return q.qp.ReadyToSend(ibverbs.RTS{SendPSN: sendPSN, Timeout: verbsAckTimeout, Retry: verbsRetries, RNRRetry: verbsRNRRetries})
 }
+
+func (q *hwQP) state() (ibverbs.QPState, error) { return q.qp.State() }
 
 func (q *hwQP) write(wrID uint64, sges []ibverbs.SGE, raddr uint64, rkey, imm uint32, withImm bool) error {
 	return q.qp.PostWrite(wrID, sges, raddr, rkey, imm, withImm)

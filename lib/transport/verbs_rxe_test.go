@@ -116,21 +116,24 @@ func TestVerbsRxeFrames(t *testing.T) {
 }
 
 // A forged endpoint record (a ring key the device does not know): the
-// device refuses the honest members' writes and their set-up fails naming
-// the forger.
+// device refuses the honest members' writes and every member's set-up
+// fails with that cause, the honest ones' naming the forger; in both
+// orders the forger's queue pairs can meet those writes (issue 9: under
+// load the forger was still ready to receive, its device failed the
+// queue pair, and its move to ready-to-send failed without the cause).
 func TestVerbsRxeForgedRingKey(t *testing.T) {
 	needRDMA(t)
-	b := newBridge(t, Verbs, 3, 1, false).set(func(c *Config) {
-		c.RingBytes = 64 << 10
-		c.Timeout = testenv.Scale(60 * time.Second)
-	})
-	b.cfgs[2].verbsForge = func(e *verbsEndpoint) { e.RingKey ^= 0x00ff0000 }
-	_, errs := b.establish(t)
-	require.Error(t, errs[2])
-	for i, err := range errs[:2] {
-		require.Error(t, err, "member %d", i)
-		assert.Contains(t, err.Error(), "member 2 (rank 4 on host-c", "member %d", i)
-		assert.Contains(t, err.Error(), "refused a write into its receive ring", "member %d", i)
+	for _, o := range forgedRaceOrders {
+		t.Run(o.name, func(t *testing.T) {
+			b := newBridge(t, Verbs, 3, 1, false).set(func(c *Config) {
+				c.RingBytes = 64 << 10
+				c.Timeout = testenv.Scale(60 * time.Second)
+			})
+			b.cfgs[2].verbsForge = func(e *verbsEndpoint) { e.RingKey ^= 0x00ff0000 }
+			orderForgedRace(b, o.heldInRTR)
+			_, errs := b.establish(t)
+			checkForgedRace(t, errs, o.heldInRTR)
+		})
 	}
 }
 

@@ -388,7 +388,14 @@ func (m *verbsMesh) connect(ctx context.Context, s *setup, sel verbsPort, eps []
 		})
 	}
 	wg.Wait()
-	// The first failure, not the cancellations it caused.
+	// The first failure, not the cancellations it caused: the one that
+	// canceled the others (theirs repeat it, as the cause of their
+	// cancellation), else the first that is not a cancellation.
+	for _, err := range errs {
+		if err != nil && err == context.Cause(ctx) {
+			return err
+		}
+	}
 	for _, err := range errs {
 		if err != nil && !errors.Is(err, context.Canceled) {
 			return err
@@ -444,7 +451,7 @@ func (m *verbsMesh) connectPeer(ctx context.Context, s *setup, sel verbsPort, ep
 	ctl := m.links[p][W]
 	r := remote
 	r.qpn = e.qpn(self)
-	if err := ctl.qp.connect(r, verbsPSN(secret, self, p, W), verbsPSN(secret, p, self, W)); err != nil {
+	if err := m.connectQP(ctx, s, p, W, r); err != nil {
 		return fail("connect its control queue pair", err)
 	}
 	// Our data and point-to-point queue pair numbers for this peer, signed.
@@ -475,7 +482,7 @@ func (m *verbsMesh) connectPeer(ctx context.Context, s *setup, sel verbsPort, ep
 	for st := range W {
 		r := remote
 		r.qpn = theirs[st]
-		if err := m.links[p][st].qp.connect(r, verbsPSN(secret, self, p, st), verbsPSN(secret, p, self, st)); err != nil {
+		if err := m.connectQP(ctx, s, p, st, r); err != nil {
 			return fail(fmt.Sprintf("connect %s", m.streamName(st)), err)
 		}
 	}
@@ -504,6 +511,41 @@ func (m *verbsMesh) connectPeer(ctx context.Context, s *setup, sel verbsPort, ep
 				return fail("say hello on every data and point-to-point stream", e)
 			}
 		}
+	}
+	return nil
+}
+
+// connectQP moves the queue pair of stream st to peer p to ready-to-receive,
+// connected to the peer's queue pair r.qpn, then to ready-to-send.
+//
+// The peer may be ready to send before this member is, and write into
+// this member's ring in between. A write the device refuses (the ring
+// address or key in this member's record is not valid) fails the queue
+// pair there and then (RC rules: the responder of a refused request moves
+// to ERR), and the move to ready-to-send fails as not allowed from ERR;
+// the error says what happened, in the words the writer's own error uses
+// (ErrRingRefused), so that every member's error names the cause whichever
+// report reaches it first.
+func (m *verbsMesh) connectQP(ctx context.Context, s *setup, p, st int, r vRemote) error {
+	secret, qp := s.rv.Secret(), m.links[p][st].qp
+	step := s.cfg.verbsConnectStep
+	if err := qp.readyToReceive(r, verbsPSN(secret, p, m.self, st)); err != nil {
+		return err
+	}
+	if step != nil {
+		if err := step(ctx, p, st, qp, false); err != nil {
+			return err
+		}
+	}
+	if err := qp.readyToSend(verbsPSN(secret, m.self, p, st)); err != nil {
+		if errors.Is(err, ibverbs.ErrQPInError) {
+			return fmt.Errorf("this member's device %w from that member before the %s was ready to send, which failed the queue pair (%w): the ring address or key in this member's endpoint record is not valid (a forged or stale record?)",
+				ErrRingRefused, m.streamName(st), err)
+		}
+		return err
+	}
+	if step != nil {
+		return step(ctx, p, st, qp, true)
 	}
 	return nil
 }

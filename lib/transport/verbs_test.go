@@ -9,6 +9,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpubridge/gpubridge/lib/ibverbs"
+	"github.com/gpubridge/gpubridge/lib/rendezvous"
 	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/wire"
 )
@@ -514,25 +516,126 @@ func TestVerbsProtocolErrorsNamePeer(t *testing.T) {
 }
 
 // A forged record (a ring key that is not the member's): the honest
-// members' writes into the forger's ring are refused and their set-up
-// fails naming the forger (the forger fails too, its view aside).
+// members' writes into the forger's ring are refused and every member's
+// set-up fails with that cause, the honest ones' naming the forger, in
+// both orders the forger's queue pairs can meet their writes.
 func TestVerbsForgedRecordFailsSetup(t *testing.T) {
-	f := newFakeFabric()
-	devs := []*fakeDev{f.dev("fake0"), f.dev("fake1"), f.dev("fake2")}
-	b := newBridge(t, Verbs, 3, 2, false).set(func(c *Config) {
-		c.verbsOpen = f.opener(devs)
-		c.RingBytes = 64 << 10
-		c.Timeout = testenv.Scale(20 * time.Second)
-	})
-	b.cfgs[2].verbsForge = func(e *verbsEndpoint) { e.RingKey ^= 0x5a5a }
-	_, errs := b.establish(t)
-	require.Error(t, errs[2])
-	for _, err := range errs[:2] {
-		require.ErrorContains(t, err, "member 2 (rank 4 on host-c")
-		require.ErrorContains(t, err, "refused a write into its receive ring")
+	for _, o := range forgedRaceOrders {
+		t.Run(o.name, func(t *testing.T) {
+			f := newFakeFabric()
+			devs := []*fakeDev{f.dev("fake0"), f.dev("fake1"), f.dev("fake2")}
+			b := newBridge(t, Verbs, 3, 2, false).set(func(c *Config) {
+				c.verbsOpen = f.opener(devs)
+				c.RingBytes = 64 << 10
+				c.Timeout = testenv.Scale(20 * time.Second)
+			})
+			b.cfgs[2].verbsForge = func(e *verbsEndpoint) { e.RingKey ^= 0x5a5a }
+			orderForgedRace(b, o.heldInRTR)
+			_, errs := b.establish(t)
+			checkForgedRace(t, errs, o.heldInRTR)
+			for _, d := range devs {
+				assert.True(t, d.closed, "%s freed", d.name)
+			}
+		})
 	}
-	for _, d := range devs {
-		assert.True(t, d.closed, "%s freed", d.name)
+}
+
+// forgedRaceOrders are the two orders in which the forger's control queue
+// pairs can meet the honest members' first writes (issue 9: unloaded, the
+// forger was ready to send first; under load, not yet).
+var forgedRaceOrders = []struct {
+	name      string
+	heldInRTR bool
+}{
+	{"forger ready to send first", false},
+	{"forger still ready to receive", true},
+}
+
+// orderForgedRace orders, for a bridge of 3 whose member 2 forges its
+// ring key, the forger's control queue pairs' moves and the honest
+// members' first writes to it. heldInRTR false: each honest member holds
+// its first write until the forger's queue pair to it is ready to send.
+// heldInRTR true: each honest member writes once the forger's queue pair
+// to it is ready to receive, and the forger holds its move to
+// ready-to-send until its device has refused both writes (which fails
+// both queue pairs).
+func orderForgedRace(b *bridge, heldInRTR bool) {
+	const forger = 2
+	ctl := b.cfgs[0].Streams + b.cfgs[0].P2PStreams
+	var ready [forger]chan struct{} // the forger's queue pair to member i is where the order wants it
+	for i := range ready {
+		ready[i] = make(chan struct{})
+	}
+	var refused atomic.Int32
+	allRefused := make(chan struct{})
+	wait := func(ctx context.Context, ch chan struct{}) error {
+		select {
+		case <-ch:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	for i := range b.cfgs {
+		b.cfgs[i].verbsConnectStep = func(ctx context.Context, peer, st int, qp vQP, sending bool) error {
+			switch {
+			case st != ctl:
+				return nil
+			case i != forger && peer == forger && sending:
+				return wait(ctx, ready[i])
+			case i == forger && sending && !heldInRTR:
+				close(ready[peer])
+			case i == forger && !sending && heldInRTR:
+				close(ready[peer])
+				if err := awaitQPState(ctx, qp, ibverbs.QPError); err != nil {
+					return err
+				}
+				if refused.Add(1) == forger {
+					close(allRefused)
+				}
+				return wait(ctx, allRefused)
+			}
+			return nil
+		}
+	}
+}
+
+// awaitQPState polls qp until its device has it in state want.
+func awaitQPState(ctx context.Context, qp vQP, want ibverbs.QPState) error {
+	for {
+		st, err := qp.state()
+		if err != nil || st == want {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
+
+// checkForgedRace checks the errors of orderForgedRace's bridge: every
+// member's says that a write into the forger's ring was refused, the
+// honest members' name the forger, and the forger's own (when no other
+// member's failure reached it first) says what its device did.
+func checkForgedRace(t *testing.T, errs []error, heldInRTR bool) {
+	t.Helper()
+	for i, err := range errs {
+		require.Error(t, err, "member %d", i)
+		t.Logf("member %d: %v", i, err)
+		assert.Contains(t, err.Error(), "refused a write into its receive ring", "member %d", i)
+		if i != 2 {
+			assert.Contains(t, err.Error(), "member 2 (rank 4 on host-c", "member %d", i)
+		}
+	}
+	if re := (*rendezvous.RemoteError)(nil); !errors.As(errs[2], &re) {
+		assert.ErrorIs(t, errs[2], ErrRingRefused)
+		assert.Contains(t, errs[2].Error(), "this member's device refused a write into its receive ring")
+		if heldInRTR {
+			assert.ErrorIs(t, errs[2], ibverbs.ErrQPInError)
+			assert.Regexp(t, `^bridge setup: connect its control queue pair with member [01] \(rank [02] on host-[ab], .*\): this member's device refused a write into its receive ring from that member before the control queue pair was ready to send`, errs[2].Error())
+		}
 	}
 }
 
