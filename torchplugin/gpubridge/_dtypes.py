@@ -51,5 +51,8 @@ def op_name(rop: Any) -> str:
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor."""
+    """A flat uint8 view of a contiguous tensor (one view, not two, of a
+    flat one: every call's copy into the region makes one)."""
+    if t.dim() == 1:
+        return t.view(torch.uint8)
     return t.reshape(-1).view(torch.uint8)
