@@ -3,7 +3,8 @@
 A collective is submitted with a sequence number (equal on every rank,
 since every rank submits the same collectives in the same order) and runs
 on the group's worker thread; a synchronous call with nothing queued ahead
-runs on the calling thread instead (two thread switches fewer). On GPUs the
+runs on the calling thread instead (two thread switches fewer), and on the
+CPU makes no Event and no Future (its Work makes one if asked). On GPUs the
 work is queued on the worker's stream, which first waits for the caller's
 current stream, and a completer thread completes each Work once its GPU
 work is done."""
