@@ -18,7 +18,9 @@
 # plugin's Python feed client timed beside the Go one)
 # when gbtest/gbbridge.test was built and carried:
 # go test -c -o gbtest/gbbridge.test ./tools/gbbridge; then one traced
-# run whose phase medians bench/trace_phases.py writes to latency-phases.json).
+# run whose phase medians bench/trace_phases.py writes to latency-phases.json;
+# then bench/plugin_cpu.py under flat: the plugin's own CPU per call, split
+# around the feed request, into plugin-cpu.jsonl).
 # Each step runs one of bench/gpu's scripts under `timeout` (its share of
 # GB_BUDGET_S, default 540 s, so a session fits a 10-minute device call) with
 # its output in $OUT/STEP/, packed into $OUT/STEP.tgz afterwards; the files
@@ -85,7 +87,7 @@ for s in "${steps[@]}"; do
           grep -E 'Benchmark|python|ok|FAIL' "$d/serve-latency.txt" | tail -n 5
         fi
         read -r -a spins <<< "${GB_SPINS:-- 50 200 1000}"
-        per=$(( (lim - 70) / ${#spins[@]} ))
+        per=$(( (lim - 110) / ${#spins[@]} ))
         for sp in "${spins[@]}"; do
           ( [ "$sp" = - ] || export GPUBRIDGE_SPIN_US=$sp
             GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=1 timeout "$per" \
@@ -99,6 +101,11 @@ for s in "${steps[@]}"; do
           python3 -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
           bench/gpu/plugin_overhead.py "$d/traced.jsonl" --rounds 2 --iters 500 > "$d/traced.log" 2>&1 || rc=1
         python3 bench/trace_phases.py "$d/trace/rank-0.jsonl" | tee "$out/latency-phases.json" || rc=1
+        # The plugin's own CPU per call (flat, spin as the defaults pick): what a call costs around the feed.
+        GPUBRIDGE_POLICY=flat GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=1 timeout 40 \
+          python3 -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
+          bench/plugin_cpu.py "$d/plugin-cpu.jsonl" --rounds 3 > "$d/plugin-cpu.log" 2>&1 || rc=1
+        tail -n 1 "$d/plugin-cpu.jsonl" 2>/dev/null | tee "$out/plugin-cpu.jsonl"
         cp "$d/latency.jsonl" "$out/latency.jsonl" 2>/dev/null
         [ "$rc" -eq 0 ] ;;
       one-gpu-bench)

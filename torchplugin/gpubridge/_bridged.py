@@ -28,15 +28,15 @@ def all_reduce_on(
 ) -> None:
     """All-reduces t in place over the bridge called name (JOINed now if it
     was not; None: bridge 0) whose members are these ranks, in order."""
-    what = "the leaders' bridge" if name is None else f"bridge {name}"
     bridge = None if name is None else ep.join(name, members)
     staging = ep.staging
-    src = as_bytes(t)
-    n = src.numel()
+    raw = staging.raw(t)
+    src = t if raw else as_bytes(t)
+    n = src.nbytes
     host = staging.tensor(n)
     region = staging.region
     assert region is not None
-    staging.copy_in(e, host, src)
+    staging.copy_in(e, host, src, raw)
     e.set_step(fl.BRIDGE)
     try:
         d = ep.feed.request(
@@ -44,6 +44,7 @@ def all_reduce_on(
             bridge=bridge,
         )  # fmt: skip
     except FeedError as exc:
+        what = "the leaders' bridge" if name is None else f"bridge {name}"
         raise RuntimeError(f"all_reduce on {what}: {exc}") from exc
     e.bridge, e.bridge_ranks = d.bridge, members
-    staging.copy_out(e, src, host)
+    staging.copy_out(e, src, host, raw)

@@ -21,9 +21,10 @@ class Checks:
     def __init__(self, size: int, device: torch.device) -> None:
         self._size = size
         self._device = device
+        self._cpu = device.type == "cpu"  # any CPU tensor will do (no torch.device made per call)
 
     def tensor(self, op: str, t: torch.Tensor, dtype_ok: bool = True) -> torch.Tensor:
-        if t.device != self._device and not (t.device.type == self._device.type == "cpu"):
+        if not (t.is_cpu if self._cpu else t.device == self._device):
             raise RuntimeError(
                 f"gpubridge: {op}: the tensor is on {t.device}, this rank's device is {self._device}"
             )

@@ -33,7 +33,7 @@ from gpubridge._feed import Codec, Op
 from gpubridge._island import IslandGroup
 from gpubridge._layout import Layout
 from gpubridge._policies import choose, flat_bridge, shard_bridge, shard_count
-from gpubridge._policy import AUTO, FLAT, RBB, SHARDED, for_all_reduce, for_transfer
+from gpubridge._policy import AUTO, FLAT, RBB, SHARDED, codec_name, for_all_reduce, for_transfer, is_lossy
 from gpubridge._thresholds import BUILTIN, Thresholds
 
 log = logging.getLogger("gpubridge")
@@ -64,6 +64,7 @@ class Collectives:
         self.thresholds = thresholds
         # all_reduces across islands per policy that ran, for the stats
         self.policy_calls: dict[str, int] = {}
+        self._flat_bridge = flat_bridge(layout)  # the layout never changes
         self.fallbacks: list[str] = []  # why a policy fell back, each said once
 
     def _bridge(self) -> BridgeEndpoint:
@@ -93,8 +94,8 @@ class Collectives:
                 t.div_(lay.size)
             return
         c = for_all_reduce(self.codec if codec is None else codec, t.dtype, op)
-        e.codec = str(c)
-        ch = choose(policy or self.policy, self.thresholds, lay, t.numel() * t.element_size(), c.lossy)
+        e.codec = codec_name(c)
+        ch = choose(policy or self.policy, self.thresholds, lay, t.numel() * t.element_size(), is_lossy(c))
         if ch.fallback is not None and ch.fallback not in self.fallbacks:
             self.fallbacks.append(ch.fallback)
             log.warning("gpubridge: rank %d: %s", lay.rank, ch.fallback)
@@ -114,7 +115,7 @@ class Collectives:
 
     def _flat(self, e: fl.Entry, t: torch.Tensor, op: Op, c: Codec) -> None:
         """Every rank on the flat bridge, one all_reduce."""
-        name, members = flat_bridge(self._layout)
+        name, members = self._flat_bridge
         all_reduce_on(self._endpoint_now(), e, t, name, members, Op.SUM if op == Op.AVG else op, c)
         if op == Op.AVG:
             t.div_(self._layout.size)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from gpubridge._feed_protocol import DType, Op
 
-__all__ = ["DTYPES", "FLOATS", "NATIVE_OP", "as_bytes", "feed_op", "op_name"]
+__all__ = ["DTYPES", "FLOATS", "NATIVE_OP", "OP_NAMES", "as_bytes", "feed_op", "op_name"]
 
 DTYPES: dict[torch.dtype, DType] = {
     torch.float32: DType.FLOAT32,
@@ -28,6 +28,8 @@ _OPS: list[tuple[Any, Op]] = [
     (dist.ReduceOp.MAX, Op.MAX),
     (dist.ReduceOp.MIN, Op.MIN),
 ]
+# Each op's name (a call's detail), without the Enum's name lookup per call.
+OP_NAMES: dict[Op, str] = {o: o.name for o in Op}
 # AVG is a SUM on the native groups too, divided once at the end.
 NATIVE_OP: dict[Op, Any] = {
     Op.SUM: dist.ReduceOp.SUM,
@@ -51,5 +53,8 @@ def op_name(rop: Any) -> str:
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor."""
+    """A flat uint8 view of a contiguous tensor (one view, not two, of a
+    flat one: every call's copy into the region makes one)."""
+    if t.dim() == 1:
+        return t.view(torch.uint8)
     return t.reshape(-1).view(torch.uint8)

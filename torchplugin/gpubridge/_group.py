@@ -35,6 +35,7 @@ from gpubridge import _inflight as fl
 from gpubridge._checks import Checks
 from gpubridge._collectives import Collectives
 from gpubridge._discovery import store_address
+from gpubridge._dtypes import OP_NAMES
 from gpubridge._endpoint import BridgeEndpoint
 from gpubridge._endpoints import Endpoints
 from gpubridge._failure import Breaker, read_pids
@@ -237,7 +238,7 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
         op = self._checks.reduce_op("allreduce", opts, t.dtype)
         return self._worker.submit(
             "allreduce", t.nbytes, lambda e: self._algo.all_reduce(e, t, op), [t],
-            opts=opts, detail=op.name,
+            opts=opts, detail=OP_NAMES[op],
         )  # fmt: skip
 
     def allreduce_compressed(

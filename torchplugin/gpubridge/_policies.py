@@ -89,22 +89,27 @@ def _no_shards(layout: Layout) -> str:
     )
 
 
+# The choices without a fallback: one object each, not one per call.
+_RBB = Choice(RBB)
+_FLAT = Choice(FLAT)
+_SHARDED = Choice(SHARDED)
+
+
 def choose(policy: str, thresholds: Thresholds, layout: Layout, nbytes: int, lossy: bool) -> Choice:
     """The policy of an all_reduce of nbytes across islands under policy
     (GPUBRIDGE_POLICY); lossy: its bridged step uses a lossy codec."""
     if lossy or policy == RBB:
-        return Choice(RBB)
+        return _RBB
     if policy == FLAT:
-        return Choice(FLAT)
-    k = shard_count(layout)
+        return _FLAT
     if policy == SHARDED:
-        return Choice(SHARDED) if k is not None else Choice(RBB, _no_shards(layout))
+        return _SHARDED if shard_count(layout) is not None else Choice(RBB, _no_shards(layout))
     assert policy == AUTO, policy
     if nbytes <= thresholds.flat_max_bytes:
-        return Choice(FLAT)
-    if k is not None and 0 <= thresholds.sharded_min_bytes <= nbytes:
-        return Choice(SHARDED)
-    return Choice(RBB)
+        return _FLAT
+    if 0 <= thresholds.sharded_min_bytes <= nbytes and shard_count(layout) is not None:
+        return _SHARDED
+    return _RBB
 
 
 def flat_bridge(layout: Layout) -> tuple[str | None, tuple[int, ...]]:

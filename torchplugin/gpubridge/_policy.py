@@ -30,9 +30,11 @@ __all__ = [
     "POLICIES",
     "REDUCE_MODES",
     "Policy",
+    "codec_name",
     "codec_takes",
     "for_all_reduce",
     "for_transfer",
+    "is_lossy",
     "parse_bytes",
     "parse_codec",
 ]
@@ -87,6 +89,21 @@ def parse_codec(name: str | Codec) -> Codec:
         raise ValueError(f"unknown compression {name!r}: want none, bf16, fp8 or zstd") from None
 
 
+# Per codec, what each call asks of it, without an Enum property per call.
+_LOSSY: Final = frozenset(c for c in Codec if c.lossy)
+_CODEC_NAMES: Final = {c: str(c) for c in Codec}
+
+
+def is_lossy(codec: Codec) -> bool:
+    """codec.lossy, looked up."""
+    return codec in _LOSSY
+
+
+def codec_name(codec: Codec) -> str:
+    """str(codec), looked up."""
+    return _CODEC_NAMES[codec]
+
+
 def codec_takes(codec: Codec, dtype: torch.dtype) -> bool:
     """Whether a lossy codec packs dtype."""
     return dtype in _TAKES.get(codec, ())
@@ -96,7 +113,7 @@ def for_all_reduce(codec: Codec, dtype: torch.dtype, op: Op) -> Codec:
     """The codec of a bridged all_reduce under codec: a lossy one only for
     floating SUM and AVG of a dtype it packs, zstd for every one, raw for
     the rest (docs/COMPRESSION.md, "What is compressed")."""
-    if codec.lossy:
+    if codec in _LOSSY:
         return codec if op in (Op.SUM, Op.AVG) and codec_takes(codec, dtype) else Codec.RAW
     return codec
 

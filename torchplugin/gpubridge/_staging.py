@@ -5,11 +5,13 @@ page-locked on GPUs so that copies to and from the GPU use it directly."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import threading
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from gpubridge import _gpu
 from gpubridge import _inflight as fl
@@ -18,6 +20,10 @@ from gpubridge._feed import FeedClient, FeedError, Region
 __all__ = ["RegionPool", "Staging"]
 
 MIN_REGION = 1 << 20
+# The largest tensor whose copies are a memmove (Staging.raw): torch copies
+# bytes on one thread up to its grain size (32768 elements), so nothing
+# runs on fewer threads than before.
+RAW_MAX = 32 << 10
 
 
 class Staging:
@@ -36,10 +42,14 @@ class Staging:
         self._pinned = 0
         self._device = device
         self._scratch: torch.Tensor | None = None
+        self._view: torch.Tensor | None = None  # the last tensor() given, kept for the next call of its size
 
     def tensor(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over the first nbytes of the region (grown, and
         page-locked on GPUs, as needed)."""
+        v = self._view
+        if v is not None and v.numel() == nbytes:
+            return v
         r = self.region
         if r is None or r.size < nbytes:
             size = max(MIN_REGION, nbytes, 2 * r.size if r is not None else 0)
@@ -52,7 +62,8 @@ class Staging:
                 self._pinned = t.data_ptr()
             self._t = t
         assert self._t is not None
-        return self._t[:nbytes]
+        v = self._view = self._t[:nbytes]
+        return v
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of nbytes on the device, kept for later calls
@@ -67,7 +78,7 @@ class Staging:
     def drop(self) -> None:
         """Unpins and releases the region (once the copies are done)."""
         r, self.region = self.region, None
-        self._t = None
+        self._t = self._view = None
         if self._pinned:
             if self._stream is not None:
                 self.sync(self._stream, "the copies into the feed region")
@@ -81,20 +92,42 @@ class Staging:
     def sync(self, stream: Any, what: str) -> None:
         _gpu.sync_stream(stream, what, self._secs)
 
-    def copy_in(self, e: fl.Entry, host: torch.Tensor, src: torch.Tensor) -> None:
-        """Copies src into host (a view of the region), done on return."""
+    def raw(self, t: torch.Tensor) -> bool:
+        """Whether t's bytes may go to and from the region by memmove
+        (copy_in and copy_out with raw) instead of a torch copy of its byte
+        view: on CPU, a plain tensor of at most RAW_MAX bytes in one
+        dimension of stride 1 (what gpubridge._dtypes.as_bytes views in one
+        step), not an inference tensor nor one with the negative bit (whose
+        byte view raises). A small call's copies are then no torch op at
+        all (each costs more than the copy: microseconds, tens with a cold
+        cache); anything else takes the torch copy, and keeps its errors."""
+        return (
+            not self._gpu and type(t) is torch.Tensor and t.is_cpu and t.dim() == 1 and t.stride(0) == 1
+            and t.nbytes <= RAW_MAX and not t.is_inference() and not t.is_neg()
+        )  # fmt: skip
+
+    def copy_in(self, e: fl.Entry, host: torch.Tensor, src: torch.Tensor, raw: bool = False) -> None:
+        """Copies src into host (a view of the region), done on return.
+        raw: src is a tensor raw() took, whose nbytes bytes are copied."""
         e.set_step(fl.COPY)
-        if self._gpu:
+        if raw:
+            ctypes.memmove(host.data_ptr(), src.data_ptr(), src.nbytes)
+        elif self._gpu:
             host.copy_(src, non_blocking=True)
             self.sync(self._stream, "the copy into the feed region")
         else:
             host.copy_(src)
 
-    def copy_out(self, e: fl.Entry, dst: torch.Tensor, host: torch.Tensor) -> None:
+    def copy_out(self, e: fl.Entry, dst: torch.Tensor, host: torch.Tensor, raw: bool = False) -> None:
         """Copies host (a view of the region) into dst, queued on the current
-        stream on GPUs."""
+        stream on GPUs. raw: dst is a tensor raw() took; its version counter
+        moves on as a torch copy's would (autograd sees it changed)."""
         e.set_step(fl.COPY_BACK)
-        dst.copy_(host, non_blocking=self._gpu)
+        if raw:
+            ctypes.memmove(dst.data_ptr(), host.data_ptr(), dst.nbytes)
+            increment_version(dst)
+        else:
+            dst.copy_(host, non_blocking=self._gpu)
 
 
 class RegionPool:

@@ -3,7 +3,8 @@
 A collective is submitted with a sequence number (equal on every rank,
 since every rank submits the same collectives in the same order) and runs
 on the group's worker thread; a synchronous call with nothing queued ahead
-runs on the calling thread instead (two thread switches fewer). On GPUs the
+runs on the calling thread instead (two thread switches fewer), and on the
+CPU makes no Event and no Future (its Work makes one if asked). On GPUs the
 work is queued on the worker's stream, which first waits for the caller's
 current stream, and a completer thread completes each Work once its GPU
 work is done."""
@@ -29,20 +30,36 @@ __all__ = ["Run", "Task", "Work", "Worker"]
 Run = Callable[[fl.Entry], None]
 
 
+# The done event of every collective that ran inline (on the caller's
+# thread, over before its Work exists): set once, never cleared, so such a
+# call makes no Event (a Condition and a lock) and sets none.
+_FINISHED = threading.Event()
+_FINISHED.set()
+
+
 class Task:
     __slots__ = ("done", "entry", "event", "exc", "fn", "fut", "result", "sig")
 
     def __init__(
-        self, entry: fl.Entry, fn: Run, fut: Any, result: list[torch.Tensor], sig: bytes = b""
+        self,
+        entry: fl.Entry,
+        fn: Run,
+        fut: Any,
+        result: list[torch.Tensor],
+        sig: bytes = b"",
+        done: threading.Event | None = None,
     ) -> None:
         self.entry = entry
         self.fn = fn
+        # The Work's future, completed with result; None for a CPU call
+        # that ran inline, whose Work makes one on demand (get_future).
         self.fut = fut
         self.result = result
         self.sig = sig  # set when calls are checked
         self.event: Any = None  # GPU: the caller's stream, then the work's end
         self.exc: BaseException | None = None
-        self.done = threading.Event()  # the host's part is over (GPU work may still run)
+        # The host's part is over (GPU work may still run).
+        self.done = threading.Event() if done is None else done
 
 
 def _value(fut: Any) -> Any:
@@ -69,7 +86,8 @@ class Work(dist.Work):
         secs = self._deadline_s
         if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
             secs = timeout.total_seconds()
-        if not t.done.wait(secs):
+        done = t.done
+        if not done.is_set() and not done.wait(secs):
             _trace.dump(f"{t.entry.op} (collective #{t.entry.seq}) not done after {secs:g} s")
             raise RuntimeError(
                 f"gpubridge: {t.entry.op} (collective #{t.entry.seq}) is not done after {secs:g} s "
@@ -100,7 +118,15 @@ class Work(dist.Work):
         # the result and crash. The chained future holds a real error,
         # which every caller sees (made on first use: nothing per call).
         if self._fut is None:
-            self._fut = self._task.fut.then(_value)
+            t = self._task
+            fut = t.fut
+            if fut is None:  # ran inline on the CPU: over already
+                fut = torch.futures.Future()
+                if t.exc is not None:
+                    fut.set_exception(t.exc)
+                else:
+                    fut.set_result(t.result)
+            self._fut = fut.then(_value)
         return self._fut
 
     def synchronize(self) -> None:
@@ -125,6 +151,7 @@ class Worker:
         self._group = group
         self._compare_calls = compare_calls
         self._device = device
+        self._gpu = device.type == "cuda"
         self._stream = stream
         self._timeout = timeout
         self._breaker = breaker
@@ -167,8 +194,7 @@ class Worker:
         asks for, when it names one (part of its signature too)."""
         if _trace.callbacks and _trace.in_callback():
             _trace.refuse_in_callback(op)
-        gpu = self._device.type == "cuda"
-        fut: Any = torch.futures.Future(devices=[self._device]) if gpu else torch.futures.Future()
+        gpu = self._gpu
         sync = opts is not None and getattr(opts, "asyncOp", True) is False
         inline = False
         with self._submit_lock:
@@ -177,11 +203,12 @@ class Worker:
             entry = fl.Entry(self._group, self.seq, op, nbytes, fl.QUEUED, threading.current_thread().name)
             entry.dtype = result[0].dtype if result else None
             entry.detail, entry.asynchronous = detail, not sync
-            task = Task(entry, fn, fut, result)
+            task = Task(entry, fn, None, result, done=_FINISHED)
             if self._compare_calls is not None:
                 sig_detail = f"{detail}, {codec}" if codec else detail
                 task.sig = _check_calls.signature(op, [*result, *(uses or [])], sig_detail)
             if gpu:
+                task.fut = torch.futures.Future(devices=[self._device])
                 if _trace.tracing():  # the steps' CUDA events (none with tracing off)
                     entry.mark = _trace_gpu.Marker(self._device, self._stream)
                 cur = torch.cuda.current_stream(self._device)
@@ -196,6 +223,11 @@ class Worker:
                 inline = self._exec_lock.acquire(blocking=False)
             self._pending += 1
             if not inline:
+                # Waited for from another thread: an event and a future of
+                # its own (an inline CPU call's Work makes its future).
+                task.done = threading.Event()
+                if task.fut is None:
+                    task.fut = torch.futures.Future()
                 self._queue.put(task)
         if inline:
             try:
@@ -216,7 +248,7 @@ class Worker:
         e = task.entry
         e.set_step(fl.RUNNING)
         fl.enter(e)
-        cuda = self._device.type == "cuda"
+        cuda = self._gpu
         try:
             if self._breaker.error is not None:
                 raise RuntimeError(f"not started: the group is broken: {self._breaker.error}")
@@ -244,13 +276,16 @@ class Worker:
                 with self._submit_lock:
                     self._pending -= 1
             finally:
-                task.done.set()
+                done, fut = task.done, task.fut
+                if done is not _FINISHED:
+                    done.set()
                 if task.exc is not None:
-                    task.fut.set_exception(task.exc)
+                    if fut is not None:
+                        fut.set_exception(task.exc)
                 elif cuda:
                     self._done_q.put(task)
-                else:
-                    task.fut.set_result(task.result)
+                elif fut is not None:
+                    fut.set_result(task.result)
 
     def _run_task(self, task: Task) -> None:
         if task.sig and self._compare_calls is not None:
@@ -258,12 +293,15 @@ class Worker:
         task.fn(task.entry)
 
     def _count(self, e: fl.Entry) -> None:
-        st = self._stats.setdefault(e.op, {"calls": 0, "bytes": 0, "seconds": 0.0, "steps": {}})
+        st = self._stats.get(e.op)
+        if st is None:
+            st = self._stats[e.op] = {"calls": 0, "bytes": 0, "seconds": 0.0, "steps": {}}
         st["calls"] += 1
         st["bytes"] += e.nbytes
         st["seconds"] += e.step_started - e.started
+        steps = st["steps"]
         for k, v in e.steps.items():
-            st["steps"][k] = st["steps"].get(k, 0.0) + v
+            steps[k] = steps.get(k, 0.0) + v
 
     def _complete(self) -> None:
         """Completes GPU Works once their work is done on the device."""
