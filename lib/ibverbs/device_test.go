@@ -46,15 +46,15 @@ func activePort(t *testing.T) (string, int) {
 	return "", 0
 }
 
-// Two queue pairs of one port connected to each other: a WRITE with
-// immediate data lands in the other's memory, its immediate value in a
-// posted receive, and a SEND with immediate data completes a receive;
-// events arrive on the channel.
-func TestLoopbackWrite(t *testing.T) {
+// loopbackPort opens the first active port's device (closed when t ends)
+// and a protection domain on it, with the port's attributes and the GID a
+// queue pair connected to another of the same port uses (RoCE v2 over
+// IPv4 where there is one).
+func loopbackPort(t *testing.T) (*Context, int, PortAttr, GIDEntry, *PD) {
 	dev, port := activePort(t)
 	c, err := Open(dev)
 	require.NoError(t, err)
-	defer c.Close()
+	t.Cleanup(func() { _ = c.Close() })
 	pa, err := c.QueryPort(port)
 	require.NoError(t, err)
 	gids, err := c.GIDs(port)
@@ -68,7 +68,16 @@ func TestLoopbackWrite(t *testing.T) {
 	}
 	pd, err := c.AllocPD()
 	require.NoError(t, err)
-	defer pd.Close()
+	t.Cleanup(func() { _ = pd.Close() })
+	return c, port, pa, gid, pd
+}
+
+// Two queue pairs of one port connected to each other: a WRITE with
+// immediate data lands in the other's memory, its immediate value in a
+// posted receive, and a SEND with immediate data completes a receive;
+// events arrive on the channel.
+func TestLoopbackWrite(t *testing.T) {
+	c, port, pa, gid, pd := loopbackPort(t)
 	ch, err := c.NewCompChannel()
 	require.NoError(t, err)
 	defer ch.Close()
@@ -155,24 +164,7 @@ func TestLoopbackWrite(t *testing.T) {
 // in the verbs transport's set-up); a move that is merely not allowed
 // does not say so. State follows every move.
 func TestRefusedWriteFailsAQueuePairBeforeRTS(t *testing.T) {
-	dev, port := activePort(t)
-	c, err := Open(dev)
-	require.NoError(t, err)
-	defer c.Close()
-	pa, err := c.QueryPort(port)
-	require.NoError(t, err)
-	gids, err := c.GIDs(port)
-	require.NoError(t, err)
-	require.NotEmpty(t, gids, "port %d of %s has no GID", port, dev)
-	gid := gids[0]
-	for _, g := range gids {
-		if g.Type == GIDTypeRoCEv2 && g.GID.IP().To4() != nil {
-			gid = g
-		}
-	}
-	pd, err := c.AllocPD()
-	require.NoError(t, err)
-	defer pd.Close()
+	c, port, pa, gid, pd := loopbackPort(t)
 	src, dst := bytes.Repeat([]byte("refused"), 512), make([]byte, 4096)
 	smr, err := pd.Register(src, AccessLocalWrite)
 	require.NoError(t, err)
