@@ -141,6 +141,9 @@ type verbsMesh struct {
 	aborting atomic.Bool
 	done     chan struct{} // closed by Close
 	stopped  chan struct{} // closed when the progress goroutine ends
+	quit     chan struct{} // closed by teardown (once: quitOnce): the watchdog ends
+	quitOnce sync.Once
+	watched  chan struct{} // closed when the watchdog ends
 	closeMu  sync.Mutex
 	closed   bool
 	torn     atomic.Bool // the queue pairs are destroyed
@@ -155,14 +158,62 @@ type verbsPeer struct {
 	failed   error        // the first failure of any of its queue pairs (nopMu)
 }
 
-// startProgress starts the progress goroutine.
+// startProgress starts the progress goroutine and the watchdog.
 func (m *verbsMesh) startProgress() {
-	m.stopped = make(chan struct{})
+	m.stopped, m.quit, m.watched = make(chan struct{}), make(chan struct{}), make(chan struct{})
 	now := time.Now().UnixNano()
 	for i := range m.peersState {
 		m.peersState[i].heard.Store(now)
 	}
 	go m.progress()
+	go m.watch()
+}
+
+// watch fails, every verbsTick, the peers waited on and silent for
+// verbsKeepAlive+verbsDeadAfter, until teardown. It is not the progress
+// goroutine because that one posts (credits, pings, pongs), and a post
+// can stay long inside the device's library (rdma_rxe does the work in
+// the posting thread, and on a link that went down it takes its time
+// failing): the deadline must not wait for it.
+func (m *verbsMesh) watch() {
+	defer close(m.watched)
+	t := time.NewTicker(verbsTick)
+	defer t.Stop()
+	for {
+		select {
+		case <-m.quit:
+			return
+		case now := <-t.C:
+			for p, silent := range m.silentPeers(now) {
+				if silent > verbsKeepAlive+verbsDeadAfter {
+					m.peerFailed(p, &PeerError{Peer: m.Peer(p), Err: fmt.Errorf("%w (nothing heard for %v, keep-alives unanswered): is %s dead or stopped, or is the link down? (this side: %s)",
+						ErrConnClosed, silent.Round(time.Second), m.process(p), m.dev.port())})
+				}
+			}
+		}
+	}
+}
+
+// silentPeers maps each peer a stream has waited on for verbsKeepAlive
+// and more, and that has been silent as long, to how long it has been
+// silent.
+func (m *verbsMesh) silentPeers(now time.Time) map[int]time.Duration {
+	var out map[int]time.Duration
+	for _, s := range m.byKey {
+		for i := range s.waitingSince {
+			w := s.waitingSince[i].Load()
+			if w == 0 || now.Sub(time.Unix(0, w)) <= verbsKeepAlive {
+				continue
+			}
+			if silent := now.Sub(time.Unix(0, m.peersState[s.peer].heard.Load())); silent >= verbsKeepAlive {
+				if out == nil {
+					out = make(map[int]time.Duration)
+				}
+				out[s.peer] = silent
+			}
+		}
+	}
+	return out
 }
 
 // progress drains the completion queues the device reports, and every
@@ -191,30 +242,17 @@ func (m *verbsMesh) progress() {
 	}
 }
 
-// housekeep polls every queue (a lost event costs at most a tick), pings
-// each peer a stream is waiting on that has been silent for
-// verbsKeepAlive, and fails a peer silent for verbsDeadAfter more.
+// housekeep polls every queue (a lost event costs at most a tick) and
+// pings each peer a stream is waiting on that has been silent for
+// verbsKeepAlive (the watchdog fails it after verbsDeadAfter more).
 func (m *verbsMesh) housekeep() {
-	now := time.Now()
-	waiting := make([]bool, m.size)
 	for _, s := range m.byKey {
 		s.drain(false)
 		s.kick()
-		for i := range s.waitingSince {
-			if w := s.waitingSince[i].Load(); w != 0 && now.Sub(time.Unix(0, w)) > verbsKeepAlive {
-				waiting[s.peer] = true
-			}
-		}
 	}
-	for p, w := range waiting {
-		silent := now.Sub(time.Unix(0, m.peersState[p].heard.Load()))
-		if !w || silent < verbsKeepAlive {
-			continue
-		}
+	for p, silent := range m.silentPeers(time.Now()) {
 		if silent > verbsKeepAlive+verbsDeadAfter {
-			m.peerFailed(p, &PeerError{Peer: m.Peer(p), Err: fmt.Errorf("%w (nothing heard for %v, keep-alives unanswered): is %s dead or stopped, or is the link down? (this side: %s)",
-				ErrConnClosed, silent.Round(time.Second), m.process(p), m.dev.port())})
-			continue
+			continue // the watchdog's
 		}
 		m.nopMu.Lock()
 		busy := m.peersState[p].pingBusy || m.peersState[p].failed != nil
@@ -371,6 +409,8 @@ func (m *verbsMesh) teardown() {
 	m.torn.Store(true)
 	m.dev.wake()
 	if m.stopped != nil {
+		m.quitOnce.Do(func() { close(m.quit) })
+		<-m.watched
 		<-m.stopped
 	}
 	var errs []error

@@ -45,6 +45,22 @@ type fakeFabric struct {
 	// silent: requests to a vanished peer never complete (as seen on
 	// rdma_rxe) instead of failing after the transport retries.
 	silent bool
+	// stuckPosts: a post to a lost peer's queue pair waits in the
+	// posting thread until this closes (rdma_rxe on a link that went
+	// down); nil: posts return at once.
+	stuckPosts chan struct{}
+}
+
+// stuck makes a post to a lost peer wait for stuckPosts (outside the
+// fabric's lock, as a device library's own work would).
+func (q *fakeQP) stuck() {
+	f := q.d.f
+	f.mu.Lock()
+	gate, lost := f.stuckPosts, q.peer != nil && (q.peer.errored || q.peer.gone)
+	f.mu.Unlock()
+	if gate != nil && lost {
+		<-gate
+	}
 }
 
 func newFakeFabric() *fakeFabric {
@@ -341,6 +357,7 @@ func (q *fakeQP) post(wr uint64, imm uint32, withImm bool, n int) (fakeFault, bo
 }
 
 func (q *fakeQP) write(wr uint64, sges []ibverbs.SGE, raddr uint64, rkey uint32, imm uint32, withImm bool) error {
+	q.stuck()
 	f := q.d.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -371,6 +388,7 @@ func (q *fakeQP) write(wr uint64, sges []ibverbs.SGE, raddr uint64, rkey uint32,
 }
 
 func (q *fakeQP) sendImm(wr uint64, imm uint32) error {
+	q.stuck()
 	f := q.d.f
 	f.mu.Lock()
 	defer f.mu.Unlock()

@@ -403,14 +403,47 @@ func TestVerbsSilentPeerIsFound(t *testing.T) {
 	}
 }
 
+// shortKeepAlives makes the keep-alive deadlines short for t, still not
+// sub-second (a loaded machine must not lose a live peer), and puts them
+// back once t's meshes are closed (the first cleanup runs last): the
+// meshes' goroutines read them until then.
+func shortKeepAlives(t *testing.T) {
+	k, d := verbsKeepAlive, verbsDeadAfter
+	t.Cleanup(func() { verbsKeepAlive, verbsDeadAfter = k, d })
+	verbsKeepAlive, verbsDeadAfter = testenv.Scale(time.Second), testenv.Scale(2*time.Second)
+}
+
+// A peer lost while this member's posts to it stay inside the device's
+// library (rdma_rxe after the link went down: the keep-alive's own ping
+// is such a post): the member waiting on it still learns within the
+// keep-alive deadline, not when the post returns.
+func TestVerbsSilentPeerWithStuckPosts(t *testing.T) {
+	shortKeepAlives(t)
+	f, devs, ms := fakeBridge(t, 2, 1, 64<<10, false)
+	gate := make(chan struct{})
+	t.Cleanup(func() { close(gate) }) // before the meshes close (cleanups run last first)
+	lost := f.qpsOf(devs[1])
+	f.mu.Lock()
+	f.silent, f.stuckPosts = true, gate
+	for _, q := range lost {
+		q.errored = true // gone without a word
+	}
+	f.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*(verbsKeepAlive+verbsDeadAfter))
+	defer cancel()
+	t0 := time.Now()
+	err := ms[0].Stream(1, 0).Recv(ctx, func(wire.Header, []byte) error { return nil })
+	require.ErrorIs(t, err, ErrConnClosed)
+	assert.Contains(t, err.Error(), "keep-alives unanswered")
+	assert.Contains(t, err.Error(), "member 1 (rank 2 on host-b")
+	assert.Less(t, time.Since(t0), 3*(verbsKeepAlive+verbsDeadAfter))
+}
+
 // A peer that is alive but sends nothing answers the keep-alives: a member
 // waiting on it for many keep-alive periods is not fooled into taking it
 // for dead; once it vanishes, it is.
 func TestVerbsKeepAlivesTellAliveFromDead(t *testing.T) {
-	defer func(k, d time.Duration) { verbsKeepAlive, verbsDeadAfter = k, d }(verbsKeepAlive, verbsDeadAfter)
-	// Shorter than the defaults, still not sub-second: a loaded machine
-	// must not lose a live peer.
-	verbsKeepAlive, verbsDeadAfter = testenv.Scale(time.Second), testenv.Scale(2*time.Second)
+	shortKeepAlives(t)
 	f, devs, ms := fakeBridge(t, 2, 1, 64<<10, false)
 	f.mu.Lock()
 	f.silent = true
@@ -838,8 +871,7 @@ func TestPickVerbsPort(t *testing.T) {
 // A sender that keeps finishing its waits does not hide a receiver that
 // waits on the same stream: the silent peer is still found.
 func TestVerbsBusySenderDoesNotHideAWaitingReceiver(t *testing.T) {
-	defer func(k, d time.Duration) { verbsKeepAlive, verbsDeadAfter = k, d }(verbsKeepAlive, verbsDeadAfter)
-	verbsKeepAlive, verbsDeadAfter = testenv.Scale(time.Second), testenv.Scale(2*time.Second)
+	shortKeepAlives(t)
 	f, devs, ms := fakeBridge(t, 2, 1, 1<<20, false)
 	f.mu.Lock()
 	f.silent = true
