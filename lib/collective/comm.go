@@ -72,7 +72,7 @@ type Options struct {
 	// goroutine while another reduces the pieces already in (pipe.go), so
 	// that the kernel's copy out of the socket and the reduction run at
 	// once, on two cores. OverlapAuto (the default) is OverlapOff on
-	// every host so far (see overlapAuto). It changes no result, so
+	// every host so far (see Overlap.on). It changes no result, so
 	// members may differ.
 	Overlap Overlap
 	// Log receives a record when the communicator breaks; nil discards.
@@ -83,7 +83,7 @@ type Options struct {
 type Overlap int8
 
 const (
-	// OverlapAuto: whatever overlapAuto says for this process.
+	// OverlapAuto: whatever Overlap.on says (off, so far).
 	OverlapAuto Overlap = iota
 	// OverlapOn: read and reduce a stream's pieces on two goroutines.
 	OverlapOn
@@ -92,23 +92,16 @@ const (
 	OverlapOff
 )
 
-// overlapAuto is what OverlapAuto resolves to for a process that runs
-// goroutines on procs cores at once (runtime.GOMAXPROCS): off, wherever it
-// was measured. Reading ahead was to let the kernel's copy and the
-// reduction run on two cores; with 8 streams each stream's sender and
-// receiver (and the reductions' helpers) keep the cores busy already, and
-// the hand-overs cost more than they save: the 2-member TCP all_reduce ran
-// 10-20% slower with it on on the 2-core development box, and on the
-// 16-core H200 host (52e06f4, host-bridge-bench) 8.3-8.6 GB/s on against
-// 9.2-9.6 off at 256 MiB and 1 GiB, 4 members 3.1 against 3.5. A host
-// where it pays (more cores per stream) would say so here.
-func overlapAuto(procs int) bool { return false }
-
-// on resolves o for a process that runs goroutines on procs cores
-// at once (runtime.GOMAXPROCS).
-func (o Overlap) on(procs int) bool {
-	return o == OverlapOn || o == OverlapAuto && overlapAuto(procs)
-}
+// on resolves o: OverlapAuto is off wherever it was measured. Reading
+// ahead was to let the kernel's copy and the reduction run on two cores;
+// with 8 streams each stream's sender and receiver (and the reductions'
+// helpers) keep the cores busy already, and the hand-overs cost more than
+// they save: the 2-member TCP all_reduce ran 10-20% slower with it on on
+// the 2-core development box, and on the 16-core H200 host (52e06f4,
+// host-bridge-bench) 8.3-8.6 GB/s on against 9.2-9.6 off at 256 MiB and
+// 1 GiB, 4 members 3.1 against 3.5. A host where it pays (more cores per
+// stream) would give auto a rule here.
+func (o Overlap) on() bool { return o == OverlapOn }
 
 func (o Overlap) String() string {
 	switch o {
@@ -259,7 +252,7 @@ func newComm(mesh transport.Mesh, o Options, maxUnexpected int64) *Comm {
 		c.stream = -1
 	}
 	c.chunk = min(c.chunk, wire.MaxPayload)
-	c.overlap = o.Overlap.on(runtime.GOMAXPROCS(0))
+	c.overlap = o.Overlap.on()
 	if c.workers <= 0 {
 		c.workers = runtime.NumCPU()
 	}

@@ -164,7 +164,7 @@
 // buffer that stays in cache, straight into the member's buffer; a piece
 // that arrives before the member's own chunk was sent waits in a spill
 // buffer until it is. With Options.Overlap on (not the default: measured
-// slower, see overlapAuto) a stream that receives more than one piece in
+// slower, see Overlap.on) a stream that receives more than one piece in
 // the call has a second goroutine: one reads the pieces off the socket (the
 // kernel's copy), up to transport.MaxHeldPieces ahead in buffers of the
 // stream (2 MiB over TCP), while the other reduces those already in, in

@@ -51,7 +51,7 @@ func newClusterLimit(t testing.TB, n, streams int, o Options, maxUnexpected int6
 		}
 	}
 	if piecesHold && o.Overlap == OverlapAuto {
-		o.Overlap = OverlapOn // whatever GOMAXPROCS
+		o.Overlap = OverlapOn // auto is off
 	}
 	cl := newClusterMesh(t, meshes, o, maxUnexpected)
 	if stripedP2P {
