@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-host session of checks and benchmarks, from the repository root:
 #   bash bench/gpu/validate.sh STEP...      (default: every step)
-# STEP: plugin-check exchange host-bridge codec trace rebalance overhead
+# STEP: plugin-check exchange host-bridge profile (issue 12: CPU profiles and
+# Go execution traces of gbbridge bench, bench/gpu/profile-bench.sh) codec trace rebalance overhead
 # codec-compile compress compress-train (issue 13: the torch codec eager and
 # compiled; the GPU path against gbbridge's bit for bit and each codec's
 # all_reduce time; training exact, fp8 with and without error feedback;
@@ -35,9 +36,9 @@ out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
 exec > >(tee -a "$out/validate.log") 2>&1
 # Pass GB_COMMIT: the device machine's copy may carry another HEAD than the tree it got.
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
-all=(plugin-check exchange host-bridge codec trace rebalance overhead one-gpu-bench codec-compile compress compress-train p2p pipeline latency)
+all=(plugin-check exchange host-bridge profile codec trace rebalance overhead one-gpu-bench codec-compile compress compress-train p2p pipeline latency)
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=("${all[@]}")
-declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=260 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280 [p2p]=160 [pipeline]=240 [latency]=240)
+declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=260 [profile]=100 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280 [p2p]=160 [pipeline]=240 [latency]=240)
 for s in "${steps[@]}"; do [ -n "${share[$s]:-}" ] || { echo "unknown step $s (steps: ${all[*]})"; exit 2; }; done
 budget=${GB_BUDGET_S:-540}; t_end=$(( $(date +%s) + budget ))
 echo "== $(date -u +%FT%TZ) validate: commit $GB_COMMIT; steps ${steps[*]}; $(nproc --all) cores"
@@ -58,6 +59,7 @@ for s in "${steps[@]}"; do
       plugin-check) OUT=$d timeout "$lim" bash bench/gpu/plugin-check.sh ;;
       exchange) OUT=$d GB_LIMIT_S=$(( lim - 10 )) timeout "$lim" bash bench/gpu/exchange-bench.sh ;;
       host-bridge) OUT=$d GB_ITERS=${GB_ITERS:-3} timeout "$lim" bash bench/gpu/host-bridge-bench.sh ;;
+      profile) OUT=$d timeout "$lim" bash bench/gpu/profile-bench.sh ;;
       codec) PYTHONPATH=$PWD/torchplugin timeout "$lim" python3 bench/gpu/codec_check.py "$d" ;;
       trace) OUT=$d timeout "$lim" bash bench/gpu/trace-check.sh ;;
       rebalance) OUT=$d timeout "$lim" bash bench/gpu/rebalance.sh ;;

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"runtime/pprof"
+	"runtime/trace"
 	"strconv"
 	"strings"
 	"time"
@@ -163,20 +164,40 @@ func sizesArg(s []int64) string {
 }
 
 // startProfile writes a CPU profile of this member to
-// $GPUBRIDGE_CPUPROFILE.<rank> when that variable is set (for finding what
-// limits a benchmark; see docs/BENCHMARKS.md).
+// $GPUBRIDGE_CPUPROFILE.<rank> and a Go execution trace (go tool trace: where
+// goroutines wait, not only where they run) to $GPUBRIDGE_GOTRACE.<rank>
+// when those variables are set (for finding what limits a benchmark; see
+// docs/BENCHMARKS.md).
 func startProfile(rank int) (func(), error) {
-	path := os.Getenv("GPUBRIDGE_CPUPROFILE")
-	if path == "" {
-		return func() {}, nil
+	var stops []func()
+	stop := func() {
+		for i := len(stops) - 1; i >= 0; i-- {
+			stops[i]()
+		}
 	}
-	f, err := os.Create(path + "." + strconv.Itoa(rank))
-	if err != nil {
-		return nil, fmt.Errorf("cpu profile: %w", err)
+	if path := os.Getenv("GPUBRIDGE_CPUPROFILE"); path != "" {
+		f, err := os.Create(path + "." + strconv.Itoa(rank))
+		if err != nil {
+			return nil, fmt.Errorf("cpu profile: %w", err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("cpu profile: %w", err)
+		}
+		stops = append(stops, func() { pprof.StopCPUProfile(); f.Close() })
 	}
-	if err := pprof.StartCPUProfile(f); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("cpu profile: %w", err)
+	if path := os.Getenv("GPUBRIDGE_GOTRACE"); path != "" {
+		f, err := os.Create(path + "." + strconv.Itoa(rank))
+		if err != nil {
+			stop()
+			return nil, fmt.Errorf("execution trace: %w", err)
+		}
+		if err := trace.Start(f); err != nil {
+			f.Close()
+			stop()
+			return nil, fmt.Errorf("execution trace: %w", err)
+		}
+		stops = append(stops, func() { trace.Stop(); f.Close() })
 	}
-	return func() { pprof.StopCPUProfile(); f.Close() }, nil
+	return stop, nil
 }
