@@ -103,6 +103,12 @@ for s in "${steps[@]}"; do
           python3 -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
           bench/gpu/plugin_overhead.py "$d/traced.jsonl" --rounds 2 --iters 500 > "$d/traced.log" 2>&1 || rc=1
         python3 bench/trace_phases.py "$d/trace/rank-0.jsonl" | tee "$out/latency-phases.json" || rc=1
+        # The same flat call with every serve's Go execution trace (GPUBRIDGE_GOTRACE,
+        # read with go tool trace on the dev machine): where the legs to and from serve wait.
+        mkdir -p "$d/gotrace"
+        GPUBRIDGE_GOTRACE=$d/gotrace/serve GPUBRIDGE_POLICY=flat GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=1 timeout 40 \
+          python3 -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
+          bench/gpu/plugin_overhead.py "$d/gotraced.jsonl" --rounds 1 --iters 500 > "$d/gotraced.log" 2>&1 || rc=1
         # The plugin's own CPU per call (flat, spin as the defaults pick): what a call costs around the feed.
         GPUBRIDGE_POLICY=flat GPUBRIDGE_BIN_DIR=$PWD/bin PYTHONPATH=$PWD/torchplugin OMP_NUM_THREADS=1 timeout 40 \
           python3 -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \

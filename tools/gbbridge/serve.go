@@ -66,7 +66,15 @@ func (c *serveCmd) Run(env *cli.Env) error {
 	if err != nil {
 		return cli.CannotRun(err)
 	}
+	// GPUBRIDGE_CPUPROFILE and GPUBRIDGE_GOTRACE reach serve through the
+	// plugin's environment: where a tiny call's legs to and from serve go.
+	stop, err := startProfile(topo.Self.Rank)
+	if err != nil {
+		s.close(err)
+		return cli.CannotRun(err)
+	}
 	err = s.run(env)
+	stop()
 	s.close(err)
 	return err
 }
