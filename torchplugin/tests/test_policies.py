@@ -125,8 +125,7 @@ def test_policy_bit_for_bit(tmp_path: Path, policy: str, vendors: list[str], ran
 @needs_tools
 def test_auto_sends_a_tiny_all_reduce_flat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # With spinning waits (the latency setting for hosts with a core per
-    # process): the feed client, every serve's shm streams and its feed
-    # reader (GPUBRIDGE_FEED_SPIN_US, set by the plugin) spin.
+    # process): the feed client and every serve's shm streams spin.
     monkeypatch.setenv("GPUBRIDGE_SPIN_US", "200")
     f = tmp_path / "thresholds.json"
     f.write_text(Thresholds(flat_max_bytes=64, sharded_min_bytes=-1).to_json({}))
