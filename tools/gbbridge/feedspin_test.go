@@ -37,13 +37,9 @@ func TestFeedSpin(t *testing.T) {
 		{"one host, bridge 0 forced to tcp", ranks("a", "a", "a", "a"), &bridge.Membership{Transport: transport.TCP, Members: members("a", "a")}, 0},
 		{"two hosts", ranks("a", "a", "b", "b"), &bridge.Membership{Transport: transport.Auto, Members: members("a", "b")}, 0},
 		{"a non-leader on another host", ranks("a", "b", "a", "a"), nil, 0},
-		{"not asked for", ranks("a", "a", "a", "a"), nil, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s := &serving{c: &serveCmd{SpinUS: 200, FeedSpinUS: 200}, topo: &discover.Topology{}}
-			if tc.name == "not asked for" {
-				s.c.FeedSpinUS = 0
-			}
+			s := &serving{c: &serveCmd{SpinUS: 200}, topo: &discover.Topology{}}
 			s.topo.Ranks = tc.ranks
 			s.topo.Self = tc.ranks[0]
 			if tc.bridge0 != nil {

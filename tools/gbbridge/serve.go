@@ -36,8 +36,7 @@ type serveCmd struct {
 	Interface     string        `help:"Network interface to listen on and advertise. Default: the one that routes to the store's host." env:"GPUBRIDGE_IFNAME" placeholder:"NAME"`
 	ListenHost    string        `help:"IP address (or host name) to listen on and advertise; wins over --interface." placeholder:"ADDR"`
 	ShmRing       byteSize      `help:"Size of each shared-memory ring (shm transport)." default:"8M" placeholder:"BYTES"`
-	SpinUS        int           `help:"Microseconds a shm stream's waiter checks its ring before sleeping (waking a sleeper costs tens of microseconds on a VM: spin longer when every process has a core); the plugin's feed client spins as long for its answers." default:"5" env:"GPUBRIDGE_SPIN_US" name:"spin-us" placeholder:"US"`
-	FeedSpinUS    int           `help:"Microseconds the feed's reader checks its socket for the next request before it sleeps, when every bridge serve may join is shm (elsewhere a spinning reader delays the bridge's socket events); 0: it sleeps at once. The plugin sets it to its spin where every process has a core, unless GPUBRIDGE_FEED_SPIN_US says otherwise." default:"0" env:"GPUBRIDGE_FEED_SPIN_US" name:"feed-spin-us" placeholder:"US"`
+	SpinUS        int           `help:"Microseconds a shm stream's waiter checks its ring before sleeping, and, when every bridge serve may join is shm, the feed's reader its socket for the next request (waking a sleeper costs tens of microseconds on a VM: spin longer when every process has a core); the plugin's feed client spins as long for its answers." default:"5" env:"GPUBRIDGE_SPIN_US" name:"spin-us" placeholder:"US"`
 	MaxFeedback   byteSize      `help:"Cap on the error-feedback residuals the feed keeps (4 bytes per value of each keyed buffer a lossy all_reduce compresses); a request that would pass it is refused (docs/FEED.md §3a)." default:"64G" placeholder:"SIZE"`
 	DieWithParent bool          `help:"Exit when the parent process (the rank) dies (PR_SET_PDEATHSIG)." default:"true" negatable:""`
 	ParentPID     int           `help:"With --die-with-parent: the pid the parent says it has; exit 2 at start if the parent is another (it died between spawning and this check). 0: whichever parent this process has at start." default:"0" name:"parent-pid" placeholder:"PID"`
@@ -57,9 +56,6 @@ func (c *serveCmd) Run(env *cli.Env) error {
 	}
 	if _, err := spinOf(c.SpinUS); err != nil {
 		return cli.CannotRun(err)
-	}
-	if _, err := spinOf(c.FeedSpinUS); err != nil {
-		return cli.CannotRun(fmt.Errorf("--feed-spin-us: %w", err))
 	}
 	if c.DieWithParent {
 		if err := cli.DieWithParent(c.ParentPID); err != nil {
@@ -242,14 +238,11 @@ func (s *serving) Join(ctx context.Context, j feedserver.JoinRequest) (*feedserv
 }
 
 // feedSpin is how long the feed's reader polls its socket before it
-// sleeps: --feed-spin-us when every bridge this serve may join is shm
-// (every rank on this host, bridge 0 shm), whose waits are futexes; else
-// none, as a spinning reader delays the frames of a TCP or verbs bridge,
-// which Go's network poller delivers (docs/FEED.md §8).
+// sleeps: --spin-us when every bridge this serve may join is shm (every
+// rank on this host, bridge 0 shm), whose waits are futexes; else none, as
+// a spinning reader delays the frames of a TCP or verbs bridge, which Go's
+// network poller delivers (docs/FEED.md §8).
 func (s *serving) feedSpin() time.Duration {
-	if s.c.FeedSpinUS <= 0 {
-		return 0
-	}
 	for _, r := range s.topo.Ranks {
 		if r.Hostname != s.topo.Self.Hostname {
 			return 0
@@ -260,7 +253,7 @@ func (s *serving) feedSpin() time.Duration {
 			return 0
 		}
 	}
-	return time.Duration(s.c.FeedSpinUS) * time.Microsecond
+	return s.c.spin()
 }
 
 // setupCause prefers a signal's cause to the error it caused.

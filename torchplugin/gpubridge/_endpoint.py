@@ -133,9 +133,6 @@ class BridgeEndpoint:
         spin = spin_us()
         if spin is not None:
             args += ["--spin-us", str(spin)]
-            # serve's feed reader spins as long where its bridges are all shm
-            # (GPUBRIDGE_FEED_SPIN_US, e.g. 0, wins; an older serve ignores it)
-            env.setdefault("GPUBRIDGE_FEED_SPIN_US", str(spin))
         env.pop("GPUBRIDGE_SPIN_US", None)  # the flag says it, "auto" resolved
         process = start_bridge_lasting(
             workdir / "topology.json", workdir / "feed.sock", gbbridge=_tools.find_tool("gbbridge"),
