@@ -36,7 +36,7 @@ type serveCmd struct {
 	Interface     string        `help:"Network interface to listen on and advertise. Default: the one that routes to the store's host." env:"GPUBRIDGE_IFNAME" placeholder:"NAME"`
 	ListenHost    string        `help:"IP address (or host name) to listen on and advertise; wins over --interface." placeholder:"ADDR"`
 	ShmRing       byteSize      `help:"Size of each shared-memory ring (shm transport)." default:"8M" placeholder:"BYTES"`
-	SpinUS        int           `help:"Microseconds a shm stream's waiter checks its ring before sleeping, and, when every bridge serve may join is shm, the feed's reader its socket for the next request (waking a sleeper costs tens of microseconds on a VM: spin longer when every process has a core); the plugin's feed client spins as long for its answers." default:"5" env:"GPUBRIDGE_SPIN_US" name:"spin-us" placeholder:"US"`
+	SpinUS        int           `help:"Microseconds a shm stream's waiter checks its ring before sleeping (waking a sleeper costs tens of microseconds on a VM: spin longer when every process has a core); the plugin's feed client spins as long for its answers." default:"5" env:"GPUBRIDGE_SPIN_US" name:"spin-us" placeholder:"US"`
 	MaxFeedback   byteSize      `help:"Cap on the error-feedback residuals the feed keeps (4 bytes per value of each keyed buffer a lossy all_reduce compresses); a request that would pass it is refused (docs/FEED.md §3a)." default:"64G" placeholder:"SIZE"`
 	DieWithParent bool          `help:"Exit when the parent process (the rank) dies (PR_SET_PDEATHSIG)." default:"true" negatable:""`
 	ParentPID     int           `help:"With --die-with-parent: the pid the parent says it has; exit 2 at start if the parent is another (it died between spawning and this check). 0: whichever parent this process has at start." default:"0" name:"parent-pid" placeholder:"PID"`
@@ -179,7 +179,7 @@ func (s *serving) run(env *cli.Env) error {
 	}
 	srv := feedserver.NewServer(conn, b0, feedserver.ServerOptions{
 		Member: max(s.ms.Member, 0), Members: len(s.ms.Members), Transport: desc, MaxFeedbackBytes: uint64(s.c.MaxFeedback), Log: s.log,
-		Rank: s.rank, WorldSize: len(s.topo.Ranks), Joiner: s, Spin: s.feedSpin()})
+		Rank: s.rank, WorldSize: len(s.topo.Ranks), Joiner: s})
 	err = srv.Serve(ctx)
 	switch {
 	case err != nil && ctx.Err() != nil:
@@ -235,25 +235,6 @@ func (s *serving) Join(ctx context.Context, j feedserver.JoinRequest) (*feedserv
 		}
 		_ = m.Close()
 	}}, nil
-}
-
-// feedSpin is how long the feed's reader polls its socket before it
-// sleeps: --spin-us when every bridge this serve may join is shm (every
-// rank on this host, bridge 0 shm), whose waits are futexes; else none, as
-// a spinning reader delays the frames of a TCP or verbs bridge, which Go's
-// network poller delivers (docs/FEED.md §8).
-func (s *serving) feedSpin() time.Duration {
-	for _, r := range s.topo.Ranks {
-		if r.Hostname != s.topo.Self.Hostname {
-			return 0
-		}
-	}
-	if s.member != nil {
-		if k, _, err := transport.Choose(s.ms.Transport, s.ms.Members); err != nil || k != transport.SHM {
-			return 0
-		}
-	}
-	return s.c.spin()
 }
 
 // setupCause prefers a signal's cause to the error it caused.

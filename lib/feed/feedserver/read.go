@@ -7,8 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
-	"syscall"
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/feed"
@@ -20,7 +18,6 @@ const maxPendingFDs = 4
 
 type reader struct {
 	conn  *net.UnixConn
-	raw   syscall.RawConn // conn's descriptor, for the spinning read
 	s     *Server
 	buf   []byte
 	oob   []byte
@@ -76,51 +73,13 @@ func (r *reader) next() (feed.Header, []byte, error) {
 	}
 }
 
-// recv reads from the socket, with its descriptors. It polls without
-// blocking for ServerOptions.Spin first, then parks in the Go network
-// poller: a spinning goroutine keeps every thread out of the poller, so
-// the bridge's own socket events would be noticed late (measured: +100
-// µs per request over TCP; docs/FEED.md), which is why serve spins only
-// where its bridges are shm.
+// recv reads from the socket, with its descriptors. The reader parks in the
+// Go network poller; it does not spin: while a goroutine spins, no thread
+// of the process waits in the poller, so the bridge's own socket events
+// would be noticed late (measured: +100 µs per request; docs/FEED.md).
 func (r *reader) recv(p, oob []byte) (n, oobn, flags int, err error) {
-	if r.s.o.Spin > 0 {
-		if n, oobn, flags, err, ok := r.spinRecv(p, oob); ok {
-			return n, oobn, flags, err
-		}
-	}
 	n, oobn, flags, _, err = r.conn.ReadMsgUnix(p, oob)
 	return n, oobn, flags, err
-}
-
-// spinRecv is recv's non-blocking poll; ok says whether it has the
-// answer (bytes, the end of the stream or an error), else nothing came
-// within the spin.
-func (r *reader) spinRecv(p, oob []byte) (n, oobn, flags int, err error, ok bool) {
-	if r.raw == nil {
-		if r.raw, err = r.conn.SyscallConn(); err != nil {
-			return 0, 0, 0, nil, false // the blocking read reports it
-		}
-	}
-	until := time.Now().Add(r.s.o.Spin)
-	rerr := r.raw.Read(func(fd uintptr) bool {
-		for {
-			n, oobn, flags, _, err = unix.Recvmsg(int(fd), p, oob, unix.MSG_DONTWAIT|unix.MSG_CMSG_CLOEXEC)
-			if err != unix.EAGAIN && err != unix.EINTR {
-				ok = true // bytes, the end (0 bytes) or an error
-				return true
-			}
-			if !time.Now().Before(until) {
-				return true
-			}
-		}
-	})
-	if rerr != nil {
-		return 0, 0, 0, nil, false // closed: the blocking read says so
-	}
-	if err != nil {
-		err = os.NewSyscallError("recvmsg", err)
-	}
-	return n, oobn, flags, err, ok
 }
 
 func (r *reader) takeFDs(oob []byte) error {

@@ -63,13 +63,6 @@ type ServerOptions struct {
 	// millisecond late, so messages behind a long collective (a send, a
 	// recv, a READY of the next streamed request) wait about that long.
 	HandoffDelay time.Duration
-	// Spin is how long the reader polls the socket without blocking
-	// before it parks in Go's network poller: a request then starts
-	// without the wake-up of a sleeping thread (tens of microseconds on a
-	// VM). Only for a server whose bridges wait on futexes (shm): while
-	// the reader spins no thread waits in the poller, so a TCP bridge's
-	// frames would be noticed late (docs/FEED.md §8). 0: no spin.
-	Spin time.Duration
 	// Share offers every region to the other members, so that the
 	// collectives read it in place (transport.Sharer; the shm transport).
 	// nil: the bridge's mesh, when the bridge is a *collective.Comm whose

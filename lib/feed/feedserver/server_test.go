@@ -170,16 +170,7 @@ func mapRegions(t testing.TB, cs []*feedtest.Client, size int) []*feedtest.Regio
 }
 
 func TestEveryRequest(t *testing.T) {
-	t.Run("blocking reader", func(t *testing.T) { everyRequest(t, nil) })
-	// The reader polls the socket before it parks (ServerOptions.Spin):
-	// the same requests, regions and descriptors, the same answers.
-	t.Run("spinning reader", func(t *testing.T) {
-		everyRequest(t, func(o *ServerOptions) { o.Spin = 200 * time.Microsecond })
-	})
-}
-
-func everyRequest(t *testing.T, tune func(*ServerOptions)) {
-	e := startFeeds(t, bridges(newFakeGroup(2, 8)), tune)
+	e := startFeeds(t, bridges(newFakeGroup(2, 8)), nil)
 	ctx := context.Background()
 	cs := e.clients
 	for i, c := range cs {
