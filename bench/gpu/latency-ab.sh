@@ -18,10 +18,13 @@ out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
 exec > >(tee "$out/latency-ab.log") 2>&1
 pairs=${3:-3}
 rows=$out/latency-ab.jsonl; : > "$rows"
+# Per-run files and the tool dirs (symbolic links) live apart from $OUT,
+# which the device tool brings back: only the rows and the log go there.
+work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 fill() {  # a tools dir with every tool: DIR's own, the rest from bin/
   local d=$1 f
   [ -x "$d/gbbridge" ] || { echo "$d/gbbridge is missing"; exit 2; }
-  local full=$out/tools-$(basename "$d"); rm -rf "$full"; mkdir -p "$full"
+  local full=$work/tools-$(basename "$d"); rm -rf "$full"; mkdir -p "$full"
   for f in bin/*; do ln -s "$PWD/$f" "$full/$(basename "$f")"; done
   for f in "$d"/*; do ln -sf "$(cd "$(dirname "$f")" && pwd)/$(basename "$f")" "$full/$(basename "$f")"; done
   echo "$full"
@@ -32,11 +35,12 @@ for k in $(seq 1 "$pairs"); do
   for side in A B; do
     dir=$A; extra=${GB_A_ENV:-}; [ $side = B ] && { dir=$B; extra=${GB_B_ENV:-}; }
     read -r -a extra <<< "$extra"
-    tmp=$out/ab-$side-$k.jsonl; rm -f "$tmp"
+    tmp=$work/ab-$side-$k.jsonl
     env "${extra[@]}" GPUBRIDGE_BIN_DIR="$dir" PYTHONPATH="$PWD/torchplugin" OMP_NUM_THREADS=1 timeout 90 \
       "${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
       bench/gpu/plugin_overhead.py "$tmp" --policies flat,reduce-bridge-broadcast --rounds 2 --iters 500 \
-      > "$out/ab-$side-$k.log" 2>&1 || { fail=1; echo "pair $k side $side failed:"; tail -5 "$out/ab-$side-$k.log"; }
+      > "$work/run.log" 2>&1 || { fail=1; echo "pair $k side $side failed:"; tail -5 "$work/run.log"; }
+    grep -h '^plugin_overhead' "$work/run.log" | sed "s/^/pair $k side $side: /"
     python3 - "$tmp" "$side" "$dir" "${extra[*]}" >> "$rows" <<'PY' || fail=1
 import json, sys
 for line in open(sys.argv[1]):
