@@ -57,6 +57,7 @@ func (c *serveCmd) Run(env *cli.Env) error {
 	if _, err := spinOf(c.SpinUS); err != nil {
 		return cli.CannotRun(err)
 	}
+	setGCBallast(os.Getenv)
 	if c.DieWithParent {
 		if err := cli.DieWithParent(c.ParentPID); err != nil {
 			return cli.CannotRun(err)
