@@ -151,7 +151,7 @@ func parseShareMsg(b []byte) (shareMsg, error) {
 // shmShare is the shm mesh's side of sharing.
 type shmShare struct {
 	tab       *shareTable
-	writable  bool // Config.PeerWrite: peers' regions are mapped writable
+	writable  bool            // Config.PeerWrite: peers' regions are mapped writable
 	conns     []*net.UnixConn // by member; nil for self
 	wmu       []sync.Mutex
 	done      <-chan struct{} // the mesh's
