@@ -213,7 +213,8 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
     if any(c.endswith("-copy") for c in bw):
         table(
             "shm, 8 streams: each piece's owner writes the result into every member's buffer "
-            "(--peer-writes on, the default: direct-write) or the members copy it from the owner's (off: direct)",
+            "(--peer-writes on, the default: direct-write) "
+            "or the members copy it from the owner's (off: direct)",
             [
                 ("2 members", "shm-allreduce-s8"),
                 ("2 members, copies", "shm-allreduce-s8-copy"),
