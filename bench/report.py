@@ -229,6 +229,21 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
                 ("4, copies / Gloo", "shm-allreduce-4m-s8-copy", "gloo-4"),
             ],
         )
+    if "shm-allreduce-4m-s8-nostream" in bw:
+        table(
+            "shm, 8 streams: writes and copies of 128 MiB and more non-temporal (--stream 128M, the default) "
+            "or ordinary (--stream off)",
+            [
+                ("2 members", "shm-allreduce-s8"),
+                ("2 members, --stream off", "shm-allreduce-s8-nostream"),
+                ("4 members", "shm-allreduce-4m-s8"),
+                ("4 members, --stream off", "shm-allreduce-4m-s8-nostream"),
+            ],
+            [
+                ("2, off / on", "shm-allreduce-s8-nostream", "shm-allreduce-s8"),
+                ("4, off / on", "shm-allreduce-4m-s8-nostream", "shm-allreduce-4m-s8"),
+            ],
+        )
     iperf = [r for r in rows if r["collective"] == "iperf3"]
     for r in iperf:
         p(f"- {r['transport']}: {r['forward_gbps']:.2f} GB/s one way, {r['reverse_gbps']:.2f} GB/s the other")

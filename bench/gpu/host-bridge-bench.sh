@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The bridge's host data plane on a GPU host's CPUs (issue 12), ~2 minutes,
+# The bridge's host data plane on a GPU host's CPUs (issue 12), ~3 minutes,
 # from the repository root: bash bench/gpu/host-bridge-bench.sh
 #
 # gbbridge bench, members as processes on this host: the 2-member all_reduce
@@ -62,6 +62,9 @@ b shm-allreduce-s8-spin200 --members 2 --transport shm --streams 8 --spin-us 200
 b shm-allreduce-4m-s8-spin200 --members 4 --transport shm --streams 8 --spin-us 200
 b shm-allreduce-4m-s8 --members 4 --transport shm --streams 8
 b shm-allreduce-4m-s8-copy --members 4 --transport shm --streams 8 --peer-writes off
+# And the owners' writes not streamed (--stream off: ordinary stores; the
+# lines were just read, so they need no read for ownership from memory).
+b shm-allreduce-4m-s8-nostream --members 4 --transport shm --streams 8 --stream off
 bytes=$("$PY" -c 'import sys
 m={"K":1<<10,"M":1<<20,"G":1<<30}
 print(",".join(str(int(s[:-1])*m[s[-1]]) if s[-1] in m else s for s in sys.argv[1].split(",")))' "$sizes")
