@@ -216,3 +216,26 @@ func TestFoldParallel(t *testing.T) {
 	require.ErrorIs(t, foldParallel(ctx, reduce.Sum, reduce.Float32, 2, [][]byte{dst}, srcs, ntcopy.Copy, 1), errSibling)
 	assert.Equal(t, make([]byte, 400), dst)
 }
+
+// A descriptor decodes only with known flags and zero reserved bytes, and
+// then encodes back to the same bytes.
+func FuzzParseDesc(f *testing.F) {
+	var b [descSize]byte
+	desc{id: 3, off: 128, flags: descShared | descStreamed | descWritable}.put(b[:])
+	f.Add(b[:])
+	f.Add(make([]byte, descSize))
+	f.Fuzz(func(t *testing.T, in []byte) {
+		if len(in) < descSize {
+			return
+		}
+		in = in[:descSize]
+		d, err := parseDesc(in)
+		if err != nil {
+			return
+		}
+		require.Zero(t, d.flags&^(descShared|descStreamed|descWritable))
+		var out [descSize]byte
+		d.put(out[:])
+		require.Equal(t, in, out[:])
+	})
+}
