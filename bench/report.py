@@ -210,6 +210,40 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
                 ("4, spin 200 / Gloo", "shm-allreduce-4m-s8-spin200", "gloo-4"),
             ],
         )
+    if any(c.endswith("-copy") for c in bw):
+        table(
+            "shm, 8 streams: each piece's owner writes the result into every member's buffer "
+            "(--peer-writes on, the default: direct-write) "
+            "or the members copy it from the owner's (off: direct)",
+            [
+                ("2 members", "shm-allreduce-s8"),
+                ("2 members, copies", "shm-allreduce-s8-copy"),
+                ("Gloo, 4 ranks", "gloo-4"),
+                ("4 members", "shm-allreduce-4m-s8"),
+                ("4 members, copies", "shm-allreduce-4m-s8-copy"),
+            ],
+            [
+                ("2, writes / copies", "shm-allreduce-s8", "shm-allreduce-s8-copy"),
+                ("4, writes / copies", "shm-allreduce-4m-s8", "shm-allreduce-4m-s8-copy"),
+                ("4 / Gloo", "shm-allreduce-4m-s8", "gloo-4"),
+                ("4, copies / Gloo", "shm-allreduce-4m-s8-copy", "gloo-4"),
+            ],
+        )
+    if "shm-allreduce-4m-s8-nostream" in bw:
+        table(
+            "shm, 8 streams: writes and copies of 128 MiB and more non-temporal (--stream 128M, the default) "
+            "or ordinary (--stream off)",
+            [
+                ("2 members", "shm-allreduce-s8"),
+                ("2 members, --stream off", "shm-allreduce-s8-nostream"),
+                ("4 members", "shm-allreduce-4m-s8"),
+                ("4 members, --stream off", "shm-allreduce-4m-s8-nostream"),
+            ],
+            [
+                ("2, off / on", "shm-allreduce-s8-nostream", "shm-allreduce-s8"),
+                ("4, off / on", "shm-allreduce-4m-s8-nostream", "shm-allreduce-4m-s8"),
+            ],
+        )
     iperf = [r for r in rows if r["collective"] == "iperf3"]
     for r in iperf:
         p(f"- {r['transport']}: {r['forward_gbps']:.2f} GB/s one way, {r['reverse_gbps']:.2f} GB/s the other")
@@ -224,7 +258,13 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
         p(
             "Algorithms the rows ran (`algorithm` in the rows; exchange: the two members send each other "
             "their buffers through the transport; ring: the pipelined ring; direct: the members read each "
-            "other's shared memory): "
+            "other's shared memory"
+            + (
+                "; direct-write: the same, each piece's owner writing the result into every member's buffer"
+                if any(a == "direct-write" for c in algos for a in algos[c].values())
+                else ""
+            )
+            + "): "
             + "; ".join(f"`{c}`: {algo_sizes(algos[c])}" for c in sorted(algos))
             + "."
         )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The bridge's host data plane on a GPU host's CPUs (issue 12), ~2 minutes,
+# The bridge's host data plane on a GPU host's CPUs (issue 12), ~3 minutes,
 # from the repository root: bash bench/gpu/host-bridge-bench.sh
 #
 # gbbridge bench, members as processes on this host: the 2-member all_reduce
@@ -9,7 +9,8 @@
 # as the plugin's serve does where every process has a core), one core's
 # memcpy, and torch Gloo's all_reduce of 2 and 4 ranks (the anchor),
 # 1 MiB .. 1 GiB, every row checked element by element after timing; each
-# gbbridge row names the algorithm that ran (exchange, ring, direct). Then
+# gbbridge row names the algorithm that ran (exchange, ring, direct-write,
+# or direct where the members copy the results: --peer-writes off). Then
 # bench/report.py's tables.
 #
 # Needs bin/gbbridge built on the dev machine and carried, python3 with torch
@@ -48,6 +49,10 @@ b shm-allreduce-s8 --members 2 --transport shm --streams 8
 # The same with the direct path's copies not streamed (--stream off: the
 # copies before issue 12's streaming stores), for a before/after in one run.
 b shm-allreduce-s8-nostream --members 2 --transport shm --streams 8 --stream off
+# The same with every member copying the owners' results (--peer-writes off:
+# the direct path before issue 12's write-through), for a before/after in
+# one run.
+b shm-allreduce-s8-copy --members 2 --transport shm --streams 8 --peer-writes off
 b tcp-allreduce-4m-s8 --members 4 --transport tcp --streams 8
 # The shm all_reduces with the waiters spinning 200 us before they sleep
 # (--spin-us: what the plugin's serve does where every process has a core)
@@ -56,6 +61,10 @@ b tcp-allreduce-4m-s8 --members 4 --transport tcp --streams 8
 b shm-allreduce-s8-spin200 --members 2 --transport shm --streams 8 --spin-us 200
 b shm-allreduce-4m-s8-spin200 --members 4 --transport shm --streams 8 --spin-us 200
 b shm-allreduce-4m-s8 --members 4 --transport shm --streams 8
+b shm-allreduce-4m-s8-copy --members 4 --transport shm --streams 8 --peer-writes off
+# And the owners' writes not streamed (--stream off: ordinary stores; the
+# lines were just read, so they need no read for ownership from memory).
+b shm-allreduce-4m-s8-nostream --members 4 --transport shm --streams 8 --stream off
 bytes=$("$PY" -c 'import sys
 m={"K":1<<10,"M":1<<20,"G":1<<30}
 print(",".join(str(int(s[:-1])*m[s[-1]]) if s[-1] in m else s for s in sys.argv[1].split(",")))' "$sizes")

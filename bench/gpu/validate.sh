@@ -38,7 +38,7 @@ exec > >(tee -a "$out/validate.log") 2>&1
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; export GB_COMMIT
 all=(plugin-check exchange host-bridge profile codec trace rebalance overhead one-gpu-bench codec-compile compress compress-train p2p pipeline latency)
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=("${all[@]}")
-declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=260 [profile]=100 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280 [p2p]=160 [pipeline]=240 [latency]=240)
+declare -A share=([plugin-check]=120 [exchange]=150 [host-bridge]=330 [profile]=100 [codec]=120 [trace]=120 [rebalance]=150 [overhead]=90 [one-gpu-bench]=200 [codec-compile]=150 [compress]=160 [compress-train]=280 [p2p]=160 [pipeline]=240 [latency]=240)
 for s in "${steps[@]}"; do [ -n "${share[$s]:-}" ] || { echo "unknown step $s (steps: ${all[*]})"; exit 2; }; done
 budget=${GB_BUDGET_S:-540}; t_end=$(( $(date +%s) + budget ))
 echo "== $(date -u +%FT%TZ) validate: commit $GB_COMMIT; steps ${steps[*]}; $(nproc --all) cores"

@@ -26,6 +26,7 @@ func (c *Comm) directAllGather(cl *call, out, in []byte, descs []desc) error {
 	pl := &directPlan{
 		pieces: pieces,
 		gather: true,
+		copied: true,
 		ownEnd: func(p *dpiece) int { return p.off + p.n },
 		produce: func(p *dpiece) error {
 			if !alias {

@@ -1,6 +1,7 @@
 package collective
 
 import (
+	"context"
 	"sync"
 	"time"
 
@@ -10,12 +11,19 @@ import (
 // directAllReduce is the all-reduce over shared memory (direct.go): the
 // buffer is cut into the ring's segments and each segment into pieces;
 // piece i belongs to member i mod n, which reduces it from every member's
-// buffer into its own, in the order of the piece's segment (x0 op x1 for
-// two members; x[j+1], x[j+2], ..., x[j] for segment j of three or more,
-// the partial always the earlier operand), applies Finish and announces it;
-// the others copy it. So every member ends with ReferenceAllReduce's bits
-// after one reduction pass over its share and one copy of the rest.
-func (c *Comm) directAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op, descs []desc) error {
+// buffer in the order of the piece's segment (x0 op x1 for two members;
+// x[j+1], x[j+2], ..., x[j] for segment j of three or more, the partial
+// always the earlier operand), applies Finish and announces it. So every
+// member ends with ReferenceAllReduce's bits.
+//
+// With write (every member's descriptor has descWritable) the owner
+// writes each finished block of the piece into every member's buffer, its
+// own and each peer's, at the piece's offsets: one reduction pass over its
+// share and one write of every result, nothing for the others to do but
+// report the piece done when its final comes. Without, it writes its own
+// buffer only and the others copy the piece from it: one more read and
+// write of the rest of the buffer on every member.
+func (c *Comm) directAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op, descs []desc, write bool) error {
 	n, L := c.size, len(buf)
 	views, release, err := c.peerViews(cl, descs, L)
 	if err != nil {
@@ -23,35 +31,47 @@ func (c *Comm) directAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.
 	}
 	defer release()
 	views[c.self] = buf
-	segOff, segLen := ringSegments(L, dt.Size(), n)
-	P := c.pieceSize(L)
-	var pieces []dpiece
-	for j := range n {
-		for off := 0; off < segLen(j); off += P {
-			pieces = append(pieces, dpiece{owner: len(pieces) % n, off: segOff(j) + off, n: min(P, segLen(j)-off), seg: j})
-		}
-	}
+	pieces := c.allReducePieces(L, dt.Size())
 	w := c.workersPer(min(c.streams, (len(pieces)+n-1)/n))
 	cp := c.copier(L)
+	// order is piece p's operands in the order of its segment.
+	order := func(p *dpiece) [][]byte {
+		srcs := make([][]byte, n)
+		for k := range n {
+			m := k
+			if n > 2 {
+				m = mod(p.seg+1+k, n)
+			}
+			srcs[k] = views[m][p.off : p.off+p.n]
+		}
+		return srcs
+	}
 	pl := &directPlan{
 		pieces: pieces,
+		copied: !write,
 		ownEnd: func(p *dpiece) int { return p.off + p.n },
 		produce: func(p *dpiece) error {
-			dst := buf[p.off : p.off+p.n]
 			t0 := time.Now()
 			var err error
-			if n == 2 {
-				err = reduce.CombineParallel(op, dt, dst, views[0][p.off:p.off+p.n], views[1][p.off:p.off+p.n], w)
-			} else {
-				order := make([][]byte, n)
-				for k := range n {
-					m := mod(p.seg+1+k, n)
-					order[k] = views[m][p.off : p.off+p.n]
+			switch {
+			case write:
+				dsts := make([][]byte, n)
+				for m := range n {
+					dsts[m] = views[m][p.off : p.off+p.n]
 				}
-				err = chainParallel(op, dt, dst, order, w)
-			}
-			if err == nil {
-				err = reduce.Finish(op, dt, dst, n)
+				err = foldParallel(cl.ctx, op, dt, n, dsts, order(p), cp, w)
+			case n == 2:
+				dst := buf[p.off : p.off+p.n]
+				err = reduce.CombineParallel(op, dt, dst, views[0][p.off:p.off+p.n], views[1][p.off:p.off+p.n], w)
+				if err == nil {
+					err = reduce.Finish(op, dt, dst, n)
+				}
+			default:
+				dst := buf[p.off : p.off+p.n]
+				err = chainParallel(op, dt, dst, order(p), w)
+				if err == nil {
+					err = reduce.Finish(op, dt, dst, n)
+				}
 			}
 			cl.reduced(p.seg, t0)
 			if err != nil {
@@ -61,12 +81,30 @@ func (c *Comm) directAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.
 			return nil
 		},
 		take: func(p *dpiece) error {
-			cp(buf[p.off:p.off+p.n], views[p.owner][p.off:p.off+p.n])
+			if !write {
+				cp(buf[p.off:p.off+p.n], views[p.owner][p.off:p.off+p.n])
+			}
 			cl.done(p.off, p.n)
 			return nil
 		},
 	}
 	return c.runDirect(cl, pl, descs)
+}
+
+// allReducePieces cuts a direct all_reduce's buffer of L bytes (elements
+// of es bytes) into its pieces: the ring's segments, each in pieces of
+// pieceSize, owned by members in turn.
+func (c *Comm) allReducePieces(L, es int) []dpiece {
+	n := c.size
+	segOff, segLen := ringSegments(L, es, n)
+	P := c.pieceSize(L)
+	var pieces []dpiece
+	for j := range n {
+		for off := 0; off < segLen(j); off += P {
+			pieces = append(pieces, dpiece{owner: len(pieces) % n, off: segOff(j) + off, n: min(P, segLen(j)-off), seg: j})
+		}
+	}
+	return pieces
 }
 
 // chainBlock is the block chainParallel keeps in cache while it folds the
@@ -81,10 +119,55 @@ var chainPool = sync.Pool{New: func() any { b := make([]byte, chainBlock); retur
 // blocks). dst may be any one of srcs: a block of dst is written only by
 // the last step of that block, after every operand's block was read.
 func chainParallel(op reduce.Op, dt reduce.DType, dst []byte, srcs [][]byte, w int) error {
-	n := len(dst)
+	return inRanges(len(dst), w, func(lo, hi int) error { return chain(op, dt, dst, srcs, lo, hi) })
+}
+
+// foldParallel sets every one of dsts to ((srcs[0] op srcs[1]) op ...)
+// finished for members (reduce.Finish), block by block: each block is
+// folded in a cache-resident scratch block, the partial always the
+// earlier operand (chainParallel's order and bits, for two operands
+// too), finished there, then written into every dst with cp, over up to
+// w goroutines (ranges of whole 64-byte blocks). dsts may be srcs: a
+// block is written only after every operand's block was read. It stops
+// between blocks once ctx is done (errSibling), so that a member no
+// longer writes into its peers' buffers long after the call failed.
+func foldParallel(ctx context.Context, op reduce.Op, dt reduce.DType, members int, dsts, srcs [][]byte, cp func(dst, src []byte) int, w int) error {
+	return inRanges(len(dsts[0]), w, func(lo, hi int) error {
+		bp := chainPool.Get().(*[]byte)
+		defer chainPool.Put(bp)
+		blk := chainBlock - chainBlock%dt.Size()
+		for a := lo; a < hi; a += blk {
+			if ctx.Err() != nil {
+				return errSibling
+			}
+			b := min(a+blk, hi)
+			acc := (*bp)[:b-a]
+			if err := reduce.Combine(op, dt, acc, srcs[0][a:b], srcs[1][a:b]); err != nil {
+				return err
+			}
+			for _, s := range srcs[2:] {
+				if err := reduce.Combine(op, dt, acc, acc, s[a:b]); err != nil {
+					return err
+				}
+			}
+			if err := reduce.Finish(op, dt, acc, members); err != nil {
+				return err
+			}
+			for _, d := range dsts {
+				cp(d[a:b], acc)
+			}
+		}
+		return nil
+	})
+}
+
+// inRanges runs f over [0, n) in up to w ranges of whole 64-byte blocks
+// (one goroutine each, from 64 KiB per range) and returns the first
+// error.
+func inRanges(n, w int, f func(lo, hi int) error) error {
 	w = min(w, n/(64<<10))
 	if w <= 1 {
-		return chain(op, dt, dst, srcs, 0, n)
+		return f(0, n)
 	}
 	per := (n/w + 63) &^ 63
 	errs := make([]error, w)
@@ -96,7 +179,7 @@ func chainParallel(op reduce.Op, dt reduce.DType, dst []byte, srcs [][]byte, w i
 			hi = n
 		}
 		from := lo
-		wg.Go(func() { errs[k] = chain(op, dt, dst, srcs, from, hi) })
+		wg.Go(func() { errs[k] = f(from, hi) })
 		lo = hi
 	}
 	wg.Wait()

@@ -70,9 +70,12 @@ func (c *Comm) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, 
 			}
 		}
 		switch {
+		case descs != nil && writable(descs):
+			c.ran(AlgoDirectWrite)
+			return c.directAllReduce(cl, buf, dt, op, descs, true)
 		case descs != nil:
 			c.ran(AlgoDirect)
-			return c.directAllReduce(cl, buf, dt, op, descs)
+			return c.directAllReduce(cl, buf, dt, op, descs, false)
 		case c.size == 2:
 			c.ran(AlgoExchange)
 			return c.exchange(cl, buf, dt, op, a.chunk)

@@ -19,8 +19,9 @@ type Progress struct {
 	Ready func(ctx context.Context, end int) error
 	// Done is called once per final result range: the bytes [off,off+n)
 	// of the result hold their final value and the collective no longer
-	// writes them (on the direct path other members may read them until
-	// the call returns). The ranges are disjoint and cover the result
+	// writes them, nor does any other member (on the direct path,
+	// copying, other members may read them until the call returns). The
+	// ranges are disjoint and cover the result
 	// exactly once before the collective returns successfully (empty
 	// ranges are not reported). It may be called from several goroutines
 	// at once. nil: not reported.

@@ -291,12 +291,17 @@ const (
 	AlgoChain    = "chain"    // broadcast: a chain from the root
 	AlgoDirect   = "direct"   // the members read each other's shared buffers (direct.go)
 	AlgoLocal    = "local"    // one member or an empty buffer: nothing travels
+	// AlgoDirectWrite: the direct all_reduce, writing through: each
+	// piece's owner reads it from every member's shared buffer and writes
+	// the result into every member's (direct.go; every member's mesh has
+	// transport.Config.PeerWrite).
+	AlgoDirectWrite = "direct-write"
 	// AlgoRecursiveDoubling: small all_reduces of three or more members,
 	// log2 rounds of whole-buffer exchanges (allreduce_rd.go).
 	AlgoRecursiveDoubling = "recursive_doubling"
 )
 
-var algoNames = []string{"", AlgoExchange, AlgoRing, AlgoChain, AlgoDirect, AlgoLocal, AlgoRecursiveDoubling}
+var algoNames = []string{"", AlgoExchange, AlgoRing, AlgoChain, AlgoDirect, AlgoLocal, AlgoRecursiveDoubling, AlgoDirectWrite}
 
 // Algorithm returns the algorithm the last collective ran (AlgoRing,
 // AlgoDirect, ...), "" before any.

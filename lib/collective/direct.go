@@ -19,24 +19,43 @@ import (
 // three).
 //
 // A direct collective cuts the members' buffers into pieces; each piece has
-// an owner, who produces it (reduces it from every member's memory into its
-// own buffer, or, for all_gather, owns it as its input), and the other
-// members then copy it from the owner's buffer into their own. The frames
-// that order this carry no data:
+// an owner, who produces it (reduces it from every member's memory, or, for
+// all_gather, owns it as its input). In the copy mode (all_gather, and
+// all_reduce unless every member's mesh maps its peers writable) the owner
+// writes the result into its own buffer and the other members then copy
+// it from there into their own; in the write-through mode (all_reduce when
+// every member's descriptor has descWritable) the owner writes the result
+// into every member's buffer itself, and the others copy nothing. The
+// frames that order this carry no data:
 //
 //   - ready (stepReady): the sender's input for a piece it does not own is
 //     in place (only streamed members send them; a member whose input was
-//     whole at the start says so in its descriptor);
-//   - final (stepFinal): the owner produced the piece; the others may copy it;
-//   - copied (stepCopied): the sender copied every piece it needed on this
-//     stream; a member returns only once every peer said so, since until
-//     then they read its buffer.
+//     whole at the start says so in its descriptor); the owner reads the
+//     sender's input of the piece only after it (and, writing through,
+//     writes the result there only after reading that input);
+//   - final (stepFinal): the owner produced the piece: in the copy mode the
+//     others may copy it; writing through, it is in their buffers already,
+//     and the owner has finished reading and writing their memory for it;
+//   - copied (stepCopied, copy mode only): the sender copied every piece it
+//     needed on this stream; a member returns only once every peer said
+//     so, since until then they read its buffer.
+//
+// Writing through needs no copied round: a member's buffer is touched by
+// others only as the owners of its pieces read its input there and write
+// the results there, each owner before its final for the piece. So once a
+// member produced its own pieces (it no longer touches its peers' buffers)
+// and received every peer's final for every piece on every stream, nobody
+// touches its buffer any more, and it may return.
 //
 // Piece i travels on stream streamOf(i), where one goroutine per stream
 // produces or signals the stream's pieces in order and one per peer and
-// stream reads that peer's frames and copies its pieces, so the reductions
-// and copies run on 2*Streams goroutines at once. A member writes only its
-// own buffer; peers' memory is mapped read-only.
+// stream reads that peer's frames (and, copying, copies its pieces), so the
+// reductions and copies run on 2*Streams goroutines at once. In the copy
+// mode a member writes only its own buffer and maps peers' memory
+// read-only; writing through, each member writes the pieces it owns into
+// its peers' buffers, mapped writable (transport.Config.PeerWrite), within
+// the range each peer announced for the call (transport.Sharer.PeerMem
+// returns only that).
 
 // Steps of the direct collectives' frames: the descriptor's is apart from
 // every other algorithm's, as it opens every call.
@@ -51,6 +70,10 @@ const (
 const (
 	descShared   = 1 << 0 // the buffer lies in a region shared with the peers
 	descStreamed = 1 << 1 // its input becomes ready piece by piece: ready frames follow
+	// descWritable: the peers may write the buffer (its member's mesh has
+	// transport.Config.PeerWrite, so it also maps theirs writable). An
+	// all_reduce writes through when every member's descriptor says so.
+	descWritable = 1 << 2
 )
 
 // descSize is a descriptor's payload: region id, offset, flags.
@@ -81,7 +104,7 @@ func (d desc) put(b []byte) {
 
 func parseDesc(b []byte) (desc, error) {
 	d := desc{id: binary.LittleEndian.Uint64(b), off: binary.LittleEndian.Uint64(b[8:]), flags: binary.LittleEndian.Uint32(b[16:])}
-	if d.flags&^(descShared|descStreamed) != 0 || binary.LittleEndian.Uint32(b[20:]) != 0 {
+	if d.flags&^(descShared|descStreamed|descWritable) != 0 || binary.LittleEndian.Uint32(b[20:]) != 0 {
 		return d, fmt.Errorf("descriptor with unknown flags %#x: protocol error", d.flags)
 	}
 	return d, nil
@@ -100,6 +123,9 @@ func (c *Comm) describe(cl *call, buf []byte) ([]desc, error) {
 		mine = desc{id: id, off: off, flags: descShared}
 		if cl.readyFn != nil {
 			mine.flags |= descStreamed
+		}
+		if sh.PeerWrite() {
+			mine.flags |= descWritable
 		}
 	}
 	var b [descSize]byte
@@ -134,8 +160,21 @@ func (c *Comm) describe(cl *call, buf []byte) ([]desc, error) {
 	return descs, nil
 }
 
-// peerViews maps every peer's buffer of n bytes as its descriptor says;
-// release lets go of them (also after an error).
+// writable reports whether every member's descriptor lets its peers
+// write its buffer: then a direct all_reduce writes through.
+func writable(descs []desc) bool {
+	for _, d := range descs {
+		if d.flags&descWritable == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// peerViews maps every peer's buffer of n bytes as its descriptor says
+// (writable when the mesh maps peers writable: the views are exactly the
+// peers' buffers, so no write lands outside them); release lets go of them
+// (also after an error).
 func (c *Comm) peerViews(cl *call, descs []desc, n int) (views [][]byte, release func(), err error) {
 	sh := c.mesh.(transport.Sharer)
 	views = make([][]byte, c.size)
@@ -161,9 +200,12 @@ func (c *Comm) peerViews(cl *call, descs []desc, n int) (views [][]byte, release
 }
 
 // copier is the copy of the pieces a member takes from its peers into
-// buffers of L bytes: with non-temporal stores from Options.StreamBytes on
-// (the destination is the caller's, read only after the call, and too
-// large to stay in cache), else the built-in copy.
+// buffers of L bytes (writing through: of the results an owner writes
+// into every member's buffer): with non-temporal stores from
+// Options.StreamBytes on (the destination is the caller's, read only after
+// the call, and too large to stay in cache), else the built-in copy.
+// lib/ntcopy's copy fences its stores, so they are in memory before the
+// final frame that announces them.
 func (c *Comm) copier(L int) func(dst, src []byte) int {
 	if c.stream >= 0 && L >= c.stream {
 		return ntcopy.Copy
@@ -182,10 +224,14 @@ type directPlan struct {
 	// gather: pieces need no ready frames (their owner's input is the
 	// piece).
 	gather bool
+	// copied: non-owners read the owners' buffers after the finals, so
+	// the copied round ends the call (not when writing through).
+	copied bool
 	// ownEnd is the end of this member's input that piece i needs ready.
 	ownEnd func(p *dpiece) int
 	// produce is the owner's work on a piece (then it is final), take a
-	// non-owner's copy of a final piece; both report Progress.Done.
+	// non-owner's part once a piece is final (its copy, or nothing but
+	// Progress.Done when writing through); both report Progress.Done.
 	produce func(p *dpiece) error
 	take    func(p *dpiece) error
 }
@@ -246,7 +292,9 @@ func (c *Comm) runDirect(cl *call, pl *directPlan, descs []desc) error {
 
 // movedDirect counts the bytes of a direct plan that crossed between
 // members' memories as moved: what this member read of its peers' buffers
-// (received), and what they read of its (sent, by the same plan).
+// or they wrote into its (received), and what they read of its or it wrote
+// into theirs (sent, by the same plan). The two all_reduce modes move as
+// many bytes, in other ways.
 func (cl *call) movedDirect(pl *directPlan) {
 	n, me := cl.c.size, cl.c.self
 	var sent, received int
@@ -258,10 +306,14 @@ func (cl *call) movedDirect(pl *directPlan) {
 		case pl.gather:
 			received += p.n
 		case p.owner == me:
-			// It reduces the piece from every peer's input; every peer
-			// copies the result.
+			// It reduces the piece from every peer's input (received);
+			// every peer copies the result from it, or it writes the
+			// result into every peer's buffer (sent).
 			received, sent = received+(n-1)*p.n, sent+(n-1)*p.n
 		default:
+			// The owner reads its input of the piece (sent); it copies
+			// the result from the owner, or the owner writes it here
+			// (received).
 			received, sent = received+p.n, sent+p.n
 		}
 	}
@@ -284,7 +336,8 @@ type directStream struct {
 func (d *directStream) streamed(p int) bool { return d.descs[p].flags&descStreamed != 0 }
 
 // work produces the stream's own pieces and signals the others' readiness,
-// then tells every peer that this member copied what it needed.
+// then (copy mode) tells every peer that this member copied what it
+// needed.
 func (d *directStream) work() error {
 	c, cl, me := d.c, d.cl, d.c.self
 	count := map[int]int{}
@@ -330,6 +383,9 @@ func (d *directStream) work() error {
 			}
 		}
 	}
+	if !d.pl.copied {
+		return nil
+	}
 	for range c.size - 1 {
 		if err := cl.await(d.taken); err != nil {
 			return err
@@ -346,7 +402,8 @@ func (d *directStream) work() error {
 }
 
 // receive reads peer p's frames on the stream: readies of this member's
-// pieces, finals of p's (whose bytes it copies), then p's copied.
+// pieces, finals of p's (whose bytes it copies, in the copy mode), then
+// p's copied (copy mode).
 func (d *directStream) receive(p int) error {
 	c, cl, me := d.c, d.cl, d.c.self
 	st := c.mesh.Stream(p, d.s)
@@ -368,6 +425,9 @@ func (d *directStream) receive(p int) error {
 				return err
 			}
 		}
+	}
+	if !d.pl.copied {
+		return nil
 	}
 	d.taken <- struct{}{}
 	return cl.recv(st, d.s, p, stepCopied, 0, 0, primary, noop)

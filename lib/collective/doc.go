@@ -195,35 +195,61 @@
 // The direct all_reduce cuts the buffer into the ring's segments (above)
 // and each segment into pieces (about one per member and stream, 64 KiB to
 // ChunkBytes); piece i is member (i mod n)'s to produce: it reads the piece
-// from every member's buffer, reduces it into its own in the order of the
-// piece's segment — x0 op x1 for two members, x[j+1] op x[j+2] ... op x[j]
-// for segment j of three or more, the partial the earlier operand, folded
-// in a cache-resident block — applies reduce.Finish, and tells the others,
-// who copy it into their buffers. So the bits are ReferenceAllReduce's, as
-// on the other paths, after one reduction pass over a member's share and one
-// copy of the rest. The frames carry no data: a streamed member tells a
-// piece's owner when its input of the piece is ready (Progress.Ready was
-// granted), an owner tells the others when a piece is final, and each
-// member tells every other at the end that it copied what it needed (until
-// then the others' buffers are read: no member returns earlier). The
-// all_gather is the same without a reduction: each member owns the pieces
-// of its input, the others copy them into its slot. Piece i travels on
-// stream (i/n) mod Streams, where one goroutine produces or announces the
-// stream's pieces in order and one per peer copies that peer's, so
-// reductions and copies run on up to Streams goroutines each. A member only
-// reads the others' memory, which it maps read-only.
+// from every member's buffer and reduces it in the order of the piece's
+// segment — x0 op x1 for two members, x[j+1] op x[j+2] ... op x[j] for
+// segment j of three or more, the partial the earlier operand, folded in a
+// cache-resident block — and applies reduce.Finish. So the bits are
+// ReferenceAllReduce's, as on the other paths. Then one of two modes:
 //
-// Memory traffic of the direct all_reduce of two members, per call and per
-// byte of the buffer, both members together, once the buffers are past the
-// caches: the reductions read both inputs (2) and write the results in
-// place (1: the line was just read, so no read for ownership); the copies
-// read the owners' results (1, less where they are still in cache) and
-// write the copiers' buffers (1), which an ordinary store first reads (1).
-// From Options.StreamBytes on the copies stream (lib/ntcopy) and skip that
-// read: 5 instead of 6, against a floor of 4 (every input read once, every
-// result written once) where the copies find the results in cache. The
-// reductions keep ordinary stores: their lines are in cache already, and the
-// peer copies the result soon after.
+//   - writing through (AlgoDirectWrite: every member's mesh maps its peers'
+//     memory writable, transport.Config.PeerWrite, and says so in its
+//     descriptor): the owner writes each finished block into every
+//     member's buffer, its own and each peer's, at the same offsets, and
+//     tells the others it is final; they copy nothing. One reduction pass
+//     over a member's share and one write of every result;
+//   - copying (AlgoDirect: any member's mesh maps peers read-only): the
+//     owner writes the result into its own buffer and tells the others,
+//     who copy it into theirs; each member tells every other at the end
+//     that it copied what it needed (until then the others' buffers are
+//     read: no member returns earlier).
+//
+// The frames carry no data: a streamed member tells a piece's owner when
+// its input of the piece is ready (Progress.Ready was granted; the owner
+// reads it, and writes the result there, only after), an owner tells the
+// others when a piece is final. Writing through needs no closing round: an
+// owner's final for a piece means it has read every input of the piece and
+// written every result, so a member that produced its own pieces and got
+// every final is touched by nobody any more. The all_gather copies (it has
+// one mode): each member owns the pieces of its input, the others copy
+// them into its slot. Piece i travels on stream (i/n) mod Streams, where
+// one goroutine produces or announces the stream's pieces in order and one
+// per peer receives that peer's frames (and copies its pieces), so
+// reductions and copies run on up to Streams goroutines each.
+//
+// Writing into a peer's memory is safe for the same reasons reading it is:
+// the peers are the job's own processes (the memfds travel only over
+// sockets authenticated with the job's secret and the peer's SO_PEERCRED),
+// and a member writes only into the bytes the peer announced for the call
+// (transport.Sharer.PeerMem's view is exactly that range), after the
+// peer's input there was read. A call that fails stops writing between
+// blocks once it learns of the failure; the failed member's buffer is
+// undefined then anyway. The mesh decides, not Options:
+// transport.Config.PeerWrite off on any member keeps every mapping
+// read-only and every member copying.
+//
+// Memory traffic of the direct all_reduce of n members, per call and per
+// byte of the buffer, all members together, once the buffers are past the
+// caches. Writing through, the owners read every input once (n) and write
+// every result once (n): 2n, the floor, 4 for two members and 8 for four.
+// Copying, the reductions read every input (n) and write the owners'
+// results in place (1: the line was just read, so no read for ownership);
+// the copies read the owners' results (n-1, less where they are still in
+// cache) and write the copiers' buffers (n-1), which an ordinary store
+// first reads (n-1): 4n-2, 6 for two members; from Options.StreamBytes on
+// the copies stream (lib/ntcopy) and skip that read: 3n-1, 5 for two
+// members and 11 for four. The owners' writes stream too from StreamBytes
+// on (ordinary stores would find the lines in cache as well: the owner
+// has just read them).
 //
 // Comm.Algorithm names what the last collective ran: AlgoExchange,
 // AlgoRing, AlgoRecursiveDoubling, AlgoChain (broadcast), AlgoDirect,
@@ -313,8 +339,9 @@
 // byte below end (calls come from several goroutines at once, with ends not
 // always increasing, so it must be safe for concurrent use). Done(off, n)
 // reports that result bytes [off, off+n) are final and no longer written by
-// the collective (on the direct path the other members may still read them
-// until the call returns: the caller may read them, not change them); the
+// the collective, here or on another member (on the direct path, copying,
+// the other members may still read them until the call returns: the
+// caller may read them, not change them); the
 // ranges are disjoint and cover the result exactly once before a successful
 // return, and may be reported from several goroutines at once. When they
 // come: two-member all_reduce, as each chunk (over TCP: each piece) is
@@ -325,7 +352,8 @@
 // a chunk has been passed on (or has arrived, at the last step);
 // reduce_scatter, as each chunk of out is final; broadcast, once a chunk
 // was sent on (the last member of the chain: once it arrived); direct, as
-// each piece is produced or copied. The input is the buffer
+// each piece is produced, copied, or (writing through) announced final by
+// its owner. The input is the buffer
 // (all_reduce, broadcast: only the root calls Ready) or in (all_gather,
 // reduce_scatter); the result is buf or out.
 //

@@ -30,8 +30,8 @@ func ReferenceAllReduce(op reduce.Op, dt reduce.DType, inputs [][]byte, members 
 //     be shorter or empty), and segment j is reduced in the order x[j+1],
 //     x[j+2], ..., x[members-1], x[0], ..., x[j] (member indices mod
 //     members), the partial always the earlier operand, then Finish;
-//   - AlgoDirect: the order of AlgoExchange for 2 members, of AlgoRing
-//     for more;
+//   - AlgoDirect, AlgoDirectWrite: the order of AlgoExchange for 2
+//     members, of AlgoRing for more;
 //   - AlgoRecursiveDoubling: with p the largest power of two at most
 //     members, each x[r] of r >= p is folded into x[r-p] (x[r-p] op x[r]),
 //     then in round i = 0, 1, ... each pair r < r+2^i of the first p
@@ -41,7 +41,7 @@ func ReferenceAllReduce(op reduce.Op, dt reduce.DType, inputs [][]byte, members 
 // on members members, or arguments AllReduce would refuse.
 func ReferenceAllReduceAlgo(algo string, op reduce.Op, dt reduce.DType, inputs [][]byte, members int) []byte {
 	checkRef(op, dt, inputs, members)
-	if algo == AlgoDirect {
+	if algo == AlgoDirect || algo == AlgoDirectWrite {
 		algo = map[bool]string{true: AlgoExchange, false: AlgoRing}[members <= 2]
 	}
 	switch {

@@ -56,35 +56,45 @@ func TestLastStats(t *testing.T) {
 	}
 }
 
-// TestLastStatsDirect: on the direct path the bytes read of peers' buffers
-// count: an all_reduce of n members reads (n-1)/n of the buffer from each
-// peer for its own pieces and copies the rest; both ways add up to
-// 2(n-1)/n of the buffer, as the ring's, beside the descriptors.
+// TestLastStatsDirect: on the direct path the bytes that cross between
+// members' buffers count: an all_reduce of n members reads (n-1)/n of the
+// buffer from each peer for its own pieces and copies the rest, or
+// writes its pieces into every peer's buffer instead of copying; either
+// way each direction adds up to (n-1)/n of the buffer per member, 2(n-1)/n
+// both ways as the ring's, beside the descriptors.
 func TestLastStatsDirect(t *testing.T) {
 	smallDirect(t)
 	const members, size = 3, 3 << 12
-	cl := newCluster(t, members, 2, Options{SmallBytes: -1})
-	bufs := make([][]byte, members)
-	for m := range bufs {
-		bufs[m] = shared(t, cl, m, make([]byte, size))
+	for _, mode := range directModes {
+		t.Run(mode.name, func(t *testing.T) {
+			cl := newDirectCluster(t, members, 2, Options{SmallBytes: -1}, mode.write)
+			bufs := make([][]byte, members)
+			for m := range bufs {
+				bufs[m] = shared(t, cl, m, make([]byte, size))
+			}
+			requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+				return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
+			}))
+			var received, sent uint64
+			for m, c := range cl.comms {
+				require.Equal(t, mode.algo, c.Algorithm())
+				var st Stats
+				require.True(t, c.LastStats(&st))
+				desc := uint64(descSize * (members - 1))
+				assert.GreaterOrEqual(t, st.BytesReceived, desc, "member %d", m)
+				assert.GreaterOrEqual(t, st.BytesSent, desc, "member %d", m)
+				received += st.BytesReceived - desc
+				sent += st.BytesSent - desc
+				assert.Positive(t, st.Reduce, "member %d", m)
+				for _, p := range st.Peers {
+					assert.True(t, p.Heard, "member %d: every peer sends a descriptor", m)
+				}
+			}
+			// Each member reads (n-1) inputs' bytes of the pieces it owns,
+			// and copies every piece it does not own or has it written
+			// by its owner: (n-1)·size + (n-1)·size over all, each way.
+			assert.Equal(t, uint64(2*(members-1)*size), received)
+			assert.Equal(t, received, sent)
+		})
 	}
-	requireNoErrors(t, cl.each(func(m int, c *Comm) error {
-		return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, nil)
-	}))
-	var total uint64
-	for m, c := range cl.comms {
-		require.Equal(t, AlgoDirect, c.Algorithm())
-		var st Stats
-		require.True(t, c.LastStats(&st))
-		desc := uint64(descSize * (members - 1))
-		assert.GreaterOrEqual(t, st.BytesReceived, desc, "member %d", m)
-		total += st.BytesReceived - desc
-		assert.Positive(t, st.Reduce, "member %d", m)
-		for _, p := range st.Peers {
-			assert.True(t, p.Heard, "member %d: every peer sends a descriptor", m)
-		}
-	}
-	// Each member reads (n-1) inputs' bytes of the pieces it owns and
-	// copies every piece it does not own: (n-1)·size + (n-1)·size over all.
-	assert.Equal(t, uint64(2*(members-1)*size), total)
 }

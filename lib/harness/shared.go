@@ -10,8 +10,9 @@ import (
 // SharedBuffer returns size bytes for a collective's buffer: where the
 // member's mesh shares memory with its peers (shm), a sealed memfd offered
 // to them, as gbbridge serve's feed regions are, so that the collectives
-// read it in place (collective.AlgoDirect); elsewhere heap memory. free
-// withdraws and unmaps it; call it between collectives.
+// read (and, writing through, write) it in place (collective.AlgoDirect,
+// AlgoDirectWrite); elsewhere heap memory. free withdraws and unmaps it;
+// call it between collectives.
 func SharedBuffer(m *bridge.Member, size int64) (buf []byte, free func(), err error) {
 	sh, ok := m.Mesh.(transport.Sharer)
 	if !ok || size == 0 {

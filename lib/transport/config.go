@@ -42,6 +42,15 @@ type Config struct {
 	P2PStreams int
 	// CRC turns on a CRC32C of every frame's payload.
 	CRC bool
+	// PeerWrite maps the regions the peers share (Sharer, shm) writable,
+	// so that a collective may write its results straight into a peer's
+	// buffer (lib/collective's direct all_reduce: the owner of a piece
+	// writes it into every member's buffer instead of each copying it),
+	// and tells the peers that they may write this member's shared
+	// buffers. Off (the zero value): peers' regions are mapped read-only.
+	// Members may differ: a collective writes into peers only when every
+	// member has it on.
+	PeerWrite bool
 	// Interface is the NIC to listen on and advertise (GPUBRIDGE_IFNAME);
 	// "" is the interface that routes to the store's host.
 	Interface string

@@ -25,6 +25,7 @@ type memMesh struct {
 	self, size, streams int
 	p2p                 int
 	crc                 bool
+	peerWrite           bool
 	links               [][][]*memLink // links[from][to][stream]: data, then p2p point-to-point, then control
 	done                []chan struct{}
 	closeOnce           []*sync.Once
@@ -39,6 +40,22 @@ func NewMem(size, streams int, crc bool) []Mesh { return NewMemP2P(size, streams
 // NewMemP2P is NewMem with p2p point-to-point streams per pair
 // (Mesh.P2PStream) besides the data streams.
 func NewMemP2P(size, streams, p2p int, crc bool) []Mesh {
+	return NewMemWith(size, MemOptions{Streams: streams, P2PStreams: p2p, CRC: crc})
+}
+
+// MemOptions are NewMemWith's: Config's fields that the in-memory mesh
+// has.
+type MemOptions struct {
+	Streams, P2PStreams int
+	CRC                 bool
+	// PeerWrite is Config.PeerWrite: Sharer.PeerWrite says true (peers'
+	// memory is the peers' own Go memory either way).
+	PeerWrite bool
+}
+
+// NewMemWith returns the meshes of size members joined in memory (NewMem).
+func NewMemWith(size int, o MemOptions) []Mesh {
+	streams, p2p, crc := o.Streams, o.P2PStreams, o.CRC
 	links := make([][][]*memLink, size)
 	for a := range links {
 		links[a] = make([][]*memLink, size)
@@ -64,7 +81,7 @@ func NewMemP2P(size, streams, p2p int, crc bool) []Mesh {
 	}
 	out := make([]Mesh, size)
 	for i := range out {
-		out[i] = &memMesh{self: i, size: size, streams: streams, p2p: p2p, crc: crc, links: links, done: done, closeOnce: once, shares: shares}
+		out[i] = &memMesh{self: i, size: size, streams: streams, p2p: p2p, crc: crc, peerWrite: o.PeerWrite, links: links, done: done, closeOnce: once, shares: shares}
 	}
 	return out
 }
@@ -165,6 +182,9 @@ func (m *memMesh) Unshare(id uint64) {
 }
 
 func (m *memMesh) Locate(buf []byte) (uint64, uint64, bool) { return m.shares[m.self].locate(buf) }
+
+// PeerWrite implements Sharer: MemOptions.PeerWrite.
+func (m *memMesh) PeerWrite() bool { return m.peerWrite }
 
 func (m *memMesh) PeerMem(ctx context.Context, peer int, id, off, n uint64) ([]byte, func(), error) {
 	if peer == m.self || peer < 0 || peer >= m.size {

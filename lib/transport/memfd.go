@@ -81,11 +81,32 @@ func CheckMemfd(fd int, size, max uint64) error {
 	return nil
 }
 
+// CheckWritableMemfd checks that fd (a memfd that passed CheckMemfd) may
+// be mapped writable: it is not sealed against writes (F_SEAL_WRITE,
+// F_SEAL_FUTURE_WRITE).
+func CheckWritableMemfd(fd int) error {
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return fmt.Errorf("F_GET_SEALS: %w", err)
+	}
+	if seals&(unix.F_SEAL_WRITE|unix.F_SEAL_FUTURE_WRITE) != 0 {
+		return fmt.Errorf("region memfd is sealed against writes (seals %#x): it cannot be mapped writable", seals)
+	}
+	return nil
+}
+
 // MapMemfd maps size bytes of fd shared, after CheckMemfd; writable says
-// whether the mapping may be written (a peer's region is mapped read-only).
+// whether the mapping may be written (a peer's region is mapped read-only
+// unless the mesh has Config.PeerWrite), and then the memfd must pass
+// CheckWritableMemfd too.
 func MapMemfd(fd int, size, max uint64, writable bool) ([]byte, error) {
 	if err := CheckMemfd(fd, size, max); err != nil {
 		return nil, err
+	}
+	if writable {
+		if err := CheckWritableMemfd(fd); err != nil {
+			return nil, err
+		}
 	}
 	prot := unix.PROT_READ
 	if writable {

@@ -14,8 +14,15 @@ import (
 // and the peer's pid, over which they pass sealed memfds) and the
 // in-memory mesh of tests. The collectives use it to reduce straight from
 // the peers' buffers instead of copying them through the rings
-// (lib/collective). A member only ever reads a peer's region: peers' regions
-// are mapped read-only.
+// (lib/collective). Peers' regions are mapped read-only, unless the mesh
+// was built with Config.PeerWrite: then they are mapped writable, and a
+// collective may write its results into a peer's buffer, within the range
+// [off, off+n) of the peer's region that the peer announced for the call
+// (PeerMem returns exactly that range, its capacity included, so no write
+// through it lands outside). Whoever can write a member's memory this way
+// is a member of the same job: the memfds travel only over sockets whose
+// other end proved the job's secret and is, by SO_PEERCRED, the member's
+// process of this user (shm_share.go).
 type Sharer interface {
 	// Share offers mem, the mapping of bytes [0, len(mem)) of the memfd
 	// fd (sealed against shrinking: CheckMemfd), to every peer and returns
@@ -30,11 +37,17 @@ type Sharer interface {
 	// Locate returns the shared region that holds all of buf, and buf's
 	// offset in it; ok is false when buf is not wholly in one.
 	Locate(buf []byte) (id, off uint64, ok bool)
-	// PeerMem returns bytes [off, off+n) of peer's region id, read-only,
-	// waiting (within ctx) until the region has arrived. The view stays
-	// valid until release is called (once; further calls do nothing),
-	// even after the mesh is closed.
+	// PeerMem returns bytes [off, off+n) of peer's region id (capacity n),
+	// waiting (within ctx) until the region has arrived. They are
+	// read-only, unless PeerWrite says the mesh maps peers writable: then
+	// they may be written (the peer's own mapping sees the writes). The
+	// view stays valid until release is called (once; further calls do
+	// nothing), even after the mesh is closed.
 	PeerMem(ctx context.Context, peer int, id, off, n uint64) (mem []byte, release func(), err error)
+	// PeerWrite reports whether the mesh was built with Config.PeerWrite:
+	// the bytes PeerMem returns may be written, and this member lets its
+	// peers write its shared buffers.
+	PeerWrite() bool
 }
 
 // Limits of sharing.

@@ -9,10 +9,12 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -114,6 +116,85 @@ func TestShareSHM(t *testing.T) {
 			assert.Zero(t, mapsWith(t, name), "nothing of the shared regions is mapped any more")
 		})
 	}
+}
+
+// mapPerms returns the permissions ("rw-s", "r--s") of this process's
+// mapping that holds b.
+func mapPerms(t testing.TB, b []byte) string {
+	t.Helper()
+	maps, err := os.ReadFile("/proc/self/maps")
+	require.NoError(t, err)
+	at := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b))))
+	for line := range strings.Lines(string(maps)) {
+		var lo, hi uint64
+		var perms string
+		if _, err := fmt.Sscanf(line, "%x-%x %s", &lo, &hi, &perms); err == nil && lo <= at && at < hi {
+			return perms
+		}
+	}
+	t.Fatalf("no mapping holds %#x", at)
+	return ""
+}
+
+// With Config.PeerWrite a member maps its peers' regions writable, and
+// what it writes through PeerMem's view lands in the peer's region, within
+// the range asked (the view's capacity ends there); without it they stay
+// read-only. Members may differ. A region sealed against writes cannot be
+// shared by a member whose peers may write, nor mapped writable.
+func TestSharePeerWrite(t *testing.T) {
+	meshes := newBridge(t, SHM, 2, 1, false).set(func(c *Config) { c.PeerWrite = c.Self == 0 }).mustEstablish(t)
+	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(30*time.Second))
+	defer cancel()
+	assert.True(t, meshes[0].(Sharer).PeerWrite())
+	assert.False(t, meshes[1].(Sharer).PeerWrite())
+	const size = 3 * 4096
+	ids, mems := make([]uint64, 2), make([][]byte, 2)
+	for i, m := range meshes {
+		fd, mem, err := NewMemfd("gpubridge-test-peerwrite", size)
+		require.NoError(t, err)
+		t.Cleanup(func() { FreeMemfd(fd, mem) })
+		sharedPattern(mem, i)
+		mems[i] = mem
+		ids[i], err = m.(Sharer).Share(fd, mem)
+		require.NoError(t, err)
+	}
+	v, release, err := meshes[0].(Sharer).PeerMem(ctx, 1, ids[1], 4096, 4096)
+	require.NoError(t, err)
+	defer release()
+	assert.Equal(t, "rw-s", mapPerms(t, v))
+	assert.Equal(t, 4096, cap(v), "the view ends with the range asked")
+	before := slices.Clone(mems[1])
+	for i := range v {
+		v[i] = ^v[i]
+	}
+	for i := range mems[1] {
+		want := before[i]
+		if i >= 4096 && i < 8192 {
+			want = ^want
+		}
+		require.Equal(t, want, mems[1][i], "byte %d of member 1's region", i)
+	}
+	r, release1, err := meshes[1].(Sharer).PeerMem(ctx, 0, ids[0], 0, size)
+	require.NoError(t, err)
+	defer release1()
+	assert.Equal(t, "r--s", mapPerms(t, r))
+
+	// A region sealed against writes.
+	fd, err := unix.MemfdCreate("gpubridge-test-sealed", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	require.NoError(t, err)
+	defer unix.Close(fd)
+	require.NoError(t, unix.Ftruncate(fd, 8192))
+	_, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_WRITE)
+	require.NoError(t, err)
+	mem, err := unix.Mmap(fd, 0, 8192, unix.PROT_READ, unix.MAP_SHARED)
+	require.NoError(t, err)
+	defer unix.Munmap(mem)
+	_, err = meshes[0].(Sharer).Share(fd, mem)
+	assert.ErrorContains(t, err, "region memfd is sealed against writes")
+	id, err := meshes[1].(Sharer).Share(fd, mem) // its peers do not write
+	require.NoError(t, err)
+	_, _, err = meshes[0].(Sharer).PeerMem(ctx, 1, id, 0, 8192)
+	assert.ErrorContains(t, err, "its shared region 2 could not be mapped here: region memfd is sealed against writes")
 }
 
 // Share refuses memory that a peer could not map safely; a peer that sends

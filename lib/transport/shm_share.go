@@ -36,8 +36,9 @@ import (
 //
 // Then each side only reads (one reader goroutine per peer) and writes
 // messages of shareMsgSize bytes: SHARE (region id, size) with exactly one
-// fd, which the reader checks (CheckMemfd) and maps read-only; UNSHARE
-// (region id) with none.
+// fd, which the reader checks (CheckMemfd) and maps read-only, or writable
+// with Config.PeerWrite (after CheckWritableMemfd); UNSHARE (region id)
+// with none.
 
 const (
 	shareMagic    = "GBSH"
@@ -150,6 +151,7 @@ func parseShareMsg(b []byte) (shareMsg, error) {
 // shmShare is the shm mesh's side of sharing.
 type shmShare struct {
 	tab       *shareTable
+	writable  bool            // Config.PeerWrite: peers' regions are mapped writable
 	conns     []*net.UnixConn // by member; nil for self
 	wmu       []sync.Mutex
 	done      <-chan struct{} // the mesh's
@@ -304,7 +306,7 @@ func (ss *shareSetup) connect(ctx context.Context, eps []shmEndpoint) (*shmShare
 	ss.mu.Lock()
 	conns := slices.Clone(ss.conns)
 	ss.mu.Unlock()
-	sh := &shmShare{tab: newShareTable(n, m.Peer), conns: conns, wmu: make([]sync.Mutex, n), done: m.done}
+	sh := &shmShare{tab: newShareTable(n, m.Peer), writable: ss.s.cfg.PeerWrite, conns: conns, wmu: make([]sync.Mutex, n), done: m.done}
 	for p, c := range sh.conns {
 		if c != nil {
 			sh.wg.Go(func() { sh.read(p, c) })
@@ -491,7 +493,7 @@ func (sh *shmShare) handle(p int, m shareMsg, fds []int) error {
 		if len(fds) != 1 {
 			return fmt.Errorf("protocol error: region %d came with %d file descriptors, not 1", m.id, len(fds))
 		}
-		mem, err := MapMemfd(fds[0], m.size, MaxSharedBytes, false)
+		mem, err := MapMemfd(fds[0], m.size, MaxSharedBytes, sh.writable)
 		return sh.tab.addPeer(p, m.id, mem, err, func(b []byte) { _ = unix.Munmap(b) })
 	default:
 		if len(fds) != 0 {
@@ -563,6 +565,13 @@ func (sh *shmShare) share(fd int, mem []byte) (uint64, error) {
 	if err := CheckMemfd(fd, uint64(len(mem)), MaxSharedBytes); err != nil {
 		return 0, fmt.Errorf("share: %w", err)
 	}
+	if sh.writable {
+		// The peers (which write only where every member has PeerWrite on,
+		// this one included) would fail to map it.
+		if err := CheckWritableMemfd(fd); err != nil {
+			return 0, fmt.Errorf("share: %w, and peers may write this member's shared buffers (PeerWrite)", err)
+		}
+	}
 	id := sh.tab.newID()
 	for p, c := range sh.conns {
 		if c == nil {
@@ -618,6 +627,9 @@ func (m *shmMesh) Locate(buf []byte) (uint64, uint64, bool) {
 	}
 	return m.share.tab.locate(buf)
 }
+
+// PeerWrite implements Sharer: Config.PeerWrite.
+func (m *shmMesh) PeerWrite() bool { return m.share.writable }
 
 func (m *shmMesh) PeerMem(ctx context.Context, peer int, id, off, n uint64) ([]byte, func(), error) {
 	if peer == m.self || peer < 0 || peer >= m.size {

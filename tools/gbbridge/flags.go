@@ -73,7 +73,8 @@ type memberFlags struct {
 	Small     smallSize     `help:"An all_reduce of 3 or more members up to this size runs recursive doubling (log2 N dependent steps instead of the ring's 2(N-1)); 0 or off turns it off." default:"32K" placeholder:"BYTES"`
 	CRC       bool          `help:"CRC32C on every frame between members (off by default: it costs 25-45% at 256 MiB on a 2-core host, see docs/BENCHMARKS.md)." negatable:""`
 	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
-	Stream    smallSize     `help:"Direct collectives over shared memory copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written); 0 or off: never." default:"128M" placeholder:"BYTES"`
+	Stream    smallSize     `help:"Direct collectives over shared memory copy (or, writing through, write results) into destinations of this size and more with non-temporal stores (no read of the destination before it is written); 0 or off: never." default:"128M" placeholder:"BYTES"`
+	PeerWrite string        `help:"Over shared memory, the direct all_reduce's owner of each piece writes the result into every member's buffer (on: peers' shared memory is mapped writable, within the buffers each announces) instead of every member copying it from the owner's (off: read-only, as before); every member must say on for it to run (else the copies); results are the same." enum:"on,off" default:"on" name:"peer-writes" placeholder:"on|off"`
 	Overlap   overlapFlag   `help:"Over TCP, read the next pieces of a frame off the socket while the earlier ones are reduced, on two goroutines per stream (up to 2 MiB of pieces per stream): on, off, or auto (off: measured slower on the hosts tried, docs/BENCHMARKS.md)." default:"auto" placeholder:"auto|on|off"`
 	SpinUS    int           `help:"Microseconds a shm stream's waiter checks its ring before sleeping, as serve's --spin-us (the plugin passes 200 where every process has a core)." default:"5" name:"spin-us" placeholder:"US"`
 	Timeout   time.Duration `help:"Deadline of the setup and of each collective." default:"60s"`
@@ -92,7 +93,7 @@ func (f memberFlags) memberArgs(cmd string, rank, n int, storeAddr, ns string) [
 	return []string{cmd, "--store", storeAddr, "--rank", strconv.Itoa(rank), "--world-size", strconv.Itoa(n),
 		"--namespace", ns, "--transport", f.Transport, "--streams", strconv.Itoa(f.Streams),
 		"--chunk", strconv.Itoa(int(f.Chunk)), "--small", strconv.Itoa(int(f.Small)), "--crc=" + strconv.FormatBool(f.CRC),
-		"--workers", strconv.Itoa(f.Workers), "--stream", strconv.Itoa(int(f.Stream)), "--overlap", collective.Overlap(f.Overlap).String(), "--spin-us", strconv.Itoa(f.SpinUS),
+		"--workers", strconv.Itoa(f.Workers), "--stream", strconv.Itoa(int(f.Stream)), "--peer-writes", f.PeerWrite, "--overlap", collective.Overlap(f.Overlap).String(), "--spin-us", strconv.Itoa(f.SpinUS),
 		"--timeout", f.Timeout.String()}
 }
 
@@ -108,7 +109,7 @@ func (f memberFlags) join(env *cli.Env) (*bridge.Member, error) {
 		return nil, err
 	}
 	return bridge.Join(env.Ctx, bridge.Config{Store: f.Store, Namespace: f.Namespace, Size: f.WorldSize,
-		Mesh: transport.Config{Self: f.Rank, Transport: transport.Kind(f.Transport), Streams: f.Streams, CRC: f.CRC,
+		Mesh: transport.Config{Self: f.Rank, Transport: transport.Kind(f.Transport), Streams: f.Streams, CRC: f.CRC, PeerWrite: f.PeerWrite == "on",
 			Timeout: f.Timeout, RingBytes: 2 * int(f.Chunk), Spin: spin, Log: env.Log, Process: "gbbridge member"},
 		Comm: collective.Options{ChunkBytes: int(f.Chunk), SmallBytes: smallBytes(f.Small), Workers: f.Workers, StreamBytes: smallBytes(f.Stream),
 			Overlap: collective.Overlap(f.Overlap), Timeout: f.Timeout, Log: env.Log},

@@ -29,7 +29,8 @@ type serveCmd struct {
 	Small         smallSize     `help:"An all_reduce of 3 or more members up to this size runs recursive doubling; 0 or off turns it off; every member must use the same." default:"32K" placeholder:"BYTES"`
 	CRC           bool          `help:"CRC32C on every frame between members (off by default, like selftest and bench: see docs/ARCHITECTURE.md); every member must use the same." negatable:""`
 	Workers       int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
-	Stream        smallSize     `help:"Direct collectives over shared memory copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written); 0 or off: never." default:"128M" placeholder:"BYTES"`
+	Stream        smallSize     `help:"Direct collectives over shared memory copy (or, writing through, write results) into destinations of this size and more with non-temporal stores (no read of the destination before it is written); 0 or off: never." default:"128M" placeholder:"BYTES"`
+	PeerWrite     string        `help:"Over shared memory, the direct all_reduce's owner of each piece writes the result into every member's buffer (on: peers' shared memory is mapped writable, within the buffers each announces) instead of every member copying it from the owner's (off: read-only, as before); every member must say on for it to run (else the copies); results are the same." enum:"on,off" default:"on" name:"peer-writes" placeholder:"on|off"`
 	Overlap       overlapFlag   `help:"Over TCP, read the next pieces of a frame off the socket while the earlier ones are reduced, on two goroutines per stream (up to 2 MiB of pieces per stream): on, off, or auto (off: measured slower on the hosts tried, docs/BENCHMARKS.md)." default:"auto" placeholder:"auto|on|off"`
 	Timeout       time.Duration `help:"Deadline of one collective or point-to-point operation." default:"5m"`
 	SetupTimeout  time.Duration `help:"Deadline of the store connection and the bridge setup, and then of the wait for the plugin's feed connection." default:"60s"`
@@ -250,7 +251,7 @@ func setupCause(ctx context.Context, err error) error {
 // 0 and the named ones): the flags, and the member's place in it.
 func (c *serveCmd) meshConfig(self int, members []transport.MemberInfo, kind transport.Kind, timeout time.Duration, log *slog.Logger) transport.Config {
 	return transport.Config{Self: self, Members: members, Transport: kind,
-		Streams: c.Streams, CRC: c.CRC, Interface: c.Interface, ListenHost: c.ListenHost,
+		Streams: c.Streams, CRC: c.CRC, PeerWrite: c.PeerWrite == "on", Interface: c.Interface, ListenHost: c.ListenHost,
 		Timeout: timeout, RingBytes: int(c.ShmRing), Spin: c.spin(), Log: log, Process: "gbbridge serve"}
 }
 

@@ -577,13 +577,20 @@ func TestServeNoFeedConnection(t *testing.T) {
 }
 
 // Over shm the feed regions are shared and the members reduce from each
-// other's memory (collective.AlgoDirect). A member killed in the middle of
-// such an all_reduce (both are in it, part of their input ready): the
-// other's call fails naming the dead process, and the survivor exits.
+// other's memory (collective.AlgoDirectWrite, or AlgoDirect with
+// --peer-writes off). A member killed in the middle of such an all_reduce
+// (both are in it, part of their input ready): the other's call fails
+// naming the dead process, and the survivor exits. In both modes.
 func TestServeKilledDirect(t *testing.T) {
+	for _, peerWrites := range []string{"on", "off"} {
+		t.Run("peer-writes="+peerWrites, func(t *testing.T) { testServeKilledDirect(t, peerWrites) })
+	}
+}
+
+func testServeKilledDirect(t *testing.T, peerWrites string) {
 	c := newCluster(t)
 	c.kind = discover.BridgeSHM
-	ps := startPair(t, c)
+	ps := startPair(t, c, "--peer-writes", peerWrites)
 	cls := []*feedtest.Client{dial(t, ps[0]), dial(t, ps[1])}
 	ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(30*time.Second))
 	defer cancel()

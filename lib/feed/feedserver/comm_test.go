@@ -25,8 +25,15 @@ import (
 // commBridges returns n collective.Comms over in-memory meshes.
 func commBridges(t testing.TB, n int, chunk int) []Bridge {
 	t.Helper()
+	return commBridgesWith(t, n, chunk, false)
+}
+
+// commBridgesWith is commBridges over meshes that let peers write each
+// other's shared buffers when peerWrite is set (transport.Config.PeerWrite).
+func commBridgesWith(t testing.TB, n int, chunk int, peerWrite bool) []Bridge {
+	t.Helper()
 	var out []Bridge
-	for _, m := range transport.NewMem(n, 2, true) {
+	for _, m := range transport.NewMemWith(n, transport.MemOptions{Streams: 2, CRC: true, PeerWrite: peerWrite}) {
 		c := collective.New(m, collective.Options{ChunkBytes: chunk, Workers: 2})
 		t.Cleanup(func() { _ = c.Close() })
 		out = append(out, c)
@@ -239,20 +246,21 @@ func allReduceBitExact(t *testing.T, cs []*feedtest.Client, regs []*feedtest.Reg
 }
 
 // Over a mesh that shares memory the regions are offered to the other
-// members, and a large all_reduce reduces straight from them; with NoShare
-// the collectives copy through the transport. Both are exact, and released
+// members, and a large all_reduce reduces straight from them (and writes
+// the results into them, where the meshes let peers write); with NoShare
+// the collectives copy through the transport. All are exact, and released
 // regions are withdrawn (a new region of the same id works).
 func TestSharedRegions(t *testing.T) {
-	for _, noShare := range []bool{false, true} {
-		t.Run(fmt.Sprint("noShare=", noShare), func(t *testing.T) {
-			bs := commBridges(t, 2, 64<<10)
+	for _, c := range []struct {
+		noShare, peerWrite bool
+		want               string
+	}{{false, false, collective.AlgoDirect}, {false, true, collective.AlgoDirectWrite}, {true, true, collective.AlgoExchange}} {
+		t.Run(fmt.Sprintf("noShare=%v/peerWrite=%v", c.noShare, c.peerWrite), func(t *testing.T) {
+			noShare, want := c.noShare, c.want
+			bs := commBridgesWith(t, 2, 64<<10, c.peerWrite)
 			e := startFeeds(t, bs, func(o *ServerOptions) { o.NoShare = noShare })
 			ctx := context.Background()
 			r := rand.New(rand.NewPCG(5, 6))
-			want := collective.AlgoDirect
-			if noShare {
-				want = collective.AlgoExchange
-			}
 			for round := range 2 {
 				regs := mapRegions(t, e.clients, 2<<20)
 				for _, streamed := range []bool{false, true} {
