@@ -5,9 +5,9 @@
 # gbbridge bench, members as processes on this host: the 2-member all_reduce
 # over TCP and shm (8 streams) beside their exchange ceilings (the same
 # streams moving the same bytes, nothing reduced), the 4-member all_reduce,
-# the shm all_reduces again with the waiters spinning 200 us (--spin-us,
-# as the plugin's serve does where every process has a core), one core's
-# memcpy, and torch Gloo's all_reduce of 2 and 4 ranks (the anchor),
+# the shm all_reduces again with the members copying the owners' results
+# (--peer-writes off) and with the owners' writes as ordinary stores
+# (--stream off), one core's memcpy, and torch Gloo's all_reduce of 2 and 4 ranks (the anchor),
 # 1 MiB .. 1 GiB, every row checked element by element after timing; each
 # gbbridge row names the algorithm that ran (exchange, ring, direct-write,
 # or direct where the members copy the results: --peer-writes off). Then
@@ -54,12 +54,6 @@ b shm-allreduce-s8-nostream --members 2 --transport shm --streams 8 --stream off
 # one run.
 b shm-allreduce-s8-copy --members 2 --transport shm --streams 8 --peer-writes off
 b tcp-allreduce-4m-s8 --members 4 --transport tcp --streams 8
-# The shm all_reduces with the waiters spinning 200 us before they sleep
-# (--spin-us: what the plugin's serve does where every process has a core)
-# instead of 5: a sleeper's wake-up costs tens of microseconds on a VM, and
-# the direct path has several per call.
-b shm-allreduce-s8-spin200 --members 2 --transport shm --streams 8 --spin-us 200
-b shm-allreduce-4m-s8-spin200 --members 4 --transport shm --streams 8 --spin-us 200
 b shm-allreduce-4m-s8 --members 4 --transport shm --streams 8
 b shm-allreduce-4m-s8-copy --members 4 --transport shm --streams 8 --peer-writes off
 # And the owners' writes not streamed (--stream off: ordinary stores; the
