@@ -6,8 +6,7 @@
 # over TCP and shm (8 streams) beside their exchange ceilings (the same
 # streams moving the same bytes, nothing reduced), the 4-member all_reduce,
 # the shm all_reduces again with the members copying the owners' results
-# (--peer-writes off) and with the owners' writes as ordinary stores
-# (--stream off), one core's memcpy, and torch Gloo's all_reduce of 2 and 4 ranks (the anchor),
+# (--peer-writes off), one core's memcpy, and torch Gloo's all_reduce of 2 and 4 ranks (the anchor),
 # 1 MiB .. 1 GiB, every row checked element by element after timing; each
 # gbbridge row names the algorithm that ran (exchange, ring, direct-write,
 # or direct where the members copy the results: --peer-writes off). Then
@@ -46,9 +45,6 @@ b tcp-exchange-s8 --members 2 --transport tcp --streams 8 --collective exchange
 b tcp-allreduce-s8 --members 2 --transport tcp --streams 8
 b shm-exchange-s8 --members 2 --transport shm --streams 8 --collective exchange
 b shm-allreduce-s8 --members 2 --transport shm --streams 8
-# The same with the direct path's copies not streamed (--stream off: the
-# copies before issue 12's streaming stores), for a before/after in one run.
-b shm-allreduce-s8-nostream --members 2 --transport shm --streams 8 --stream off
 # The same with every member copying the owners' results (--peer-writes off:
 # the direct path before issue 12's write-through), for a before/after in
 # one run.
@@ -56,9 +52,6 @@ b shm-allreduce-s8-copy --members 2 --transport shm --streams 8 --peer-writes of
 b tcp-allreduce-4m-s8 --members 4 --transport tcp --streams 8
 b shm-allreduce-4m-s8 --members 4 --transport shm --streams 8
 b shm-allreduce-4m-s8-copy --members 4 --transport shm --streams 8 --peer-writes off
-# And the owners' writes not streamed (--stream off: ordinary stores; the
-# lines were just read, so they need no read for ownership from memory).
-b shm-allreduce-4m-s8-nostream --members 4 --transport shm --streams 8 --stream off
 bytes=$("$PY" -c 'import sys
 m={"K":1<<10,"M":1<<20,"G":1<<30}
 print(",".join(str(int(s[:-1])*m[s[-1]]) if s[-1] in m else s for s in sys.argv[1].split(",")))' "$sizes")

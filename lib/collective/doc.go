@@ -247,9 +247,10 @@
 // cache) and write the copiers' buffers (n-1), which an ordinary store
 // first reads (n-1): 4n-2, 6 for two members; from Options.StreamBytes on
 // the copies stream (lib/ntcopy) and skip that read: 3n-1, 5 for two
-// members and 11 for four. The owners' writes stream too from StreamBytes
-// on (ordinary stores would find the lines in cache as well: the owner
-// has just read them).
+// members and 11 for four. The owners' writes through are ordinary
+// stores at every size: the owner has just read those lines, so they are
+// in cache and need no read for ownership (streaming them was slower on
+// the 16-core host: docs/BENCHMARKS.md).
 //
 // Comm.Algorithm names what the last collective ran: AlgoExchange,
 // AlgoRing, AlgoRecursiveDoubling, AlgoChain (broadcast), AlgoDirect,
