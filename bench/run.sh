@@ -32,13 +32,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 } > "$out/env.txt"
 cat "$out/env.txt" >&2
 
-tag() { # tag CONFIG: add "config" to each JSON row on stdin
-  "$py" -c 'import json,sys
-for l in sys.stdin:
-    l = l.strip()
-    if l.startswith("{"):
-        d = json.loads(l); d["config"] = sys.argv[1]; print(json.dumps(d), flush=True)' "$1"
-}
+tag() { "$py" "$here/tag_rows.py" "$1"; }  # rows of stdin, "config" set
 
 only=${GB_ONLY:-.}
 bench() { # bench CONFIG ARGS...

@@ -9,10 +9,7 @@ exec > >(tee -a "$out/bridge-bench-quick.log") 2>&1
 echo "== $(date -u +%FT%TZ) commit ${GB_COMMIT:-unknown}; $(nproc) cores"
 rows=$out/rows.jsonl; : > "$rows"
 sizes=16M,64M,256M,1G
-tag() { python3 -c 'import json,sys
-for l in sys.stdin:
-    if l.startswith("{"):
-        d = json.loads(l); d["config"] = sys.argv[1]; print(json.dumps(d), flush=True)' "$1"; }
+tag() { python3 bench/tag_rows.py "$1"; }  # rows of stdin, "config" set
 b() { local cfg=$1; shift; echo "== $cfg" >&2; bin/gbbridge bench --json --iters 5 --warmup 1 --sizes "$sizes" "$@" 2>/dev/null | tag "$cfg" >> "$rows"; }
 for s in 8 16; do
   b "tcp-exchange-s$s" --members 2 --transport tcp --streams "$s" --collective exchange

@@ -28,10 +28,7 @@ sizes=${GB_SIZES:-1M,16M,64M,256M,1G}
 iters=${GB_ITERS:-3}
 limit=${GB_LIMIT_S:-120}
 failed=0
-tag() { "$PY" -c 'import json,sys
-for l in sys.stdin:
-    if l.startswith("{"):
-        d = json.loads(l); d["config"] = sys.argv[1]; print(json.dumps(d), flush=True)' "$1"; }
+tag() { "$PY" bench/tag_rows.py "$1"; }  # rows of stdin, "config" set
 b() {  # b CONFIG ARGS...
   local cfg=$1; shift
   local s=$(date +%s)

@@ -26,10 +26,7 @@ echo "== $(date -u +%FT%TZ) profile-bench: commit $GB_COMMIT; $(nproc --all) cor
 rows=$out/rows.jsonl; : > "$rows"
 limit=${GB_LIMIT_S:-60}
 failed=0
-tag() { "$PY" -c 'import json,sys
-for l in sys.stdin:
-    if l.startswith("{"):
-        d = json.loads(l); d["config"] = sys.argv[1]; print(json.dumps(d), flush=True)' "$1"; }
+tag() { "$PY" bench/tag_rows.py "$1"; }  # rows of stdin, "config" set
 b() {  # b CONFIG ARGS...: one bench run, its rows tagged CONFIG
   local cfg=$1; shift
   local s=$(date +%s)

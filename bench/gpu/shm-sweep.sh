@@ -21,10 +21,7 @@ for m in ${GB_MEMBERS:-2 4}; do
       cfg=shm-${m}m-s$s-w$w
       timeout -k 5 120 bin/gbbridge bench --json --members "$m" --transport shm --streams "$s" --workers "$w" \
         --sizes "${GB_SIZES:-16M,64M,256M}" --iters "${GB_ITERS:-5}" --warmup 1 "${extra[@]}" 2>"$out/$cfg.err" |
-        "$PY" -c 'import json,sys
-for l in sys.stdin:
-    if l.startswith("{"):
-        d = json.loads(l); d["config"] = sys.argv[1]; print(json.dumps(d), flush=True)' "$cfg" >> "$rows"
+        "$PY" bench/tag_rows.py "$cfg" >> "$rows"
       [ "${PIPESTATUS[0]}" -eq 0 ] || { fail=1; echo "$cfg failed:"; tail -3 "$out/$cfg.err"; }
     done
   done
