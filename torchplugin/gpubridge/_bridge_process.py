@@ -24,6 +24,8 @@ from gpubridge._feed_protocol import MAX_MESSAGE, FeedError, FeedTimeout
 
 __all__ = ["BridgeProcess", "start_bridge", "start_bridge_lasting"]
 
+_GIVE_UP_POLL_S = 0.25  # how often wait_ready asks its give_up
+
 
 @dataclass
 class BridgeProcess:
@@ -38,10 +40,14 @@ class BridgeProcess:
     def member(self) -> int:
         return int(self.ready["member"])
 
-    def wait_ready(self, timeout: float = 90.0) -> dict[str, Any]:
+    def wait_ready(
+        self, timeout: float = 90.0, give_up: Callable[[], str | None] | None = None
+    ) -> dict[str, Any]:
         """Reads the ready line (printed once the bridge is up) by the
-        deadline. On failure the child is killed and FeedError carries its
-        stderr."""
+        deadline. give_up, asked every _GIVE_UP_POLL_S while no line has come,
+        returns why to stop waiting before the deadline (the bridge's other
+        members will not come: another rank's set-up failed). On failure the
+        child is killed and FeedError carries its stderr."""
         proc = self.proc
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout
@@ -52,8 +58,11 @@ class BridgeProcess:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise FeedTimeout(f"gpubridge: gbbridge serve printed no ready line within {timeout:g}s")
-                r, _, _ = select.select([fd], [], [], left)
+                r, _, _ = select.select([fd], [], [], left if give_up is None else min(left, _GIVE_UP_POLL_S))
                 if not r:
+                    why = give_up() if give_up is not None else None
+                    if why:
+                        raise FeedError(f"gpubridge: stopped waiting for gbbridge serve's ready line: {why}")
                     continue
                 chunk = os.read(fd, 4096)
                 if not chunk:

@@ -140,12 +140,13 @@ class BridgeEndpoint:
         )  # fmt: skip
         return cls(process, rank, members, device, stream, timeout, reduce_mode, codec, bridge0, spin)
 
-    def connect(self) -> None:
-        """Waits for gbbridge serve's ready line and connects the feed. A
-        group that compresses needs a gbbridge of feed protocol 3."""
+    def connect(self, give_up: Callable[[], str | None] | None = None) -> None:
+        """Waits for gbbridge serve's ready line (give_up: see
+        BridgeProcess.wait_ready) and connects the feed. A group that
+        compresses needs a gbbridge of feed protocol 3."""
         isecs = int(max(1.0, self._timeout.total_seconds()))
         try:
-            self.process.wait_ready(float(min(isecs, 120)))
+            self.process.wait_ready(float(min(isecs, 120)), give_up)
             self._feed = FeedClient.connect(
                 self.process.feed, timeout=60.0, name=f"gpubridge rank {self._rank}",
                 request_timeout=isecs + 60.0, spin=(self._spin_us or 0) / 1e6,

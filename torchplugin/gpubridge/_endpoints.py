@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ class Endpoints:
         self._closed = False
         self.lazily_started = False  # a rank that leads no island started one
 
-    def _start(self, bridge0: bool) -> BridgeEndpoint:
+    def _start(self, bridge0: bool, give_up: Callable[[], str | None] | None = None) -> BridgeEndpoint:
         lay = self._layout
         workdir, store, namespace = self._args
         ep = BridgeEndpoint.start(
@@ -78,14 +79,16 @@ class Endpoints:
             self._timeout, self._reduce_mode, self._codec, bridge0=bridge0,
         )  # fmt: skip
         self._ep = ep  # kept before connecting: a failed start is still closed (and reaped)
-        ep.connect()
+        ep.connect(give_up)
         self._ready = ep
         return ep
 
-    def start_leader(self) -> BridgeEndpoint:
-        """The leader's endpoint, at set-up: gbbridge serve joins bridge 0."""
+    def start_leader(self, give_up: Callable[[], str | None] | None = None) -> BridgeEndpoint:
+        """The leader's endpoint, at set-up: gbbridge serve joins bridge 0.
+        give_up says why to stop waiting for the other leaders' serves (see
+        BridgeProcess.wait_ready)."""
         with self._lock:
-            return self._start(bridge0=True)
+            return self._start(bridge0=True, give_up=give_up)
 
     @property
     def current(self) -> BridgeEndpoint | None:

@@ -148,7 +148,11 @@ class GpubridgeProcessGroup(dist.ProcessGroup):
             self._timeout, self._policy.bridge_reduce, self._policy.codec,
         )  # fmt: skip
         if layout.bridged and layout.is_leader:
-            self._endpoints.start_leader()
+            # A leader whose peer failed its own set-up (say its gbbridge
+            # could not start) would wait for that serve until the timeout:
+            # the failure that peer published ends the wait.
+            store = self._store
+            self._endpoints.start_leader(give_up=lambda: _setup.failure_elsewhere(store))
 
     @property
     def _endpoint(self) -> BridgeEndpoint | None:

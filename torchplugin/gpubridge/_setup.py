@@ -23,6 +23,7 @@ from gpubridge._failure import pid_key, publish_first
 __all__ = [
     "agree",
     "discover",
+    "failure_elsewhere",
     "private_dir",
     "publish_pid",
     "remove_private_dir",
@@ -143,6 +144,17 @@ def _has(store: Any, key: str) -> bool:
         return bool(store.check([key]))
     except Exception:
         return False
+
+
+def failure_elsewhere(store: Any) -> str | None:
+    """The set-up failure a rank published (agree), if one did: one look at
+    the store; None when it cannot be read."""
+    if not _has(store, _SETUP_FAILURE_KEY):
+        return None
+    try:
+        return f"set-up failed: {store.get(_SETUP_FAILURE_KEY).decode('utf-8', 'replace')}"
+    except Exception:
+        return None
 
 
 def agree(

@@ -535,6 +535,7 @@ def _ring_bound(codec: str, dtype: str, xs_abs: list[float], members: int) -> li
 
 
 @needs_tools
+@pytest.mark.torch_independent("gbbridge's ring (Go) of 3 islands; the plugin's codec runs in the other jobs")
 def test_three_islands_ring(tmp_path: Path) -> None:
     """Three islands (GPUBRIDGE_SIM_ISLAND): gbbridge's low-precision ring.
     Every rank ends with the same bits (with and without error feedback),

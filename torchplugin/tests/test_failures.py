@@ -134,9 +134,22 @@ def check_in_time(out: Outcome, survivors: list[int], budget: float) -> None:
 WORKLOADS = ["loop", "ddp", "fsdp"]
 # Which rank dies is gpubridge's logic, the same on every torch; how a failed
 # call lands in DDP's reducer or FSDP is torch's. So the runs on the other
-# torch versions (ci/torch-suite.sh: -m "not victim_matrix") keep every
-# workload and fault with one victim each, and this torch runs every victim.
+# torch versions (ci/torch-suite.sh: -m "not victim_matrix and not
+# torch_independent") keep a killed rank under DDP and under FSDP, and the
+# exited rank under DDP (the reducer's old SIGSEGV); how each other fault is
+# found (a timeout, a dead gbbridge serve, a lost point-to-point peer) is
+# gpubridge's, and its failed Work reaches DDP and FSDP the same way: those
+# run on the project's torch only, as do the further victims.
 VICTIM_MATRIX = pytest.mark.victim_matrix
+FOUND_BY_GPUBRIDGE = pytest.mark.torch_independent(
+    "how the fault is found is gpubridge's; its failed Work reaches DDP and FSDP as test_killed_rank's does"
+)
+# The loop workload: plain all_reduce calls, whose Work test_backend checks on every torch.
+KEPT_WORKLOADS = [
+    pytest.param("loop", marks=pytest.mark.torch_independent("plain all_reduce calls: test_backend's Work")),
+    "ddp",
+    "fsdp",
+]
 CASES = [  # vendors, victim, what the victim is
     pytest.param(TWO_TWO, 0, "rank 0, a leader", marks=VICTIM_MATRIX),
     pytest.param(TWO_TWO, 2, "the other island's leader", marks=VICTIM_MATRIX),
@@ -145,7 +158,7 @@ CASES = [  # vendors, victim, what the victim is
 
 
 @needs_tools
-@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("workload", KEPT_WORKLOADS)
 @pytest.mark.parametrize(("vendors", "victim", "_what"), CASES)
 def test_killed_rank(tmp_path: Path, workload: str, vendors: list[str], victim: int, _what: str) -> None:
     out = run_fault(tmp_path, vendors, victim, "kill", workload)
@@ -165,6 +178,7 @@ def test_killed_rank(tmp_path: Path, workload: str, vendors: list[str], victim: 
 
 
 @needs_tools
+@pytest.mark.torch_independent("which call turns a lost peer into the error is gpubridge's (the call check)")
 @pytest.mark.parametrize("workload", ["ddp", "fsdp"])
 @pytest.mark.parametrize("victim", [pytest.param(0, marks=VICTIM_MATRIX), 3])
 def test_killed_rank_without_call_checks(tmp_path: Path, workload: str, victim: int) -> None:
@@ -180,6 +194,7 @@ def test_killed_rank_without_call_checks(tmp_path: Path, workload: str, victim: 
 
 
 @needs_tools
+@FOUND_BY_GPUBRIDGE
 def test_killed_non_leader_with_an_endpoint(tmp_path: Path) -> None:
     """2+2, every rank exchanging with its counterpart in the other island,
     so non-leaders 1 and 3 run gbbridge serve of their own (pair/1-3): rank 3
@@ -194,6 +209,7 @@ def test_killed_non_leader_with_an_endpoint(tmp_path: Path) -> None:
 
 
 @needs_tools
+@FOUND_BY_GPUBRIDGE
 def test_killed_endpoint_of_a_non_leader(tmp_path: Path) -> None:
     """As test_killed_bridge for the gbbridge serve rank 3 (no leader)
     started on its first exchange: every rank, rank 3 too, fails naming
@@ -206,6 +222,7 @@ def test_killed_endpoint_of_a_non_leader(tmp_path: Path) -> None:
 
 
 @needs_tools
+@pytest.mark.torch_independent("a 3+1 layout under plain all_reduce calls: gpubridge's islands")
 def test_killed_rank_3_1_non_leader(tmp_path: Path) -> None:
     out = run_fault(tmp_path, ["nvidia", "nvidia", "nvidia", "amd"], 1, "kill", "loop")
     cause = root_causes(out, [0, 2, 3])
@@ -214,7 +231,10 @@ def test_killed_rank_3_1_non_leader(tmp_path: Path) -> None:
 
 
 @needs_tools
-@pytest.mark.parametrize("check_calls", [True, False])
+@pytest.mark.parametrize(
+    "check_calls",
+    [pytest.param(True, marks=pytest.mark.torch_independent("the call check is gpubridge's")), False],
+)
 def test_exited_rank_ddp(tmp_path: Path, check_calls: bool) -> None:
     """The issue's reproduction: a rank leaves with os._exit under DDP (the
     survivors used to die with SIGSEGV in DDP's reducer); also without call
@@ -226,6 +246,7 @@ def test_exited_rank_ddp(tmp_path: Path, check_calls: bool) -> None:
 
 
 @needs_tools
+@FOUND_BY_GPUBRIDGE
 @pytest.mark.parametrize("workload", WORKLOADS)
 @pytest.mark.parametrize(("vendors", "victim", "_what"), CASES)
 def test_stalled_rank(tmp_path: Path, workload: str, vendors: list[str], victim: int, _what: str) -> None:
@@ -249,6 +270,7 @@ def test_stalled_rank(tmp_path: Path, workload: str, vendors: list[str], victim:
 
 
 @needs_tools
+@FOUND_BY_GPUBRIDGE
 @pytest.mark.parametrize("workload", WORKLOADS)
 @pytest.mark.parametrize("victim", [pytest.param(0, marks=VICTIM_MATRIX), 2])
 def test_killed_bridge(tmp_path: Path, workload: str, victim: int) -> None:
@@ -263,6 +285,7 @@ def test_killed_bridge(tmp_path: Path, workload: str, victim: int) -> None:
 
 
 @needs_tools
+@FOUND_BY_GPUBRIDGE
 def test_killed_non_leader_bridge_under_flat(tmp_path: Path) -> None:
     """GPUBRIDGE_POLICY=flat: DDP's all_reduces put every rank on the flat
     bridge, so non-leader 3 runs a gbbridge serve of its own; SIGKILLed,

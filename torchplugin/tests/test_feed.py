@@ -50,6 +50,10 @@ pytestmark = pytest.mark.skipif(
     not all(os.access(t, os.X_OK) for t in TOOLS),
     reason=f"needs bin/gbprobe, bin/gbdiscover and bin/gbbridge: run `make build` in {REPO}",
 )
+# The feed protocol between the client and gbbridge serve moves bytes; the
+# caller's reduction (torch's arithmetic on NaNs, zeros, denormals) and the
+# torch dtype names run on every torch.
+PROTOCOL = pytest.mark.torch_independent("the feed protocol's bytes between gpubridge and gbbridge serve")
 
 
 def children() -> list[int]:
@@ -217,6 +221,7 @@ def inputs(dt: DType, n: int, member: int) -> np.ndarray:
     return x
 
 
+@PROTOCOL
 @pytest.mark.parametrize("op", [Op.SUM, Op.MAX], ids=lambda v: v.name.lower())
 @pytest.mark.parametrize("dt", [DType.FLOAT32, DType.BFLOAT16, DType.INT64], ids=lambda v: v.name.lower())
 def test_all_reduce(pair: Pair, dt: DType, op: Op) -> None:
@@ -249,6 +254,7 @@ def test_all_reduce_torch_dtype_and_small(pair: Pair) -> None:
     assert pair.both(run) == [[4.0], [4.0]]
 
 
+@PROTOCOL
 def test_streamed_all_reduce(pair: Pair) -> None:
     n = 1 << 20  # 4 MiB of float32, 64 KiB chunks
     xs = [np.random.default_rng(m).standard_normal(n).astype(np.float32) for m in range(2)]
@@ -295,6 +301,7 @@ def test_streamed_all_reduce(pair: Pair) -> None:
         assert pos == n * 4
 
 
+@PROTOCOL
 def test_broadcast_gather_scatter_barrier_p2p(pair: Pair) -> None:
     def run(c: FeedClient, m: int) -> None:
         r = c.map_region(1 << 16)
@@ -326,6 +333,7 @@ def test_broadcast_gather_scatter_barrier_p2p(pair: Pair) -> None:
     pair.both(run)
 
 
+@PROTOCOL
 def test_done_carries_bridge_stats(pair: Pair) -> None:
     """gbbridge's measure of each collective (DONE tag 1, docs/TRACING.md
     §7) on the trace clock: all_reduce and broadcast carry it, barrier and
@@ -356,6 +364,7 @@ def test_done_carries_bridge_stats(pair: Pair) -> None:
     pair.both(run)
 
 
+@PROTOCOL
 def test_threads_share_a_client(pair: Pair) -> None:
     """A RECV waits on one thread while collectives and the SEND it waits
     for run on another: each thread's DONE reaches it, whoever reads."""
@@ -379,6 +388,7 @@ def test_threads_share_a_client(pair: Pair) -> None:
     pair.both(run)
 
 
+@PROTOCOL
 def test_bad_request_then_ok(pair: Pair) -> None:
     def run(c: FeedClient, m: int) -> str:
         r = c.map_region(4096)
@@ -396,6 +406,7 @@ def test_bad_request_then_ok(pair: Pair) -> None:
     assert all(msgs)
 
 
+@PROTOCOL
 def test_peer_killed(pair: Pair) -> None:
     c0, c1 = pair.clients
     r0 = c0.map_region(4096)
@@ -501,6 +512,7 @@ def test_caller_reduces_like_the_bridge(pair: Pair, dtype: torch.dtype, op: Op) 
             )
 
 
+@PROTOCOL
 def test_peer_killed_mid_exchange(pair: Pair) -> None:
     """A member killed in the middle of a streamed exchange (feed protocol 2,
     the GPU path's all_reduce; both members in it, half their input ready):

@@ -53,6 +53,9 @@ from rebalance_figures import figures  # the formula, shared with the benches
 
 HERE = Path(__file__).resolve().parent
 VENDORS = "nvidia,nvidia,amd,amd"
+pytestmark = pytest.mark.torch_independent(
+    "gbtrace's verdicts and gpubridge's plans; test_weighted runs the hook and the sampler on every torch"
+)
 B = 48
 
 

@@ -17,6 +17,9 @@ from gpubridge._endpoints import pair_bridge
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "p2p_worker.py"
+# 2+2 runs isend/irecv, batch_isend_irecv and send/recv on every torch; the
+# other layouts change only gpubridge's routing between the same calls.
+OTHER_LAYOUT = pytest.mark.torch_independent("another layout: gpubridge's routing of the calls 2+2 runs")
 
 
 def launch(tmp_path: Path, vendors: list[str], mode: str) -> list[dict[str, Any]]:
@@ -47,9 +50,9 @@ def expected_bridges(islands: list[list[int]], rank: int) -> list[str]:
     "vendors",
     [
         ["nvidia", "nvidia", "amd", "amd"],
-        ["nvidia", "nvidia", "nvidia", "amd"],
-        ["nvidia", "amd"],
-        ["nvidia", "nvidia", "amd", "amd", "amd:b", "amd:b"],
+        pytest.param(["nvidia", "nvidia", "nvidia", "amd"], marks=OTHER_LAYOUT),
+        pytest.param(["nvidia", "amd"], marks=OTHER_LAYOUT),
+        pytest.param(["nvidia", "nvidia", "amd", "amd", "amd:b", "amd:b"], marks=OTHER_LAYOUT),
     ],
     ids=["2+2", "3+1", "1+1", "2+2+2"],
 )
@@ -68,6 +71,7 @@ def test_every_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vendors: li
 
 
 @needs_tools
+@pytest.mark.torch_independent("which ranks start an endpoint is gpubridge's")
 def test_leaders_only_job_starts_no_endpoint(tmp_path: Path) -> None:
     """Collectives, P2P inside islands and between leaders: only the
     leaders run gbbridge serve, and they join no other bridge."""

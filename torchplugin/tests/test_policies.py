@@ -23,6 +23,9 @@ from gpubridge.tune import pick
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "policy_worker.py"
+pytestmark = pytest.mark.torch_independent(
+    "the policies route all_reduce inside gpubridge; test_backend checks its Work on every torch"
+)
 V22 = ["nvidia", "nvidia", "amd", "amd"]
 
 

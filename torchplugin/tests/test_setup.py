@@ -26,6 +26,13 @@ from testenv import scale
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = round(scale(30))
 VENDORS = ["nvidia", "nvidia", "amd", "amd"]
+# How every rank learns which rank's set-up failed is gpubridge's agreement
+# over the store; the case whose store lives in the failing rank 0 (torch's
+# env:// rendezvous) and the second job on a port (torch's store refusing
+# it) run on every torch, the other failures on the project's torch only.
+SET_UP_AGREEMENT = pytest.mark.torch_independent(
+    "gpubridge's set-up agreement; the env:// store cases keep torch's part on every torch"
+)
 
 
 def rank_env(tmp_path: Path, r: int, port: int, **extra: str) -> dict[str, str]:
@@ -88,10 +95,13 @@ def run(
 
 
 def same_error(results: list[dict]) -> str:
+    """The one error every rank raised. The failing leader's peer stops
+    waiting for its gbbridge serve once the failure is published, so no
+    rank waits for the group's timeout (they all did before)."""
     errors = [res.get("error") for res in results]
     assert all(errors), results
     assert len(set(errors)) == 1, errors
-    assert all(res["elapsed"] < TIMEOUT_S + scale(30) for res in results), results
+    assert all(res["elapsed"] < TIMEOUT_S for res in results), results
     return str(errors[0])
 
 
@@ -110,6 +120,7 @@ def bad_bridge_env(tmp_path: Path) -> dict[str, str]:
 
 
 @needs_tools
+@SET_UP_AGREEMENT
 def test_bridge_cannot_start_on_one_leader(tmp_path: Path) -> None:
     """Rank 2 (the AMD island's leader) has a gbbridge that fails at once."""
     err = same_error(run(tmp_path, {}, {2: bad_bridge_env(tmp_path)}))
@@ -127,6 +138,7 @@ def test_bridge_cannot_start_on_rank_0_hosting_the_store(tmp_path: Path) -> None
 
 
 @needs_tools
+@SET_UP_AGREEMENT
 def test_bridge_cannot_start_on_both_leaders(tmp_path: Path) -> None:
     """Both leaders fail (the issue's /dev/shm case hits every leader of a
     host): the first cause recorded wins, and every rank raises that one."""
@@ -137,6 +149,7 @@ def test_bridge_cannot_start_on_both_leaders(tmp_path: Path) -> None:
 
 
 @needs_tools
+@SET_UP_AGREEMENT
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a mount namespace with a tiny /dev/shm")
 def test_dev_shm_full_on_one_leader(tmp_path: Path) -> None:
     """Rank 2 runs in a mount namespace whose /dev/shm is a 64 KiB tmpfs: its

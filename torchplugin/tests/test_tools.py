@@ -284,6 +284,7 @@ print(_tools.find_tool(sys.argv[1]))
 
 
 @needs_go
+@pytest.mark.torch_independent("go build of the tools into the cache: no torch in it")
 def test_build_on_first_use(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Two ranks starting together with no tools anywhere build them once,
     into the cache; later look-ups find them there without building."""
@@ -520,7 +521,18 @@ FAULTS = {
 
 
 @needs_tools
-@pytest.mark.parametrize("path", ["tools", "backend"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(
+            "tools",
+            marks=pytest.mark.torch_independent(
+                "discovery straight on torchrun's store: the backend path runs it over the same store"
+            ),
+        ),
+        "backend",
+    ],
+)
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_startup_failure_under_torchrun(tmp_path: Path, fault: str, path: str) -> None:
     """Rank 1 of a 2-rank job (NVIDIA + AMD, simulated) has a fault: both

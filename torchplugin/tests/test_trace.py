@@ -276,6 +276,10 @@ def test_clock_round_trip_across_boots(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---- jobs ----
 
+# gpubridge's recorder and gbtrace's reading of it; torch's own Flight
+# Recorder (test_torch_flight_recorder_dumps) runs on every torch.
+OWN_RECORDS = "gpubridge's own records and gbtrace, through all_reduce calls test_backend covers"
+
 
 def run_job(tmp_path: Path, mode: str, *args: str, extra: dict[str, str] | None = None,
             wait: float = 120) -> list[dict[str, Any]]:  # fmt: skip
@@ -361,6 +365,7 @@ def check_bridge_parts(per_rank: list[list[dict[str, Any]]]) -> None:
     assert seen > 0, "no leader's record has a bridge part"
 
 
+@pytest.mark.torch_independent(OWN_RECORDS)
 def test_traced_job_and_gbtrace(tmp_path: Path) -> None:
     trace = tmp_path / "trace"
     # The leaders' path (check_bridge_parts): auto would send the small
@@ -411,6 +416,7 @@ def test_traced_job_and_gbtrace(tmp_path: Path) -> None:
 
 @needs_tools
 @needs_gbtrace
+@pytest.mark.torch_independent(OWN_RECORDS)
 def test_straggler_is_named(tmp_path: Path) -> None:
     """Rank 2 sleeps 10 ms more than the others each step: gbtrace
     stragglers flags it in every window, first, in the phase the user
@@ -441,6 +447,7 @@ def test_straggler_is_named(tmp_path: Path) -> None:
 
 @needs_tools
 @needs_gbtrace
+@pytest.mark.torch_independent(OWN_RECORDS)
 def test_stopped_rank_is_named_from_the_dumps(tmp_path: Path) -> None:
     """Rank 3 SIGSTOPs itself before step 5's all_reduce: the others time
     out, each dumps its flight recorder (named on its stderr), and gbtrace
@@ -473,6 +480,7 @@ def test_stopped_rank_is_named_from_the_dumps(tmp_path: Path) -> None:
 
 
 @needs_tools
+@pytest.mark.torch_independent(OWN_RECORDS)
 def test_observers_in_a_job(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
     res = run_job(tmp_path, "observe", extra={"GPUBRIDGE_TRACE_DUMP_DIR": str(dumps)})
