@@ -3,12 +3,17 @@ tensors, N ranks on this host, the same sizes and row format as
 `gbbridge bench --json` (schema gpubridge.bench/v1, transport "torch gloo").
 
 Usage: python gloo_allreduce.py --members 2 --sizes 1048576,16777216 --iters 5
+
+--min-time S: where --iters calls take less than S seconds, times as many
+calls again as fill it (the rule of `gbbridge bench --min-time`, at most
+MAX_TIMED_CALLS); the row's iters says how many.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import sys
@@ -19,6 +24,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+MAX_TIMED_CALLS = 10000  # gbbridge bench's bound (harness.MaxTimedCalls)
+
+
+def timed_calls(iters: int, min_time: float, per: float) -> int:
+    """How many calls of per seconds fill min_time: at least iters, at most
+    MAX_TIMED_CALLS."""
+    if per <= 0:
+        return max(iters, MAX_TIMED_CALLS)
+    return max(iters, min(math.ceil(min_time / per), MAX_TIMED_CALLS))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -26,7 +41,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker(rank: int, n: int, port: int, sizes: list[int], iters: int, warmup: int) -> None:
+def worker(rank: int, n: int, port: int, sizes: list[int], iters: int, warmup: int, min_time: float) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=300)
@@ -36,18 +51,23 @@ def worker(rank: int, n: int, port: int, sizes: list[int], iters: int, warmup: i
         t = torch.full((count,), float(rank + 1), dtype=torch.float32)
         for _ in range(warmup):
             dist.all_reduce(t)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(t)
-        elapsed = (time.perf_counter() - start) / iters
-        slowest = torch.tensor([elapsed], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        timed = iters
+        while True:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(timed):
+                dist.all_reduce(t)
+            slowest = torch.tensor([(time.perf_counter() - start) / timed], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank gets the same count
+            mean = float(slowest.item())
+            if min_time <= 0 or timed * mean >= min_time or timed >= MAX_TIMED_CALLS:
+                break
+            timed = timed_calls(timed, min_time, mean)
         t.fill_(float(rank + 1))
         dist.all_reduce(t)
         wrong = int((t != float(n * (n + 1) // 2)).sum())
         if rank == 0:
-            sec = float(slowest.item())
+            sec = mean
             algbw = count * 4 / sec / 1e9
             print(
                 json.dumps(
@@ -65,6 +85,7 @@ def worker(rank: int, n: int, port: int, sizes: list[int], iters: int, warmup: i
                         "busbw_gbps": algbw * 2 * (n - 1) / n,
                         "wrong": wrong,
                         "checked": True,
+                        "iters": timed,
                     }
                 ),
                 flush=True,
@@ -78,12 +99,15 @@ def main() -> None:
     p.add_argument("--sizes", default="1048576,16777216,268435456")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--min-time", type=float, default=0.0, help="seconds (0: --iters calls at every size)")
     a = p.parse_args()
+    if a.min_time < 0:
+        p.error("--min-time must be 0 or more")
     sizes = [int(s) for s in a.sizes.split(",")]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     mp.start_processes(
         worker,
-        args=(a.members, free_port(), sizes, a.iters, a.warmup),
+        args=(a.members, free_port(), sizes, a.iters, a.warmup, a.min_time),
         nprocs=a.members,
         start_method="spawn",
     )

@@ -8,7 +8,10 @@
 # Usage: bench/run.sh OUTDIR [BIN] [PYTHON]
 # Writes OUTDIR/rows.jsonl (every row, schema gpubridge.bench/v1 plus a
 # "config" field) and OUTDIR/env.txt; bench/report.py makes the tables.
-# GB_SIZES, GB_ITERS: the sizes and timed calls; GB_ONLY: an extended
+# GB_SIZES, GB_ITERS: the sizes and timed calls; GB_MIN_TIME (seconds,
+# default 0.2): more timed calls where calls are short, until they fill it
+# (gbbridge bench --min-time, and the same rule for Gloo; 0: GB_ITERS
+# calls at every size); GB_ONLY: an extended
 # regular expression, only the configurations it matches run (gloo-2,
 # gloo-4 and iperf3 included), e.g. GB_ONLY='-s8$|^memcpy$|^gloo'.
 set -uo pipefail
@@ -20,6 +23,7 @@ rows=$out/rows.jsonl
 : > "$rows"
 sizes=${GB_SIZES:-1M,4M,16M,64M,256M,1G}
 iters=${GB_ITERS:-3}
+mintime=${GB_MIN_TIME:-0.2}
 here=$(cd "$(dirname "$0")" && pwd)
 
 {
@@ -39,7 +43,7 @@ bench() { # bench CONFIG ARGS...
   local cfg=$1; shift
   [[ $cfg =~ $only ]] || return 0
   echo "== $cfg: gbbridge bench $*" >&2
-  "$bin/gbbridge" bench --json --iters "$iters" --warmup 1 "$@" | tag "$cfg" >> "$rows" \
+  "$bin/gbbridge" bench --json --iters "$iters" --warmup 1 --min-time "${mintime}s" "$@" | tag "$cfg" >> "$rows" \
     || echo "!! $cfg failed" >&2
 }
 
@@ -66,7 +70,7 @@ print(",".join(str(int(s[:-1])*m[s[-1]]) if s[-1] in m else s for s in sys.argv[
 for n in 2 4; do
   [[ gloo-$n =~ $only ]] || continue
   echo "== gloo, $n ranks" >&2
-  "$py" "$here/gloo_allreduce.py" --members "$n" --sizes "$bytes" --iters "$iters" | tag "gloo-$n" >> "$rows" \
+  "$py" "$here/gloo_allreduce.py" --members "$n" --sizes "$bytes" --iters "$iters" --min-time "$mintime" | tag "gloo-$n" >> "$rows" \
     || echo "!! gloo $n failed" >&2
 done
 

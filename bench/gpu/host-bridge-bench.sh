@@ -15,7 +15,8 @@
 # Needs bin/gbbridge built on the dev machine and carried, python3 with torch
 # (for Gloo). Writes under $OUT (default /tmp/gpubridge-out): rows.jsonl,
 # report.md, host-bridge-bench.log. GB_SIZES (default 1M,16M,64M,256M,1G) and
-# GB_ITERS (3) as for bench/run.sh; GB_LIMIT_S bounds each command (120).
+# GB_ITERS (3) and GB_MIN_TIME (0.2 s: more timed calls where calls are
+# short) as for bench/run.sh; GB_LIMIT_S bounds each command (120).
 set -uo pipefail
 out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
 exec > >(tee "$out/host-bridge-bench.log") 2>&1
@@ -26,13 +27,14 @@ echo "== $(date -u +%FT%TZ) host-bridge-bench: commit $GB_COMMIT; $(nproc --all)
 rows=$out/rows.jsonl; : > "$rows"
 sizes=${GB_SIZES:-1M,16M,64M,256M,1G}
 iters=${GB_ITERS:-3}
+mintime=${GB_MIN_TIME:-0.2}
 limit=${GB_LIMIT_S:-120}
 failed=0
 tag() { "$PY" bench/tag_rows.py "$1"; }  # rows of stdin, "config" set
 b() {  # b CONFIG ARGS...
   local cfg=$1; shift
   local s=$(date +%s)
-  timeout -k 5 "$limit" bin/gbbridge bench --json --iters "$iters" --warmup 1 --sizes "$sizes" "$@" 2>"$out/$cfg.err" | tag "$cfg" >> "$rows"
+  timeout -k 5 "$limit" bin/gbbridge bench --json --iters "$iters" --warmup 1 --min-time "${mintime}s" --sizes "$sizes" "$@" 2>"$out/$cfg.err" | tag "$cfg" >> "$rows"
   local rc=${PIPESTATUS[0]}
   echo "== $cfg: rc=$rc in $(( $(date +%s) - s ))s"
   (( rc == 0 )) || { failed=1; tail -5 "$out/$cfg.err"; }
@@ -54,7 +56,7 @@ m={"K":1<<10,"M":1<<20,"G":1<<30}
 print(",".join(str(int(s[:-1])*m[s[-1]]) if s[-1] in m else s for s in sys.argv[1].split(",")))' "$sizes")
 for n in 2 4; do
   s=$(date +%s)
-  timeout -k 5 "$limit" "$PY" bench/gloo_allreduce.py --members "$n" --sizes "$bytes" --iters "$iters" | tag "gloo-$n" >> "$rows"
+  timeout -k 5 "$limit" "$PY" bench/gloo_allreduce.py --members "$n" --sizes "$bytes" --iters "$iters" --min-time "$mintime" | tag "gloo-$n" >> "$rows"
   echo "== gloo-$n: rc=${PIPESTATUS[0]} in $(( $(date +%s) - s ))s"
 done
 "$PY" bench/report.py "$rows" "$(nproc --all)-core GPU host (CPUs only), commit $GB_COMMIT" > "$out/report.md"

@@ -4,7 +4,8 @@
 # one host?), from the repository root:
 #   bash bench/gpu/shm-sweep.sh
 # GB_MEMBERS (default "2 4"), GB_STREAMS ("8 4 2"), GB_WORKERS ("0 4 8";
-# 0: one per CPU, the default), GB_SIZES (16M,64M,256M), GB_ITERS (5);
+# 0: one per CPU, the default), GB_SIZES (16M,64M,256M), GB_ITERS (5),
+# GB_MIN_TIME (0.2 s: more timed calls where calls are short);
 # GB_ARGS adds gbbridge bench arguments to every run. Every row is checked
 # element by element (gbbridge bench). Writes $OUT/rows.jsonl (config
 # "shm-<members>m-s<streams>-w<workers>") and a table of GB/s on stdout.
@@ -20,7 +21,7 @@ for m in ${GB_MEMBERS:-2 4}; do
     for w in ${GB_WORKERS:-0 4 8}; do
       cfg=shm-${m}m-s$s-w$w
       timeout -k 5 120 bin/gbbridge bench --json --members "$m" --transport shm --streams "$s" --workers "$w" \
-        --sizes "${GB_SIZES:-16M,64M,256M}" --iters "${GB_ITERS:-5}" --warmup 1 "${extra[@]}" 2>"$out/$cfg.err" |
+        --sizes "${GB_SIZES:-16M,64M,256M}" --iters "${GB_ITERS:-5}" --warmup 1 --min-time "${GB_MIN_TIME:-0.2}s" "${extra[@]}" 2>"$out/$cfg.err" |
         "$PY" bench/tag_rows.py "$cfg" >> "$rows"
       [ "${PIPESTATUS[0]}" -eq 0 ] || { fail=1; echo "$cfg failed:"; tail -3 "$out/$cfg.err"; }
     done

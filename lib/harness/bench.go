@@ -58,6 +58,9 @@ type BenchRow struct {
 	// (collective.Stats.BytesSent: packed, for a compressed call; the
 	// exchange: the buffer); 0 for memcpy.
 	SentBytes int64 `json:"sent_bytes,omitempty"`
+	// Iters is how many calls the time is the mean of (SweepOptions.Iters,
+	// or more under MinTime). Rows of older versions lack it.
+	Iters int `json:"iters,omitempty"`
 }
 
 // SweepOptions choose what a bench times.
@@ -68,6 +71,11 @@ type SweepOptions struct {
 	Sizes  []int64 // bytes of the whole buffer (all_gather: the output, reduce_scatter: the input)
 	Iters  int
 	Warmup int
+	// MinTime, if set, times more than Iters calls at a size whose Iters
+	// calls take less: as many as the slowest member's say fill MinTime (at
+	// most MaxTimedCalls). A few calls of a few milliseconds measure mostly
+	// the first calls after the barrier.
+	MinTime time.Duration
 	// ChunkB is the frame size of the raw exchange.
 	ChunkB int
 	// Row, if set, receives each row as soon as it is measured (member 0).
@@ -137,7 +145,7 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 	fillBench(o, m.Self, b.buf, b.in)
 	// What the timed calls ran (the time's all_reduce runs after them).
 	algo := o.Coll
-	slowest, err := timeCalls(ctx, m, o, func() error {
+	slowest, iters, err := timeCalls(ctx, m, o, func() error {
 		err := b.run(ctx, m, o, nil)
 		if o.Coll != "exchange" && o.Coll != "memcpy" {
 			algo = m.Comm.Algorithm()
@@ -183,6 +191,7 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 		Size: size, Count: size / sz, Type: o.DType.String(), Redop: o.Op.String(),
 		TimeUS: slowest * 1e6, AlgBW: algbw, BusBW: algbw * BusFactor(o.Coll, n), Wrong: totalWrong, Checked: true,
 		Algorithm: algo, Codec: o.codecFor().Versioned(), Feedback: b.res != nil, Data: o.data(), SentBytes: sent,
+		Iters: iters,
 	}
 	switch o.Coll {
 	case "memcpy":
@@ -210,24 +219,48 @@ func (o SweepOptions) data() string {
 	return "pattern"
 }
 
+// MaxTimedCalls bounds the timed calls MinTime asks for at one size.
+const MaxTimedCalls = 10000
+
 // timeCalls runs call o.Warmup times, meets the other members, times
-// o.Iters calls and returns the slowest member's mean, in seconds.
-func timeCalls(ctx context.Context, m *bridge.Member, o SweepOptions, call func() error) (float64, error) {
+// o.Iters calls and returns the slowest member's mean, in seconds, and how
+// many calls it is the mean of. Under o.MinTime, timed calls that took less
+// than it are a measure of one call: as many as fill it are timed again
+// (the first ones count as warm-up). The count comes from maxAcross, the
+// same on every member, so every member runs the same calls.
+func timeCalls(ctx context.Context, m *bridge.Member, o SweepOptions, call func() error) (float64, int, error) {
 	for i := 0; i < o.Warmup; i++ {
 		if err := call(); err != nil {
-			return 0, err
+			return 0, 0, err
 		}
 	}
-	if err := m.Comm.Barrier(ctx); err != nil {
-		return 0, err
-	}
-	start := time.Now()
-	for i := 0; i < o.Iters; i++ {
-		if err := call(); err != nil {
-			return 0, err
+	iters := o.Iters
+	for {
+		if err := m.Comm.Barrier(ctx); err != nil {
+			return 0, 0, err
 		}
+		start := time.Now()
+		for i := 0; i < iters; i++ {
+			if err := call(); err != nil {
+				return 0, 0, err
+			}
+		}
+		mean, err := maxAcross(ctx, m, time.Since(start).Seconds()/float64(iters))
+		if err != nil || o.MinTime <= 0 || float64(iters)*mean >= o.MinTime.Seconds() || iters >= MaxTimedCalls {
+			return mean, iters, err
+		}
+		iters = timedCalls(iters, o.MinTime, mean) // more than iters: they fell short
 	}
-	return maxAcross(ctx, m, time.Since(start).Seconds()/float64(o.Iters))
+}
+
+// timedCalls is how many calls of per seconds fill minTime: at least iters,
+// at most MaxTimedCalls.
+func timedCalls(iters int, minTime time.Duration, per float64) int {
+	if per <= 0 {
+		return max(iters, MaxTimedCalls)
+	}
+	want := math.Ceil(minTime.Seconds() / per)
+	return max(iters, int(min(want, MaxTimedCalls)))
 }
 
 // benchBufs are one size's buffers: buf holds the result (and the input of

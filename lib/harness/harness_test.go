@@ -140,6 +140,54 @@ func TestSweepRowsAreExact(t *testing.T) {
 	}
 }
 
+// MinTime stretches the timed calls of a short call, and every member runs
+// (and reports) the same count; without it Iters stand.
+func TestSweepMinTime(t *testing.T) {
+	for _, minTime := range []time.Duration{0, time.Second} {
+		n := 2
+		ms := memMembers(t, n)
+		rows := make([][]BenchRow, n)
+		errs := each(ms, func(m *bridge.Member) error {
+			r, err := Sweep(context.Background(), m, SweepOptions{Coll: "all_reduce", DType: reduce.Float32, Op: reduce.Sum,
+				Sizes: []int64{8}, Iters: 2, Warmup: 0, ChunkB: 4096, MinTime: minTime})
+			rows[m.Self] = r
+			return err
+		})
+		for i, err := range errs {
+			require.NoError(t, err, "member %d", i)
+		}
+		require.Len(t, rows[0], 1)
+		require.Len(t, rows[1], 1)
+		assert.Equal(t, rows[0][0].Iters, rows[1][0].Iters, "the members agree on the count")
+		assert.Zero(t, rows[0][0].Wrong)
+		if minTime == 0 {
+			assert.Equal(t, 2, rows[0][0].Iters)
+		} else {
+			// An 8-byte in-memory call takes microseconds; under any load
+			// far less than half a second.
+			assert.Greater(t, rows[0][0].Iters, 2)
+		}
+	}
+}
+
+func TestTimedCalls(t *testing.T) {
+	for _, tt := range []struct {
+		iters   int
+		minTime time.Duration
+		per     float64
+		want    int
+	}{
+		{5, 200 * time.Millisecond, 0.001, 200},
+		{5, 200 * time.Millisecond, 0.0015, 134}, // rounded up
+		{5, 200 * time.Millisecond, 0.1, 5},      // never fewer than iters
+		{5, 200 * time.Millisecond, 1e-9, MaxTimedCalls},
+		{5, 200 * time.Millisecond, 0, MaxTimedCalls},
+		{20000, time.Second, 1e-6, 20000},
+	} {
+		assert.Equal(t, tt.want, timedCalls(tt.iters, tt.minTime, tt.per), "%+v", tt)
+	}
+}
+
 // Compressed rows are checked too: the lossy all_reduce against the
 // codec's reference (with and without error feedback, pattern and random
 // data), zstd on every collective against the exact results.

@@ -21,17 +21,18 @@ import (
 
 type benchCmd struct {
 	memberFlags
-	Members    int    `help:"Members to run as processes on this host (without --store)." default:"2"`
-	Collective string `help:"What to time: all_reduce, broadcast, all_gather, reduce_scatter; exchange (the raw 2-member TCP/shm exchange: the ceiling) or memcpy (one core's copy: the anchor)." enum:"all_reduce,broadcast,all_gather,reduce_scatter,exchange,memcpy" default:"all_reduce"`
-	Op         string `help:"Reduction: sum, prod, max, min, avg." default:"sum"`
-	DType      string `name:"dtype" help:"Element type: float16, bfloat16, float32, float64, int8, uint8, int32, int64." default:"float32"`
-	Sizes      string `help:"Buffer sizes in bytes, comma-separated, K/M/G suffixes (default 8 B … 1 GiB in steps of 8)." placeholder:"LIST"`
-	Iters      int    `help:"Timed calls per size." default:"5"`
-	Warmup     int    `help:"Untimed calls per size before timing." default:"1"`
-	JSON       bool   `help:"JSON lines (schema gpubridge.bench/v1) instead of nccl-tests columns."`
-	Codec      string `help:"Compression of the collective's frames (docs/COMPRESSION.md): raw, bf16 or fp8 (lossy: a floating sum or avg all_reduce, checked against the codec's reference), zstd (lossless, every collective). The exchange and memcpy anchors stay raw." default:"raw"`
-	Feedback   bool   `help:"With bf16 or fp8: each member keeps an error-feedback residual (4 bytes per value) across the calls."`
-	Data       string `help:"What the buffers hold: pattern (small integers, exact in every dtype) or random (random values in [-8, 8), random bits for integers: zstd packs them about as well as float32 gradients). Every result is checked either way." enum:"pattern,random" default:"pattern"`
+	Members    int           `help:"Members to run as processes on this host (without --store)." default:"2"`
+	Collective string        `help:"What to time: all_reduce, broadcast, all_gather, reduce_scatter; exchange (the raw 2-member TCP/shm exchange: the ceiling) or memcpy (one core's copy: the anchor)." enum:"all_reduce,broadcast,all_gather,reduce_scatter,exchange,memcpy" default:"all_reduce"`
+	Op         string        `help:"Reduction: sum, prod, max, min, avg." default:"sum"`
+	DType      string        `name:"dtype" help:"Element type: float16, bfloat16, float32, float64, int8, uint8, int32, int64." default:"float32"`
+	Sizes      string        `help:"Buffer sizes in bytes, comma-separated, K/M/G suffixes (default 8 B … 1 GiB in steps of 8)." placeholder:"LIST"`
+	Iters      int           `help:"Timed calls per size." default:"5"`
+	Warmup     int           `help:"Untimed calls per size before timing." default:"1"`
+	MinTime    time.Duration `name:"min-time" help:"Where --iters calls take less than this, time as many calls again as fill it (at most 10000; the row's iters says how many). 0: --iters calls at every size." default:"0s"`
+	JSON       bool          `help:"JSON lines (schema gpubridge.bench/v1) instead of nccl-tests columns."`
+	Codec      string        `help:"Compression of the collective's frames (docs/COMPRESSION.md): raw, bf16 or fp8 (lossy: a floating sum or avg all_reduce, checked against the codec's reference), zstd (lossless, every collective). The exchange and memcpy anchors stay raw." default:"raw"`
+	Feedback   bool          `help:"With bf16 or fp8: each member keeps an error-feedback residual (4 bytes per value) across the calls."`
+	Data       string        `help:"What the buffers hold: pattern (small integers, exact in every dtype) or random (random values in [-8, 8), random bits for integers: zstd packs them about as well as float32 gradients). Every result is checked either way." enum:"pattern,random" default:"pattern"`
 }
 
 // Run is `gbbridge bench`: with no store over --members processes on this
@@ -50,7 +51,7 @@ func (c *benchCmd) Run(env *cli.Env) error {
 	err = harness.Launch(env.Ctx, c.Members, func(rank int, addr string) []string {
 		return append(c.memberArgs("bench", rank, c.Members, addr, ns),
 			"--op", sweep.Op.String(), "--dtype", sweep.DType.String(), "--collective", c.Collective, "--sizes", sizesArg(sweep.Sizes),
-			"--iters", strconv.Itoa(c.Iters), "--warmup", strconv.Itoa(c.Warmup), "--json="+strconv.FormatBool(c.JSON),
+			"--iters", strconv.Itoa(c.Iters), "--warmup", strconv.Itoa(c.Warmup), "--min-time", c.MinTime.String(), "--json="+strconv.FormatBool(c.JSON),
 			"--codec", sweep.Codec.String(), "--feedback="+strconv.FormatBool(c.Feedback), "--data", c.Data)
 	}, env.Stdout, env.Stderr, env.Log)
 	var me *harness.MemberExit
@@ -82,6 +83,9 @@ func (c *benchCmd) sweep() (harness.SweepOptions, error) {
 	if c.Iters < 1 || c.Warmup < 0 {
 		return harness.SweepOptions{}, fmt.Errorf("--iters must be at least 1 and --warmup at least 0")
 	}
+	if c.MinTime < 0 {
+		return harness.SweepOptions{}, fmt.Errorf("--min-time must be 0 or more")
+	}
 	if c.Store == "" && c.Members < 2 {
 		return harness.SweepOptions{}, fmt.Errorf("--members must be at least 2")
 	}
@@ -106,7 +110,7 @@ func (c *benchCmd) sweep() (harness.SweepOptions, error) {
 		return harness.SweepOptions{}, fmt.Errorf("--feedback is for the lossy codecs (bf16, fp8), not %s", id)
 	}
 	return harness.SweepOptions{Coll: c.Collective, DType: dt, Op: op, Sizes: sizes, Iters: c.Iters,
-		Warmup: c.Warmup, ChunkB: int(c.Chunk), Codec: id, Feedback: c.Feedback, Random: c.Data == "random"}, nil
+		Warmup: c.Warmup, MinTime: c.MinTime, ChunkB: int(c.Chunk), Codec: id, Feedback: c.Feedback, Random: c.Data == "random"}, nil
 }
 
 // describe says, for the header, what the rows run beside the transport:
