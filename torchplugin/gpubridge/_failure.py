@@ -111,7 +111,10 @@ class Breaker:
         if self.closed:
             raise RuntimeError(f"gpubridge: {op}: the group was destroyed")
         if self.error is not None:
-            raise RuntimeError(f"gpubridge: {op}: refused, the group is broken: {self.error}")
+            # The root cause first, as fail() words it: a rank whose first
+            # error is a refused call names the cause the others name.
+            here = f"on rank {self._rank}: {op} refused: the group is broken"
+            raise RuntimeError(f"gpubridge: {self.error} ({here})")
 
     def abort(self) -> None:
         """Breaks the group, unless it is broken already, because it is

@@ -97,6 +97,23 @@ def run_fault(
 _ROOT = re.compile(r"gpubridge: (.*?)(?: \(on rank \d+: |\n|$)")
 
 
+def test_refused_call_names_the_root_cause_first() -> None:
+    """A rank whose first error is a call refused on the broken group (its
+    failed isend's Work surfaced later) words it as fail() does: the root
+    cause first, so root_causes reads the same cause from every rank."""
+    b = _failure.Breaker(dist.HashStore(), 3, 4, lambda: None, lambda: None)
+    b.refuse("recv")  # not broken: nothing to refuse
+    b.error = (
+        "rank 3: send (collective #0, step p2p): gbbridge serve of rank 3 (pid 1) was killed by SIGKILL "
+        "(send to rank 1 (tag 1): gpubridge feed: write: [Errno 32] Broken pipe)"
+    )
+    with pytest.raises(RuntimeError) as info:
+        b.refuse("recv")
+    m = _ROOT.search(str(info.value))
+    assert m and m.group(1) == b.error, str(info.value)
+    assert str(info.value).endswith("(on rank 3: recv refused: the group is broken)")
+
+
 def root_causes(out: Outcome, survivors: list[int]) -> str:
     """The root cause every survivor names (they must all name the same one)."""
     causes = []
