@@ -200,8 +200,8 @@ func (c *Comm) peerViews(cl *call, descs []desc, n int) (views [][]byte, release
 }
 
 // copier is the copy of the pieces a member takes from its peers into
-// buffers of L bytes (writing through: of the results an owner writes
-// into every member's buffer): with non-temporal stores from
+// buffers of L bytes (the copy mode; writing through stores with
+// plainCopy): with non-temporal stores from
 // Options.StreamBytes on (the destination is the caller's, read only after
 // the call, and too large to stay in cache), else the built-in copy.
 // lib/ntcopy's copy fences its stores, so they are in memory before the

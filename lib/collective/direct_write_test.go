@@ -184,7 +184,6 @@ func TestDirectWriteMixed(t *testing.T) {
 // the context is done.
 func TestFoldParallel(t *testing.T) {
 	rng := rand.New(rand.NewPCG(20, 21))
-	plain := func(dst, src []byte) int { return copy(dst, src) }
 	for _, n := range []int{2, 3, 5} {
 		for _, L := range []int{4, 64, 4096 + 12, 300 << 10} {
 			srcs := make([][]byte, n)
@@ -194,7 +193,7 @@ func TestFoldParallel(t *testing.T) {
 			want, err := reduce.Reference(reduce.Avg, reduce.Float16, srcs)
 			require.NoError(t, err)
 			for _, w := range []int{1, 3} {
-				for ci, cp := range []func(dst, src []byte) int{plain, ntcopy.Copy} {
+				for ci, cp := range []func(dst, src []byte) int{plainCopy, ntcopy.Copy} {
 					ops := make([][]byte, n)
 					for i := range ops {
 						ops[i] = slices.Clone(srcs[i])

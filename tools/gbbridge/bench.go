@@ -168,8 +168,9 @@ func sizesArg(s []int64) string {
 }
 
 // startProfile writes a CPU profile of this member (bench: its member
-// index; serve: its rank) to $GPUBRIDGE_CPUPROFILE.<rank> and a Go execution trace (go tool trace: where
-// goroutines wait, not only where they run) to $GPUBRIDGE_GOTRACE.<rank>
+// index; serve: its rank) to $GPUBRIDGE_CPUPROFILE.<rank> and a Go
+// execution trace (go tool trace: where goroutines wait, not only where
+// they run) to $GPUBRIDGE_GOTRACE.<rank>
 // when those variables are set (for finding what limits a benchmark; see
 // docs/BENCHMARKS.md).
 func startProfile(rank int) (func(), error) {

@@ -146,15 +146,21 @@ def _has(store: Any, key: str) -> bool:
         return False
 
 
-def failure_elsewhere(store: Any) -> str | None:
-    """The set-up failure a rank published (agree), if one did: one look at
-    the store; None when it cannot be read."""
+def _published_failure(store: Any) -> str | None:
+    """The first set-up failure a rank published (agree), if one did."""
     if not _has(store, _SETUP_FAILURE_KEY):
         return None
+    return str(store.get(_SETUP_FAILURE_KEY).decode("utf-8", "replace"))
+
+
+def failure_elsewhere(store: Any) -> str | None:
+    """The set-up failure a rank published, worded as agree raises it: one
+    look at the store; None when there is none or it cannot be read."""
     try:
-        return f"set-up failed: {store.get(_SETUP_FAILURE_KEY).decode('utf-8', 'replace')}"
+        root = _published_failure(store)
     except Exception:
         return None
+    return f"set-up failed: {root}" if root else None
 
 
 def agree(
@@ -183,8 +189,8 @@ def agree(
             root = publish_first(
                 store, _SETUP_FAILURE_KEY, f"rank(s) {names} did not finish setting up within {secs:g}s"
             )
-    if not root and _has(store, _SETUP_FAILURE_KEY):
-        root = store.get(_SETUP_FAILURE_KEY).decode("utf-8", "replace")
+    if not root:
+        root = _published_failure(store) or ""
     if not root:
         return
     # The store may live in one of the failing processes (rank 0 under
