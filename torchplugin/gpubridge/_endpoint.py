@@ -750,7 +750,8 @@ class _Exchange:
 
 MAX_SPIN_US = 10_000  # gbbridge serve's --spin-us limit
 # What auto spins: a 4-byte flat all_reduce of 4 ranks on 16 cores took 2.0x
-# Gloo's time unspun, 1.2x at 200 us, no better at 1000 (docs/BENCHMARKS.md).
+# Gloo's time unspun, 1.0x at 200 us; 1000 us shortened its p99 (1.10x to
+# 0.88x Gloo's) but its cost to large calls is unmeasured (docs/BENCHMARKS.md).
 AUTO_SPIN_US = 200
 
 
