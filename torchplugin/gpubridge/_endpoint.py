@@ -751,7 +751,7 @@ class _Exchange:
 MAX_SPIN_US = 10_000  # gbbridge serve's --spin-us limit
 # What auto spins: a 4-byte flat all_reduce of 4 ranks on 16 cores took 2.0x
 # Gloo's time unspun, 1.0x at 200 us; 1000 us shortened its p99 (1.10x to
-# 0.88x Gloo's) but its cost to large calls is unmeasured (docs/BENCHMARKS.md).
+# 0.88x Gloo's) but cost 4 members' shm all_reduce 1.3-2.7x (docs/BENCHMARKS.md).
 AUTO_SPIN_US = 200
 
 
