@@ -7,7 +7,8 @@
 # the spins alternating over GB_PASSES passes (default 2); GB_SIZES (default
 # 1M,16M,64M,256M), 3 timed calls or as many as fill 0.2 s. Every row is
 # checked element by element (its "wrong" count). Writes $OUT/spin-bw.jsonl
-# (gbbridge bench's rows with "spin_us" and "pass" added) and prints algbw
+# (gbbridge bench's rows with "config", "spin_us" and "pass" added by
+# bench/tag_rows.py) and prints algbw
 # per members, size and spin. Needs bin/gbbridge built and carried.
 set -uo pipefail
 out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
@@ -19,9 +20,7 @@ for k in $(seq 1 "${GB_PASSES:-2}"); do
     for m in 2 4; do
       timeout -k 5 120 bin/gbbridge bench --json --members "$m" --transport shm --collective all_reduce \
         --sizes "${GB_SIZES:-1M,16M,64M,256M}" --iters 3 --warmup 1 --min-time 0.2s --spin-us "$sp" 2>>"$out/spin-bw.err" |
-        python3 -c 'import json, sys
-for line in sys.stdin:
-    r = json.loads(line); r["spin_us"] = int(sys.argv[1]); r["pass"] = int(sys.argv[2]); print(json.dumps(r))' "$sp" "$k" >> "$rows"
+        python3 bench/tag_rows.py "shm-allreduce-${m}m-spin$sp" "spin_us=$sp" "pass=$k" >> "$rows"
       rc=${PIPESTATUS[0]}; echo "pass $k spin $sp members $m: rc $rc"; [ "$rc" -eq 0 ] || fail=1
     done
   done
