@@ -87,6 +87,7 @@ def main() -> int:
     world = int(os.environ["WORLD_SIZE"])
     os.environ.setdefault("GPUBRIDGE_VENDOR", "nvidia" if rank < world // 2 else "amd")
     gb = importlib.import_module("gpubridge")
+    endpoint = importlib.import_module("gpubridge._endpoint")
     dist.init_process_group(backend="gpubridge", timeout=timedelta(seconds=args.timeout))
     gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
     groups: dict[str, Any] = {"gpubridge": None, "gloo": gloo}  # None: the default (gpubridge) group
@@ -161,7 +162,12 @@ def main() -> int:
         "host": socket.gethostname(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
-        "spin_us": os.environ.get("GPUBRIDGE_SPIN_US"),  # None: the defaults (serve 5, client 0)
+        "spin_us": os.environ.get("GPUBRIDGE_SPIN_US"),  # as set; None: auto
+        "feed_spin_us": os.environ.get("GPUBRIDGE_FEED_SPIN_US"),  # as set; None: auto
+        # What those resolved to on this rank: serve's --spin-us (None: its
+        # default) and the feed client's spin (None: none).
+        "resolved_spin_us": endpoint.spin_us(),
+        "resolved_feed_spin_us": endpoint.feed_spin_us(),
     }
     if "gpubridge_checked" in stats:
         c = stats["gpubridge_checked"]

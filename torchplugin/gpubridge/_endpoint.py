@@ -100,7 +100,7 @@ class BridgeEndpoint:
         # went (bench/gpu/exchange_bench.py sets it).
         self.profile: list[dict[str, float]] | None = None
         self.exchanged = 0  # all_reduces this leader reduced itself
-        self._spin_us = spin_us  # GPUBRIDGE_SPIN_US as start() resolved it (None: no spin)
+        self._spin_us = spin_us  # the feed client's, as feed_spin_us() resolved it (None: no spin)
         # The bridges JOINed on this feed (§3b), by name: their ids, or the
         # JOIN in flight; one JOIN per name, whichever thread needs it first.
         self._join_lock = threading.Lock()
@@ -130,7 +130,7 @@ class BridgeEndpoint:
         env = dict(os.environ, GPUBRIDGE_STORE=f"{host}:{port}", GPUBRIDGE_NAMESPACE=namespace)
         isecs = int(max(1.0, timeout.total_seconds()))
         args = ["--timeout", f"{isecs}s", *([] if bridge0 else ["--no-bridge"])]
-        spin = spin_us()
+        spin, client_spin = spin_us(), feed_spin_us()
         if spin is not None:
             args += ["--spin-us", str(spin)]
         env.pop("GPUBRIDGE_SPIN_US", None)  # the flag says it, "auto" resolved
@@ -138,7 +138,7 @@ class BridgeEndpoint:
             workdir / "topology.json", workdir / "feed.sock", gbbridge=_tools.find_tool("gbbridge"),
             env=env, args=args,
         )  # fmt: skip
-        return cls(process, rank, members, device, stream, timeout, reduce_mode, codec, bridge0, spin)
+        return cls(process, rank, members, device, stream, timeout, reduce_mode, codec, bridge0, client_spin)
 
     def connect(self, give_up: Callable[[], str | None] | None = None) -> None:
         """Waits for gbbridge serve's ready line (give_up: see
@@ -753,27 +753,46 @@ MAX_SPIN_US = 10_000  # gbbridge serve's --spin-us limit
 # Gloo's time unspun, 1.0x at 200 us; 1000 us shortened its p99 (1.10x to
 # 0.88x Gloo's) but cost 4 members' shm all_reduce 1.3-2.7x (docs/BENCHMARKS.md).
 AUTO_SPIN_US = 200
+# What auto spins in the feed client alone: its spin costs a large call at
+# most one spin per answer, not a core beside every waiting stream.
+AUTO_FEED_SPIN_US = 200
 
 
 def spin_us() -> int | None:
-    """GPUBRIDGE_SPIN_US: how long (microseconds) the feed client checks for
-    an answer before sleeping in poll, and gbbridge serve's shm waiters
-    before sleeping on their futex (--spin-us). ``auto`` (or unset):
-    AUTO_SPIN_US when this rank's CPUs (its affinity) give every local rank
-    and its gbbridge serve a core of their own (local ranks:
-    LOCAL_WORLD_SIZE, else SLURM_NTASKS_PER_NODE, else 1), else None (no spinning in
-    the client, serve's default). Waking a sleeper costs tens of
+    """GPUBRIDGE_SPIN_US: how long (microseconds) gbbridge serve's shm
+    waiters check their ring before sleeping on their futex (--spin-us),
+    and the feed client for its answers unless GPUBRIDGE_FEED_SPIN_US says
+    otherwise. ``auto`` (or unset): AUTO_SPIN_US when this rank's CPUs (its
+    affinity) give every local rank and its gbbridge serve a core of their
+    own (local ranks: LOCAL_WORLD_SIZE, else SLURM_NTASKS_PER_NODE, else 1),
+    else None (serve's default). Waking a sleeper costs tens of
     microseconds on a VM; spinning where cores are shared steals them."""
-    raw = os.environ.get("GPUBRIDGE_SPIN_US", "").strip()
+    return _spin_setting("GPUBRIDGE_SPIN_US", AUTO_SPIN_US)
+
+
+def feed_spin_us() -> int | None:
+    """GPUBRIDGE_FEED_SPIN_US: how long (microseconds) the rank's feed
+    client checks for an answer before sleeping in poll. ``auto`` (or
+    unset): GPUBRIDGE_SPIN_US's number when it gives one, else
+    AUTO_FEED_SPIN_US under auto's rule of a core each, else None (no
+    spinning)."""
+    raw = os.environ.get("GPUBRIDGE_FEED_SPIN_US", "").strip()
+    if raw in ("", "auto") and os.environ.get("GPUBRIDGE_SPIN_US", "").strip() not in ("", "auto"):
+        return spin_us()
+    return _spin_setting("GPUBRIDGE_FEED_SPIN_US", AUTO_FEED_SPIN_US)
+
+
+def _spin_setting(name: str, auto: int) -> int | None:
+    raw = os.environ.get(name, "").strip()
     if raw in ("", "auto"):
         local = _int_env("LOCAL_WORLD_SIZE", _int_env("SLURM_NTASKS_PER_NODE", 1))
-        return AUTO_SPIN_US if len(os.sched_getaffinity(0)) >= 2 * local else None
+        return auto if len(os.sched_getaffinity(0)) >= 2 * local else None
     try:
         us = int(raw)
     except ValueError:
         us = -1
     if not 0 <= us <= MAX_SPIN_US:
-        raise ValueError(f"GPUBRIDGE_SPIN_US={raw!r}: auto, or whole microseconds 0..{MAX_SPIN_US}")
+        raise ValueError(f"{name}={raw!r}: auto, or whole microseconds 0..{MAX_SPIN_US}")
     return us
 
 

@@ -29,7 +29,7 @@ from testenv import scale
 
 from gpubridge._bridge_process import BridgeProcess, start_bridge
 from gpubridge._combine import combine
-from gpubridge._endpoint import AUTO_SPIN_US, spin_us
+from gpubridge._endpoint import AUTO_FEED_SPIN_US, AUTO_SPIN_US, feed_spin_us, spin_us
 from gpubridge._feed import (
     BridgeError,
     DType,
@@ -574,3 +574,33 @@ def test_spin_auto(
     if local is None:  # under srun without torchrun: the tasks per node count
         monkeypatch.setenv("SLURM_NTASKS_PER_NODE", str(cpus))
         assert spin_us() is None
+
+
+@pytest.mark.parametrize(("serve", "feed", "cpus", "want"), [
+    (None, None, 16, AUTO_FEED_SPIN_US), ("auto", "auto", 16, AUTO_FEED_SPIN_US), (None, None, 7, None),
+    ("150", None, 16, 150), ("150", "auto", 2, 150), ("0", None, 16, 0),
+    (None, "1000", 16, 1000), ("200", "1000", 2, 1000), ("1000", "0", 16, 0),
+])  # fmt: skip
+def test_feed_spin(
+    monkeypatch: pytest.MonkeyPatch, serve: str | None, feed: str | None, cpus: int, want: int | None
+) -> None:
+    """The feed client's spin: its own setting, else GPUBRIDGE_SPIN_US's number, else its auto; serve's is
+    GPUBRIDGE_SPIN_US's alone."""
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    for k, v in (("GPUBRIDGE_SPIN_US", serve), ("GPUBRIDGE_FEED_SPIN_US", feed)):
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+    assert feed_spin_us() == want
+    auto = AUTO_SPIN_US if cpus >= 8 else None
+    assert spin_us() == (auto if serve in (None, "auto") else int(serve))
+
+
+@pytest.mark.parametrize("raw", ["10001", "-1", "x"])
+def test_feed_spin_refused(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("GPUBRIDGE_FEED_SPIN_US", raw)
+    with pytest.raises(ValueError, match=r"GPUBRIDGE_FEED_SPIN_US=.*auto, or whole microseconds 0\.\.10000"):
+        feed_spin_us()
