@@ -163,11 +163,12 @@ def main() -> int:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "spin_us": os.environ.get("GPUBRIDGE_SPIN_US"),  # as set; None: auto
-        "feed_spin_us": os.environ.get("GPUBRIDGE_FEED_SPIN_US"),  # as set; None: auto
-        # What those resolved to on this rank: serve's --spin-us (None: its
-        # default) and the feed client's spin (None: none).
+        "tiny_spin_us": os.environ.get("GPUBRIDGE_TINY_SPIN_US"),  # as set; None: auto
+        # What those resolved to on this rank: serve's --spin-us and
+        # --tiny-spin-us, which the feed client spins too (None: serve's
+        # defaults, no spin in the client).
         "resolved_spin_us": endpoint.spin_us(),
-        "resolved_feed_spin_us": endpoint.feed_spin_us(),
+        "resolved_tiny_spin_us": endpoint.tiny_spin_us(),
     }
     if "gpubridge_checked" in stats:
         c = stats["gpubridge_checked"]

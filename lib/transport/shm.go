@@ -245,7 +245,8 @@ type shmMesh struct {
 	maps    [][]byte
 	share   *shmShare // memory shared with the peers (shm_share.go)
 
-	spin time.Duration // Config.Spin
+	spin  time.Duration // Config.Spin
+	slept atomic.Uint64 // waits that outlasted their spin and slept
 
 	closing  atomic.Bool
 	aborting atomic.Bool
@@ -431,25 +432,46 @@ func pidAlive(pid int) bool {
 	return true
 }
 
+type spinKey struct{}
+
+// WithSpin returns a context under which this process's shm waits spin for
+// d (clamped to 0..MaxSpin) instead of their mesh's Config.Spin: a call
+// whose time is mostly its waiters waking up can spin long without every
+// large call's waiters holding the cores its reduction needs.
+func WithSpin(ctx context.Context, d time.Duration) context.Context {
+	return context.WithValue(ctx, spinKey{}, min(max(d, 0), MaxSpin))
+}
+
+// SpinFrom returns the spin WithSpin set on ctx, if any.
+func SpinFrom(ctx context.Context) (time.Duration, bool) {
+	d, ok := ctx.Value(spinKey{}).(time.Duration)
+	return d, ok
+}
+
 // wait blocks until ready returns true. seq and waiting are the futex word
 // and the flag of this side; peerClosed reports the other side's close.
-// It spins for the mesh's spin, then sleeps on the futex in slices of shmPoll,
+// It spins for the mesh's spin (or ctx's, WithSpin), then sleeps on the futex in slices of shmPoll,
 // checking ctx, the mesh and the peer between them.
 func (s *shmStream) wait(ctx context.Context, op string, ready func() bool, seq, waiting, peerState *atomic.Uint32, abort bool) error {
 	if ready() {
 		return nil
+	}
+	spin, ok := SpinFrom(ctx)
+	if !ok {
+		spin = s.m.spin
 	}
 	t0 := time.Now()
 	for i := 1; ; i++ {
 		if ready() {
 			return nil
 		}
-		if i%16 == 0 && time.Since(t0) > s.m.spin {
+		if i%16 == 0 && time.Since(t0) > spin {
 			break
 		}
 	}
 	defer waiting.Store(0)
 	m := s.m
+	m.slept.Add(1)
 	for {
 		v := seq.Load()
 		waiting.Store(1)

@@ -83,7 +83,7 @@ type memberFlags struct {
 // Validate refuses flags a member would refuse, before members start
 // (kong calls it after parsing).
 func (f memberFlags) Validate() error {
-	_, err := spinOf(f.SpinUS)
+	_, err := spinOf("--spin-us", f.SpinUS)
 	return err
 }
 
@@ -104,7 +104,7 @@ func (f memberFlags) join(env *cli.Env) (*bridge.Member, error) {
 	if f.WorldSize < 2 || f.Rank < 0 || f.Rank >= f.WorldSize {
 		return nil, fmt.Errorf("with --store, --rank (0..N-1) and --world-size N >= 2 are needed; got rank %d of %d", f.Rank, f.WorldSize)
 	}
-	spin, err := spinOf(f.SpinUS)
+	spin, err := spinOf("--spin-us", f.SpinUS)
 	if err != nil {
 		return nil, err
 	}

@@ -38,6 +38,7 @@ type serveCmd struct {
 	ListenHost    string        `help:"IP address (or host name) to listen on and advertise; wins over --interface." placeholder:"ADDR"`
 	ShmRing       byteSize      `help:"Size of each shared-memory ring (shm transport)." default:"8M" placeholder:"BYTES"`
 	SpinUS        int           `help:"Microseconds a shm stream's waiter checks its ring before sleeping (waking a sleeper costs tens of microseconds on a VM: spin longer when every process has a core); the plugin's feed client spins as long for its answers." default:"5" env:"GPUBRIDGE_SPIN_US" name:"spin-us" placeholder:"US"`
+	TinySpinUS    int           `help:"Microseconds the shm waiters of a collective of at most 64 KiB spin instead (its time is mostly wake-ups; a large call's waiters spinning long hold the cores its reduction needs); -1: --spin-us's. The plugin's feed client spins as long for those calls' answers." default:"-1" env:"GPUBRIDGE_TINY_SPIN_US" name:"tiny-spin-us" placeholder:"US"`
 	MaxFeedback   byteSize      `help:"Cap on the error-feedback residuals the feed keeps (4 bytes per value of each keyed buffer a lossy all_reduce compresses); a request that would pass it is refused (docs/FEED.md §3a)." default:"64G" placeholder:"SIZE"`
 	DieWithParent bool          `help:"Exit when the parent process (the rank) dies (PR_SET_PDEATHSIG)." default:"true" negatable:""`
 	ParentPID     int           `help:"With --die-with-parent: the pid the parent says it has; exit 2 at start if the parent is another (it died between spawning and this check). 0: whichever parent this process has at start." default:"0" name:"parent-pid" placeholder:"PID"`
@@ -55,7 +56,10 @@ func (c *serveCmd) Run(env *cli.Env) error {
 	if err != nil {
 		return cli.CannotRun(err)
 	}
-	if _, err := spinOf(c.SpinUS); err != nil {
+	if _, err := spinOf("--spin-us", c.SpinUS); err != nil {
+		return cli.CannotRun(err)
+	}
+	if _, err := c.tinySpin(); err != nil {
 		return cli.CannotRun(err)
 	}
 	setGCBallast(os.Getenv)
@@ -179,9 +183,10 @@ func (s *serving) run(env *cli.Env) error {
 		}
 		return cli.CannotRun(fmt.Errorf("%s: %w", s.who, err))
 	}
+	tiny, _ := s.c.tinySpin() // checked in Run
 	srv := feedserver.NewServer(conn, b0, feedserver.ServerOptions{
 		Member: max(s.ms.Member, 0), Members: len(s.ms.Members), Transport: desc, MaxFeedbackBytes: uint64(s.c.MaxFeedback), Log: s.log,
-		Rank: s.rank, WorldSize: len(s.topo.Ranks), Joiner: s})
+		Rank: s.rank, WorldSize: len(s.topo.Ranks), Joiner: s, TinySpin: tiny})
 	err = srv.Serve(ctx)
 	switch {
 	case err != nil && ctx.Err() != nil:
@@ -263,15 +268,24 @@ func (c *serveCmd) commOptions(log *slog.Logger) collective.Options {
 
 // spin is the shm waiters' spin (checked in Run).
 func (c *serveCmd) spin() time.Duration {
-	s, _ := spinOf(c.SpinUS)
+	s, _ := spinOf("--spin-us", c.SpinUS)
 	return s
 }
 
-// spinOf is --spin-us as transport.Config.Spin: 0 means none (Config's
-// zero is its default).
-func spinOf(us int) (time.Duration, error) {
+// tinySpin is the tiny calls' spin, feedserver.ServerOptions.TinySpin
+// (0: --spin-us's).
+func (c *serveCmd) tinySpin() (time.Duration, error) {
+	if c.TinySpinUS == -1 {
+		return 0, nil
+	}
+	return spinOf("--tiny-spin-us", c.TinySpinUS)
+}
+
+// spinOf is a spin flag's microseconds as transport.Config.Spin: 0 means
+// none (Config's zero is its default).
+func spinOf(flag string, us int) (time.Duration, error) {
 	if us < 0 || time.Duration(us)*time.Microsecond > transport.MaxSpin {
-		return 0, fmt.Errorf("--spin-us %d: 0..%d allowed", us, transport.MaxSpin.Microseconds())
+		return 0, fmt.Errorf("%s %d: 0..%d allowed", flag, us, transport.MaxSpin.Microseconds())
 	}
 	return max(time.Duration(us)*time.Microsecond, time.Nanosecond), nil
 }

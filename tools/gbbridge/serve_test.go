@@ -538,6 +538,11 @@ func TestServeRefuses(t *testing.T) {
 		code, stderr := run(t, "serve", "--topology", c.topoFile(t, 0, "tcp"), "--store", c.store, "--feed", feedPath, "--spin-us", "20000")
 		assert.Equal(t, 2, code)
 		assert.Contains(t, stderr, "--spin-us 20000: 0..10000 allowed")
+		for _, bad := range []string{"20000", "-2"} {
+			code, stderr = run(t, "serve", "--topology", c.topoFile(t, 0, "tcp"), "--store", c.store, "--feed", feedPath, "--tiny-spin-us="+bad)
+			assert.Equal(t, 2, code)
+			assert.Contains(t, stderr, "--tiny-spin-us "+bad+": 0..10000 allowed")
+		}
 	})
 	t.Run("parent already gone", func(t *testing.T) {
 		// The spawner says it is pid 1: this test is the parent, so serve

@@ -72,7 +72,7 @@ class BridgeEndpoint:
         reduce_mode: str = "auto",
         codec: Codec = Codec.RAW,
         bridge0: bool = True,
-        spin_us: int | None = None,
+        spins: tuple[int | None, int | None] = (None, None),
     ) -> None:
         self.process = process
         self.bridge0 = bridge0  # a leader's: serve joined the leaders' bridge at start
@@ -100,7 +100,7 @@ class BridgeEndpoint:
         # went (bench/gpu/exchange_bench.py sets it).
         self.profile: list[dict[str, float]] | None = None
         self.exchanged = 0  # all_reduces this leader reduced itself
-        self._spin_us = spin_us  # the feed client's, as feed_spin_us() resolved it (None: no spin)
+        self._spins = spins  # spin_us() and tiny_spin_us() as start() resolved them (None: no spin)
         # The bridges JOINed on this feed (§3b), by name: their ids, or the
         # JOIN in flight; one JOIN per name, whichever thread needs it first.
         self._join_lock = threading.Lock()
@@ -130,26 +130,30 @@ class BridgeEndpoint:
         env = dict(os.environ, GPUBRIDGE_STORE=f"{host}:{port}", GPUBRIDGE_NAMESPACE=namespace)
         isecs = int(max(1.0, timeout.total_seconds()))
         args = ["--timeout", f"{isecs}s", *([] if bridge0 else ["--no-bridge"])]
-        spin, client_spin = spin_us(), feed_spin_us()
+        spin, tiny = spin_us(), tiny_spin_us()
         if spin is not None:
             args += ["--spin-us", str(spin)]
-        env.pop("GPUBRIDGE_SPIN_US", None)  # the flag says it, "auto" resolved
+        if tiny is not None:
+            args += ["--tiny-spin-us", str(tiny)]
+        for k in ("GPUBRIDGE_SPIN_US", "GPUBRIDGE_TINY_SPIN_US"):
+            env.pop(k, None)  # the flags say them, "auto" resolved
         process = start_bridge_lasting(
             workdir / "topology.json", workdir / "feed.sock", gbbridge=_tools.find_tool("gbbridge"),
             env=env, args=args,
         )  # fmt: skip
-        return cls(process, rank, members, device, stream, timeout, reduce_mode, codec, bridge0, client_spin)
+        return cls(process, rank, members, device, stream, timeout, reduce_mode, codec, bridge0, (spin, tiny))
 
     def connect(self, give_up: Callable[[], str | None] | None = None) -> None:
         """Waits for gbbridge serve's ready line (give_up: see
         BridgeProcess.wait_ready) and connects the feed. A group that
         compresses needs a gbbridge of feed protocol 3."""
         isecs = int(max(1.0, self._timeout.total_seconds()))
+        spin, tiny = ((us or 0) / 1e6 for us in self._spins)
         try:
             self.process.wait_ready(float(min(isecs, 120)), give_up)
             self._feed = FeedClient.connect(
                 self.process.feed, timeout=60.0, name=f"gpubridge rank {self._rank}",
-                request_timeout=isecs + 60.0, spin=(self._spin_us or 0) / 1e6,
+                request_timeout=isecs + 60.0, spin=spin, tiny_spin=tiny,
             )  # fmt: skip
         except FeedError as e:
             raise RuntimeError(f"gpubridge: rank {self._rank}: starting gbbridge serve: {e}") from e
@@ -753,33 +757,33 @@ MAX_SPIN_US = 10_000  # gbbridge serve's --spin-us limit
 # Gloo's time unspun, 1.0x at 200 us; 1000 us shortened its p99 (1.10x to
 # 0.88x Gloo's) but cost 4 members' shm all_reduce 1.3-2.7x (docs/BENCHMARKS.md).
 AUTO_SPIN_US = 200
-# What auto spins in the feed client alone: its spin costs a large call at
-# most one spin per answer, not a core beside every waiting stream.
-AUTO_FEED_SPIN_US = 200
+# So the tiny calls (_feed.TINY_CALL_BYTES, 64 KiB, at most) spin 1000 us
+# on their own, in serve and in the client.
+AUTO_TINY_SPIN_US = 1000
 
 
 def spin_us() -> int | None:
     """GPUBRIDGE_SPIN_US: how long (microseconds) gbbridge serve's shm
     waiters check their ring before sleeping on their futex (--spin-us),
-    and the feed client for its answers unless GPUBRIDGE_FEED_SPIN_US says
-    otherwise. ``auto`` (or unset): AUTO_SPIN_US when this rank's CPUs (its
-    affinity) give every local rank and its gbbridge serve a core of their
-    own (local ranks: LOCAL_WORLD_SIZE, else SLURM_NTASKS_PER_NODE, else 1),
-    else None (serve's default). Waking a sleeper costs tens of
-    microseconds on a VM; spinning where cores are shared steals them."""
+    and the feed client for its answers, in calls of more than 64 KiB.
+    ``auto`` (or unset): AUTO_SPIN_US when this rank's CPUs (its affinity)
+    give every local rank and its gbbridge serve a core of their own (local
+    ranks: LOCAL_WORLD_SIZE, else SLURM_NTASKS_PER_NODE, else 1), else None
+    (no spinning in the client, serve's default). Waking a sleeper costs
+    tens of microseconds on a VM; spinning where cores are shared steals
+    them."""
     return _spin_setting("GPUBRIDGE_SPIN_US", AUTO_SPIN_US)
 
 
-def feed_spin_us() -> int | None:
-    """GPUBRIDGE_FEED_SPIN_US: how long (microseconds) the rank's feed
-    client checks for an answer before sleeping in poll. ``auto`` (or
-    unset): GPUBRIDGE_SPIN_US's number when it gives one, else
-    AUTO_FEED_SPIN_US under auto's rule of a core each, else None (no
-    spinning)."""
-    raw = os.environ.get("GPUBRIDGE_FEED_SPIN_US", "").strip()
+def tiny_spin_us() -> int | None:
+    """GPUBRIDGE_TINY_SPIN_US: the same spin in the calls of at most 64 KiB
+    (--tiny-spin-us), whose time is mostly wake-ups.
+    ``auto`` (or unset): GPUBRIDGE_SPIN_US's number when it gives one, else
+    AUTO_TINY_SPIN_US under auto's rule of a core each, else None."""
+    raw = os.environ.get("GPUBRIDGE_TINY_SPIN_US", "").strip()
     if raw in ("", "auto") and os.environ.get("GPUBRIDGE_SPIN_US", "").strip() not in ("", "auto"):
         return spin_us()
-    return _spin_setting("GPUBRIDGE_FEED_SPIN_US", AUTO_FEED_SPIN_US)
+    return _spin_setting("GPUBRIDGE_TINY_SPIN_US", AUTO_TINY_SPIN_US)
 
 
 def _spin_setting(name: str, auto: int) -> int | None:

@@ -94,6 +94,9 @@ __all__ = [
 
 WRITE_TIMEOUT: Final = 60.0  # seconds, like the server's write deadline
 DEFAULT_TIMEOUT: Final = 360.0  # one request: above gbbridge serve's --timeout=5m
+# The collectives whose waits spin FeedClient.tiny_spin: those that move at
+# most this many bytes (gbbridge serve's feedserver.TinyCallBytes).
+TINY_CALL_BYTES: Final = 64 << 10
 
 
 class Region:
@@ -151,9 +154,10 @@ OpArg = Op | int | str  # what Op.of takes
 class Call:
     """A request in flight. ``wait`` returns its DONE."""
 
-    def __init__(self, client: FeedClient, kind: Kind, on_progress: ProgressFn | None) -> None:
+    def __init__(self, client: FeedClient, kind: Kind, on_progress: ProgressFn | None, spin: float) -> None:
         self.client = client
         self.kind = kind
+        self.spin = spin  # how long a wait for its answer spins (seconds)
         self.id = 0
         self.on_progress = on_progress
         self.done: Done | None = None
@@ -171,13 +175,13 @@ class Call:
     def join(self, timeout: float | None = None) -> None:
         """Waits until the request finished, whatever its outcome (which
         :meth:`wait` raises); :class:`FeedTimeout` at the deadline."""
-        self.client._await(lambda: self.finished, self.client._deadline(timeout))
+        self.client._await(lambda: self.finished, self.client._deadline(timeout), self.spin)
 
     def wait(self, timeout: float | None = None) -> Done:
         """Waits for DONE (``timeout`` seconds, default: the client's);
         raises :class:`RequestError`/:class:`BridgeError` for a status other
         than OK, :class:`FeedTimeout` at the deadline."""
-        self.client._await(lambda: self.finished, self.client._deadline(timeout))
+        self.client._await(lambda: self.finished, self.client._deadline(timeout), self.spin)
         if self.error is not None:
             raise self.error
         assert self.done is not None
@@ -197,10 +201,13 @@ class FeedClient:
     Create it with :meth:`connect`. Every method that waits takes a
     ``timeout`` in seconds (default: the client's ``timeout``)."""
 
-    def __init__(self, sock: socket.socket, timeout: float, spin: float) -> None:
+    def __init__(
+        self, sock: socket.socket, timeout: float, spin: float, tiny_spin: float | None = None
+    ) -> None:
         self._sock = sock
         self.timeout = timeout
         self.spin = spin
+        self.tiny_spin = spin if tiny_spin is None else tiny_spin
         self.welcome: Welcome | None = None
         self._wlock = threading.Lock()  # writes and request ids
         self._next_id = 0
@@ -234,12 +241,14 @@ class FeedClient:
         name: str = "gpubridge",
         request_timeout: float = DEFAULT_TIMEOUT,
         spin: float = 0.0,
+        tiny_spin: float | None = None,
     ) -> FeedClient:
         """Connects to the feed socket at path and says HELLO; ``timeout``
         bounds the connection and the handshake. ``request_timeout`` becomes
         the client's default deadline of one wait; ``spin`` (seconds, e.g.
         100e-6) polls the socket without blocking that long before a
-        blocking wait (docs/FEED.md §7-8)."""
+        blocking wait (docs/FEED.md §7-8), ``tiny_spin`` (default: spin)
+        instead in the waits for collectives of at most TINY_CALL_BYTES."""
         deadline = time.monotonic() + timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
@@ -251,7 +260,7 @@ class FeedClient:
             sock.setblocking(True)
             sec = int(WRITE_TIMEOUT)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", sec, 0))
-            c = cls(sock, request_timeout, spin)
+            c = cls(sock, request_timeout, spin, tiny_spin)
             c.hello(deadline, name)
         except BaseException:
             sock.close()
@@ -286,7 +295,7 @@ class FeedClient:
                     body = bytes(self._rbuf[HEADER_SIZE:size])
                     del self._rbuf[:size]
                     return kind, body
-            self._recv(deadline)
+            self._recv(deadline, self.spin)
 
     @property
     def member(self) -> int:
@@ -323,10 +332,11 @@ class FeedClient:
         except OSError as e:
             raise self._fail(FeedError(f"gpubridge feed: write: {e}")) from e
 
-    def _recv(self, deadline: float) -> None:
-        """Reads what the socket has into the buffer, waiting until deadline;
-        raises FeedTimeout, or FeedError at EOF or on a read error."""
-        spin_until = time.monotonic() + self.spin if self.spin > 0 else 0.0
+    def _recv(self, deadline: float, spin: float) -> None:
+        """Reads what the socket has into the buffer, waiting until deadline
+        (spinning first for spin seconds); raises FeedTimeout, or FeedError
+        at EOF or on a read error."""
+        spin_until = time.monotonic() + spin if spin > 0 else 0.0
         while True:
             try:
                 n = self._sock.recv_into(self._rscratch, 0, socket.MSG_DONTWAIT)
@@ -359,11 +369,11 @@ class FeedClient:
                 self._wake()
             return self._err
 
-    def _pump(self, deadline: float) -> None:
+    def _pump(self, deadline: float, spin: float) -> None:
         """Reads once and handles every whole message. The caller is the
         reading thread."""
         try:
-            self._recv(deadline)
+            self._recv(deadline, spin)
         except FeedTimeout:
             raise
         except FeedError as e:
@@ -424,9 +434,11 @@ class FeedClient:
         if self._waiting:
             self._cond.notify_all()
 
-    def _await(self, cond: Callable[[], bool], deadline: float) -> None:
+    def _await(self, cond: Callable[[], bool], deadline: float, spin: float | None = None) -> None:
         """Returns once cond() holds (checked under the lock) or the feed
-        failed; reads the socket meanwhile whenever no other thread does."""
+        failed; reads the socket meanwhile whenever no other thread does,
+        spinning spin seconds (default: the client's) before each sleep."""
+        spin = self.spin if spin is None else spin
         with self._lock:
             while True:
                 if cond() or self._err is not None:
@@ -443,7 +455,7 @@ class FeedClient:
                 with self._lock:
                     if cond() or self._err is not None:
                         return
-                self._pump(deadline)
+                self._pump(deadline, spin)
         finally:
             with self._lock:
                 self._reading = False
@@ -461,7 +473,7 @@ class FeedClient:
             self._reading = True
         try:
             with contextlib.suppress(FeedTimeout):
-                self._pump(time.monotonic() + timeout)
+                self._pump(time.monotonic() + timeout, self.spin)
         finally:
             with self._lock:
                 self._reading = False
@@ -531,7 +543,8 @@ class FeedClient:
             raise FeedError(self._needs_bridges(f"bridge {bridge}"))
         flags = (FLAG_STREAMED if streamed else 0) | (FLAG_CALLER_REDUCES if caller_reduces else 0)
 
-        k = Call(self, kind, on_progress)
+        tiny = max(buf.nbytes, out.nbytes) <= TINY_CALL_BYTES
+        k = Call(self, kind, on_progress, self.tiny_spin if tiny else self.spin)
         self._send(
             k,
             lambda rid: encode_request(kind, rid, dt, o, flags, buf, out, peer, tag, c, feedback_key, bridge),
@@ -555,7 +568,7 @@ class FeedClient:
         the message names the member and the step)."""
         if not self.bridges:
             raise FeedError(self._needs_bridges(f"joining bridge {name}"))
-        k = Call(self, Kind.JOIN, None)
+        k = Call(self, Kind.JOIN, None, self.spin)
         self._send(k, lambda rid: encode_join(rid, bridge, name, members))
         return k
 
@@ -577,7 +590,7 @@ class FeedClient:
             rid = self._next_region
         fd, mem = _new_memfd(f"gpubridge-feed-{rid}", size)
         try:
-            k = Call(self, Kind.REGION, None)
+            k = Call(self, Kind.REGION, None, self.spin)
             self._send(k, lambda i: encode_region(i, rid, size), [fd])
             k.wait(timeout)
         except BaseException:
@@ -593,7 +606,7 @@ class FeedClient:
     def release(self, region: Region, timeout: float | None = None) -> None:
         """Asks the server to unmap region once no request uses it, waits,
         and unmaps the client's view."""
-        k = Call(self, Kind.RELEASE, None)
+        k = Call(self, Kind.RELEASE, None, self.spin)
         self._send(k, lambda i: encode_release(i, region.id))
         k.wait(timeout)
         with self._lock:

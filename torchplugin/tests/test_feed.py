@@ -12,6 +12,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -29,14 +30,18 @@ from testenv import scale
 
 from gpubridge._bridge_process import BridgeProcess, start_bridge
 from gpubridge._combine import combine
-from gpubridge._endpoint import AUTO_FEED_SPIN_US, AUTO_SPIN_US, feed_spin_us, spin_us
+from gpubridge._endpoint import AUTO_SPIN_US, AUTO_TINY_SPIN_US, spin_us, tiny_spin_us
 from gpubridge._feed import (
+    TINY_CALL_BYTES,
     BridgeError,
     DType,
     FeedClient,
     FeedError,
+    FeedTimeout,
+    Kind,
     Op,
     RequestError,
+    Span,
     Status,
 )
 from gpubridge._feed_protocol import VERSION
@@ -576,31 +581,59 @@ def test_spin_auto(
         assert spin_us() is None
 
 
-@pytest.mark.parametrize(("serve", "feed", "cpus", "want"), [
-    (None, None, 16, AUTO_FEED_SPIN_US), ("auto", "auto", 16, AUTO_FEED_SPIN_US), (None, None, 7, None),
+@pytest.mark.parametrize(("spin", "tiny", "cpus", "want"), [
+    (None, None, 16, AUTO_TINY_SPIN_US), ("auto", "auto", 16, AUTO_TINY_SPIN_US), (None, None, 7, None),
     ("150", None, 16, 150), ("150", "auto", 2, 150), ("0", None, 16, 0),
     (None, "1000", 16, 1000), ("200", "1000", 2, 1000), ("1000", "0", 16, 0),
 ])  # fmt: skip
-def test_feed_spin(
-    monkeypatch: pytest.MonkeyPatch, serve: str | None, feed: str | None, cpus: int, want: int | None
+def test_tiny_spin(
+    monkeypatch: pytest.MonkeyPatch, spin: str | None, tiny: str | None, cpus: int, want: int | None
 ) -> None:
-    """The feed client's spin: its own setting, else GPUBRIDGE_SPIN_US's number, else its auto; serve's is
-    GPUBRIDGE_SPIN_US's alone."""
+    """The tiny calls' spin: its own setting, else GPUBRIDGE_SPIN_US's number, else its auto; the other
+    calls' is GPUBRIDGE_SPIN_US's alone."""
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    for k, v in (("GPUBRIDGE_SPIN_US", serve), ("GPUBRIDGE_FEED_SPIN_US", feed)):
+    for k, v in (("GPUBRIDGE_SPIN_US", spin), ("GPUBRIDGE_TINY_SPIN_US", tiny)):
         if v is None:
             monkeypatch.delenv(k, raising=False)
         else:
             monkeypatch.setenv(k, v)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
-    assert feed_spin_us() == want
+    assert tiny_spin_us() == want
     auto = AUTO_SPIN_US if cpus >= 8 else None
-    assert spin_us() == (auto if serve in (None, "auto") else int(serve))
+    assert spin_us() == (auto if spin in (None, "auto") else int(spin))
 
 
 @pytest.mark.parametrize("raw", ["10001", "-1", "x"])
-def test_feed_spin_refused(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
-    monkeypatch.setenv("GPUBRIDGE_FEED_SPIN_US", raw)
-    with pytest.raises(ValueError, match=r"GPUBRIDGE_FEED_SPIN_US=.*auto, or whole microseconds 0\.\.10000"):
-        feed_spin_us()
+def test_tiny_spin_refused(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("GPUBRIDGE_TINY_SPIN_US", raw)
+    with pytest.raises(ValueError, match=r"GPUBRIDGE_TINY_SPIN_US=.*auto, or whole microseconds 0\.\.10000"):
+        tiny_spin_us()
+
+
+def test_tiny_calls_spin_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collective of at most TINY_CALL_BYTES (its larger span) waits spinning the tiny spin, any other
+    request the client's spin; the wait hands its call's spin to the read."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        c = FeedClient(a, 10.0, 200e-6, 1e-3)
+        f32 = {"dtype": "float32", "op": "sum"}
+        tiny = c.start(Kind.ALL_REDUCE, Span(1, 0, TINY_CALL_BYTES), **f32)
+        big = c.start(Kind.ALL_REDUCE, Span(1, 0, TINY_CALL_BYTES + 4), **f32)
+        gather = c.start(Kind.ALL_GATHER, Span(1, 0, 4), Span(1, 8, TINY_CALL_BYTES + 8))
+        barrier = c.start(Kind.BARRIER)
+        assert (tiny.spin, big.spin, gather.spin, barrier.spin) == (1e-3, 200e-6, 200e-6, 1e-3)
+        spins: list[float] = []
+
+        def recv(deadline: float, spin: float) -> None:
+            spins.append(spin)
+            raise FeedTimeout("test")
+
+        monkeypatch.setattr(c, "_recv", recv)
+        for k in (tiny, big):
+            with pytest.raises(FeedTimeout):
+                k.wait(1.0)
+        assert spins == [1e-3, 200e-6]
+    finally:
+        a.close()
+        b.close()

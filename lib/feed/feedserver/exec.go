@@ -246,7 +246,7 @@ func (s *Server) call(c *call) (err error) {
 	case c.req.Kind == feed.MsgAllReduce && c.req.Flags&feed.FlagCallerReduces != 0:
 		// The inputs are exchanged, raw or zstd-packed, or (lossy codecs)
 		// as the packings the callers made; the caller reduces them.
-		err = br.AllGatherCodec(s.ctx, c.out, c.buf, exchangeCodec(codec.ID(c.req.Codec), c.req.DType), p)
+		err = br.AllGatherCodec(s.callCtx(c), c.out, c.buf, exchangeCodec(codec.ID(c.req.Codec), c.req.DType), p)
 		d.Bytes = uint64(len(c.out))
 	default:
 		err = s.collective(c, p)
@@ -265,9 +265,25 @@ func exchangeCodec(id codec.ID, dt reduce.DType) Codec {
 	return Codec{ID: id, DType: dt}
 }
 
+// TinyCallBytes is the most a collective moves (its larger buffer) for its
+// shm waiters to spin ServerOptions.TinySpin: the latency-bound calls, the
+// recursive-doubling all_reduce's range and twice that; from 1 MiB up a long
+// spin measurably costs 4 members' shm all_reduce (docs/BENCHMARKS.md).
+const TinyCallBytes = 64 << 10
+
+// callCtx is the context c's collective runs under: the tiny calls' spin
+// when c moves at most TinyCallBytes.
+func (s *Server) callCtx(c *call) context.Context {
+	if max(len(c.buf), len(c.out)) <= TinyCallBytes {
+		return s.tiny
+	}
+	return s.ctx
+}
+
 // collective runs every request but the caller-reduces all_reduce.
 func (s *Server) collective(c *call, p *Progress) (err error) {
 	br, d := c.lane.bridge, &c.done
+	ctx := s.callCtx(c)
 	// Collectives without a dtype of their own pack the request's dtype's
 	// byte planes (zstd); all_reduce and reduce_scatter use theirs.
 	id := codec.ID(c.req.Codec)
@@ -277,19 +293,19 @@ func (s *Server) collective(c *call, p *Progress) (err error) {
 		if c.res != nil {
 			cd.Residual = s.fb.memory(c.res)
 		}
-		err = br.AllReduceCodec(s.ctx, c.buf, c.req.DType, c.req.Op, cd, p)
+		err = br.AllReduceCodec(ctx, c.buf, c.req.DType, c.req.Op, cd, p)
 		d.Bytes = uint64(len(c.buf))
 	case feed.MsgBroadcast:
-		err = br.BroadcastCodec(s.ctx, c.buf, int(c.req.Peer), Codec{ID: id, DType: c.req.DType}, p)
+		err = br.BroadcastCodec(ctx, c.buf, int(c.req.Peer), Codec{ID: id, DType: c.req.DType}, p)
 		d.Bytes = uint64(len(c.buf))
 	case feed.MsgAllGather:
-		err = br.AllGatherCodec(s.ctx, c.out, c.buf, Codec{ID: id, DType: c.req.DType}, p)
+		err = br.AllGatherCodec(ctx, c.out, c.buf, Codec{ID: id, DType: c.req.DType}, p)
 		d.Bytes = uint64(len(c.out))
 	case feed.MsgReduceScatter:
-		err = br.ReduceScatterCodec(s.ctx, c.out, c.buf, c.req.DType, c.req.Op, Codec{ID: id}, p)
+		err = br.ReduceScatterCodec(ctx, c.out, c.buf, c.req.DType, c.req.Op, Codec{ID: id}, p)
 		d.Bytes = uint64(len(c.out))
 	case feed.MsgBarrier:
-		err = br.Barrier(s.ctx)
+		err = br.Barrier(ctx)
 	case feed.MsgSend, feed.MsgRecv:
 		var n int
 		n, err = c.pend.Wait(s.ctx)

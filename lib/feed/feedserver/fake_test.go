@@ -9,8 +9,10 @@ import (
 	"math"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/transport"
 )
 
 // fakeGroup is an in-memory bridge of n members with the semantics of
@@ -56,11 +58,15 @@ type fakeMember struct {
 type fakeCall struct {
 	kind     string
 	cd       Codec
-	residual float32 // the residual's first value before the call; -1: none
+	residual float32       // the residual's first value before the call; -1: none
+	spin     time.Duration // the shm waits' spin its context set (transport.WithSpin); -1: none
 }
 
-func (m *fakeMember) record(kind string, cd Codec) {
-	fc := fakeCall{kind: kind, cd: cd, residual: -1}
+func (m *fakeMember) record(ctx context.Context, kind string, cd Codec) {
+	fc := fakeCall{kind: kind, cd: cd, residual: -1, spin: -1}
+	if d, ok := transport.SpinFrom(ctx); ok {
+		fc.spin = d
+	}
 	if len(cd.Residual) >= 4 {
 		fc.residual = math.Float32frombits(binary.LittleEndian.Uint32(cd.Residual))
 		for i := 0; i+4 <= len(cd.Residual); i += 4 {
@@ -198,7 +204,7 @@ func (m *fakeMember) round(ctx context.Context, buf []byte, p *Progress, give bo
 }
 
 func (m *fakeMember) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, cd Codec, p *Progress) error {
-	m.record("all_reduce", cd)
+	m.record(ctx, "all_reduce", cd)
 	all, err := m.round(ctx, buf, p, true)
 	if err != nil {
 		return err
@@ -212,7 +218,7 @@ func (m *fakeMember) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.D
 }
 
 func (m *fakeMember) BroadcastCodec(ctx context.Context, buf []byte, root int, cd Codec, p *Progress) error {
-	m.record("broadcast", cd)
+	m.record(ctx, "broadcast", cd)
 	all, err := m.round(ctx, buf, p, m.self == root)
 	if err != nil {
 		return err
@@ -222,7 +228,7 @@ func (m *fakeMember) BroadcastCodec(ctx context.Context, buf []byte, root int, c
 }
 
 func (m *fakeMember) AllGatherCodec(ctx context.Context, out, in []byte, cd Codec, p *Progress) error {
-	m.record("all_gather", cd)
+	m.record(ctx, "all_gather", cd)
 	all, err := m.round(ctx, in, p, true)
 	if err != nil {
 		return err
@@ -232,7 +238,7 @@ func (m *fakeMember) AllGatherCodec(ctx context.Context, out, in []byte, cd Code
 }
 
 func (m *fakeMember) ReduceScatterCodec(ctx context.Context, out, in []byte, dt reduce.DType, op reduce.Op, cd Codec, p *Progress) error {
-	m.record("reduce_scatter", cd)
+	m.record(ctx, "reduce_scatter", cd)
 	all, err := m.round(ctx, in, p, true)
 	if err != nil {
 		return err
@@ -246,6 +252,7 @@ func (m *fakeMember) ReduceScatterCodec(ctx context.Context, out, in []byte, dt 
 }
 
 func (m *fakeMember) Barrier(ctx context.Context) error {
+	m.record(ctx, "barrier", Codec{})
 	_, err := m.round(ctx, nil, nil, false)
 	return err
 }

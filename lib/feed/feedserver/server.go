@@ -56,6 +56,12 @@ type ServerOptions struct {
 	// a client that does not read.
 	HandshakeTimeout time.Duration
 	WriteTimeout     time.Duration
+	// TinySpin, when positive, is how long the shm waiters of a collective
+	// of at most TinyCallBytes spin before they sleep (transport.WithSpin)
+	// instead of the mesh's Config.Spin: such a call's time is mostly
+	// wake-ups, while a large call's waiters spinning that long hold the
+	// cores its reduction needs. 0: the mesh's spin for every call.
+	TinySpin time.Duration
 	// HandoffDelay is how long a collective runs before the goroutine
 	// running it hands the reading of the socket to the standby goroutine
 	// (streamed collectives hand it over at once). Default
@@ -139,6 +145,7 @@ type Server struct {
 	shareMu sync.Mutex
 
 	ctx    context.Context // cancelled when the feed is lost or Serve's ctx ends
+	tiny   context.Context // ctx, or ctx with the tiny calls' spin (ServerOptions.TinySpin)
 	cancel context.CancelCauseFunc
 	// inputEnd is closed when no more READY can arrive (BYE, EOF, error).
 	inputEnd chan struct{}
@@ -213,6 +220,10 @@ func (s *Server) Broken() error { return s.brokenLanes() }
 // Serve fail: the client learns it in DONE, and Broken reports it.
 func (s *Server) Serve(ctx context.Context) (err error) {
 	s.ctx, s.cancel = context.WithCancelCause(ctx)
+	s.tiny = s.ctx
+	if s.o.TinySpin > 0 {
+		s.tiny = transport.WithSpin(s.ctx, s.o.TinySpin)
+	}
 	stop := context.AfterFunc(s.ctx, func() {
 		// Unblock the reader: it then sees why the context ended.
 		_ = s.conn.SetReadDeadline(time.Unix(1, 0))
