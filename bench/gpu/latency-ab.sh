@@ -6,7 +6,7 @@
 #   bash bench/gpu/latency-ab.sh A_DIR B_DIR [PAIRS]
 # A_DIR and B_DIR hold the tools (gbbridge, gbdiscover, gbprobe; a dir with
 # only gbbridge borrows the others from bin/). Each of PAIRS (default 3)
-# runs A then B, --rounds 2 --iters 500. GPUBRIDGE_SPIN_US is passed
+# runs A then B, --rounds GB_ROUNDS (default 2) --iters 500. GPUBRIDGE_SPIN_US is passed
 # through (validate.sh's latency step uses 200); GB_A_ENV and GB_B_ENV
 # ("VAR=VALUE ...") set variables for one side only, for an A/B of one
 # build with a setting on and off. Writes under $OUT (default
@@ -38,7 +38,7 @@ for k in $(seq 1 "$pairs"); do
     tmp=$work/ab-$side-$k.jsonl
     env "${extra[@]}" GPUBRIDGE_BIN_DIR="$dir" PYTHONPATH="$PWD/torchplugin" OMP_NUM_THREADS=1 timeout 90 \
       "${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc-per-node 4 --max-restarts 0 \
-      bench/gpu/plugin_overhead.py "$tmp" --policies flat,reduce-bridge-broadcast --rounds 2 --iters 500 \
+      bench/gpu/plugin_overhead.py "$tmp" --policies flat,reduce-bridge-broadcast --rounds "${GB_ROUNDS:-2}" --iters 500 \
       > "$work/run.log" 2>&1 || { fail=1; echo "pair $k side $side failed:"; tail -5 "$work/run.log"; }
     grep -h '^plugin_overhead' "$work/run.log" | sed "s/^/pair $k side $side: /"
     python3 - "$tmp" "$side" "$dir" "${extra[*]}" >> "$rows" <<'PY' || fail=1
