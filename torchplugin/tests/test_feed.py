@@ -560,6 +560,17 @@ def test_spin_setting(monkeypatch: pytest.MonkeyPatch, raw: str, want: int | Non
         assert spin_us() == want
 
 
+def _spin_env(monkeypatch: pytest.MonkeyPatch, cpus: int, **env: str | None) -> None:
+    """This process has cpus CPUs, no SLURM_NTASKS_PER_NODE, and env's variables (None: unset)."""
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    for k, v in env.items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+
+
 @pytest.mark.parametrize(("raw", "local", "cpus", "want"), [
     (None, "4", 16, AUTO_SPIN_US), ("auto", "4", 8, AUTO_SPIN_US), ("auto", "4", 7, None),
     (None, None, 2, AUTO_SPIN_US), (None, "4", 2, None), (None, "junk", 1, None),
@@ -568,13 +579,7 @@ def test_spin_auto(
     monkeypatch: pytest.MonkeyPatch, raw: str | None, local: str | None, cpus: int, want: int | None
 ) -> None:
     """auto spins only when every local rank and its serve have a core."""
-    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
-    for k, v in (("GPUBRIDGE_SPIN_US", raw), ("LOCAL_WORLD_SIZE", local)):
-        if v is None:
-            monkeypatch.delenv(k, raising=False)
-        else:
-            monkeypatch.setenv(k, v)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+    _spin_env(monkeypatch, cpus, GPUBRIDGE_SPIN_US=raw, LOCAL_WORLD_SIZE=local)
     assert spin_us() == want
     if local is None:  # under srun without torchrun: the tasks per node count
         monkeypatch.setenv("SLURM_NTASKS_PER_NODE", str(cpus))
@@ -591,14 +596,7 @@ def test_tiny_spin(
 ) -> None:
     """The tiny calls' spin: its own setting, else GPUBRIDGE_SPIN_US's number, else its auto; the other
     calls' is GPUBRIDGE_SPIN_US's alone."""
-    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    for k, v in (("GPUBRIDGE_SPIN_US", spin), ("GPUBRIDGE_TINY_SPIN_US", tiny)):
-        if v is None:
-            monkeypatch.delenv(k, raising=False)
-        else:
-            monkeypatch.setenv(k, v)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+    _spin_env(monkeypatch, cpus, GPUBRIDGE_SPIN_US=spin, GPUBRIDGE_TINY_SPIN_US=tiny, LOCAL_WORLD_SIZE="4")
     assert tiny_spin_us() == want
     auto = AUTO_SPIN_US if cpus >= 8 else None
     assert spin_us() == (auto if spin in (None, "auto") else int(spin))
