@@ -450,8 +450,9 @@ func SpinFrom(ctx context.Context) (time.Duration, bool) {
 
 // wait blocks until ready returns true. seq and waiting are the futex word
 // and the flag of this side; peerClosed reports the other side's close.
-// It spins for the mesh's spin (or ctx's, WithSpin), then sleeps on the futex in slices of shmPoll,
-// checking ctx, the mesh and the peer between them.
+// It spins for the mesh's spin (ctx's, when WithSpin set one), then sleeps
+// on the futex in slices of shmPoll, checking ctx, the mesh and the peer
+// between them.
 func (s *shmStream) wait(ctx context.Context, op string, ready func() bool, seq, waiting, peerState *atomic.Uint32, abort bool) error {
 	if ready() {
 		return nil
