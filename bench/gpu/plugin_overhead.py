@@ -16,7 +16,9 @@ cost per call (check_calls_cost_median_us) against the same group without them.
 
 With --policies, one more gpubridge group per policy, made with
 GPUBRIDGE_POLICY set to it (the default group runs the job's own, auto
-unless set), is timed in the same blocks: rows "policy:<name>".
+unless set), is timed in the same blocks: rows "policy:<name>";
+--policies-first times those groups first in each block (the row's
+"order"), to tell a group's own tail from its place in the block.
 
 The groups are warmed up, then timed in --rounds alternating blocks (the
 order flips every round, so drift and neighbours hit both alike); every call
@@ -81,6 +83,7 @@ def main() -> int:
         default="",
         help="comma-separated GPUBRIDGE_POLICY values: one more gpubridge group timed per policy",
     )
+    p.add_argument("--policies-first", action="store_true", help="time --policies groups first")
     args = p.parse_args()
 
     rank = int(os.environ["RANK"])
@@ -107,6 +110,8 @@ def main() -> int:
         else:
             os.environ["GPUBRIDGE_POLICY"] = old
 
+    if args.policies_first:
+        groups = {k: groups[k] for k in sorted(groups, key=lambda k: not k.startswith("policy:"))}
     t = torch.empty(max(1, args.size // 4), dtype=torch.float32)
     fill = float(rank + 1)
     want = float(world * (world + 1) // 2)
@@ -148,6 +153,7 @@ def main() -> int:
         "world": world,
         "vendors": os.environ.get("GPUBRIDGE_VENDOR"),
         "iters": per_round * args.rounds,
+        "order": list(groups),  # of the first round's blocks (the next round reverses it)
         "warmup": args.warmup,
         "rounds": args.rounds,
         "gpubridge": stats["gpubridge"],
