@@ -780,17 +780,20 @@ def tiny_spin_us() -> int | None:
     (--tiny-spin-us), whose time is mostly wake-ups.
     ``auto`` (or unset): GPUBRIDGE_SPIN_US's number when it gives one, else
     AUTO_TINY_SPIN_US under auto's rule of a core each, else None."""
-    raw = os.environ.get("GPUBRIDGE_TINY_SPIN_US", "").strip()
-    if raw in ("", "auto") and os.environ.get("GPUBRIDGE_SPIN_US", "").strip() not in ("", "auto"):
+    if _is_auto("GPUBRIDGE_TINY_SPIN_US") and not _is_auto("GPUBRIDGE_SPIN_US"):
         return spin_us()
     return _spin_setting("GPUBRIDGE_TINY_SPIN_US", AUTO_TINY_SPIN_US)
 
 
+def _is_auto(name: str) -> bool:
+    return os.environ.get(name, "").strip() in ("", "auto")
+
+
 def _spin_setting(name: str, auto: int) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if raw in ("", "auto"):
+    if _is_auto(name):
         local = _int_env("LOCAL_WORLD_SIZE", _int_env("SLURM_NTASKS_PER_NODE", 1))
         return auto if len(os.sched_getaffinity(0)) >= 2 * local else None
+    raw = os.environ[name].strip()
     try:
         us = int(raw)
     except ValueError:
