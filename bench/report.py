@@ -79,9 +79,11 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
     wrong = sum(int(r.get("wrong", 0)) for r in rows if checked(r))
 
     algos: dict[str, dict[int, str]] = defaultdict(dict)
+    two_rings = False  # a 2-member row ran the ring: the halves (--split)
     for r in rows:
         if r.get("algorithm") and r["collective"] not in ("exchange", "memcpy"):
             algos[r["config"]][r.get("size", 0)] = r["algorithm"]
+            two_rings = two_rings or (r["algorithm"] == "ring" and r.get("members") == 2)
 
     def table(
         title: str, cols: list[tuple[str, str]], ratios: list[tuple[str, str, str]] | None = None
@@ -229,6 +231,21 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
                 ("4, copies / Gloo", "shm-allreduce-4m-s8-copy", "gloo-4"),
             ],
         )
+    if "tcp-allreduce-s8-nosplit" in bw:
+        table(
+            "TCP, 8 streams: two members split from 64 MiB (--split 64M, the default: ring) "
+            "or exchange at every size (--split off)",
+            [
+                ("exchange (ceiling)", "tcp-exchange-s8"),
+                ("all_reduce", "tcp-allreduce-s8"),
+                ("all_reduce, --split off", "tcp-allreduce-s8-nosplit"),
+            ],
+            [
+                ("default / off", "tcp-allreduce-s8", "tcp-allreduce-s8-nosplit"),
+                ("default / ceiling", "tcp-allreduce-s8", "tcp-exchange-s8"),
+                ("off / ceiling", "tcp-allreduce-s8-nosplit", "tcp-exchange-s8"),
+            ],
+        )
     if "shm-allreduce-4m-s8-nostream" in bw:
         table(
             "shm, 8 streams: writes and copies of 128 MiB and more non-temporal (--stream 128M, the default) "
@@ -257,8 +274,9 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
         p("")
         p(
             "Algorithms the rows ran (`algorithm` in the rows; exchange: the two members send each other "
-            "their buffers through the transport; ring: the pipelined ring; direct: the members read each "
-            "other's shared memory"
+            "their buffers through the transport; ring: the pipelined ring"
+            + (", with two members a reduce-scatter then an all-gather, each reducing half" if two_rings else "")
+            + "; direct: the members read each other's shared memory"
             + (
                 "; direct-write: the same, each piece's owner writing the result into every member's buffer"
                 if any(a == "direct-write" for c in algos for a in algos[c].values())

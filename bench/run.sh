@@ -2,7 +2,8 @@
 # gbbridge's benchmarks and their anchors, in one run on one machine:
 #   - memcpy (one core) and the raw 2-member TCP exchange (the ceiling),
 #   - iperf3 over loopback (when installed),
-#   - gbbridge all_reduce over TCP (streams 1..16, CRC on and off) and shm,
+#   - gbbridge all_reduce over TCP (streams 1..16, CRC on and off, 8 streams
+#     with --split off too) and shm,
 #     2 and 4 members, 1 MiB … 1 GiB,
 #   - torch Gloo all_reduce, 2 and 4 ranks, the same sizes.
 # Usage: bench/run.sh OUTDIR [BIN] [PYTHON]
@@ -52,6 +53,7 @@ for s in 1 2 4 8 16; do
   bench "tcp-exchange-s$s" --members 2 --transport tcp --streams "$s" --collective exchange --sizes "$sizes"
   bench "tcp-allreduce-s$s" --members 2 --transport tcp --streams "$s" --collective all_reduce --sizes "$sizes"
 done
+bench tcp-allreduce-s8-nosplit --members 2 --transport tcp --streams 8 --split off --collective all_reduce --sizes "$sizes"
 bench tcp-allreduce-s4-crc --members 2 --transport tcp --streams 4 --crc --collective all_reduce --sizes "$sizes"
 bench tcp-exchange-s4-crc --members 2 --transport tcp --streams 4 --crc --collective exchange --sizes "$sizes"
 for s in 4 8 16; do

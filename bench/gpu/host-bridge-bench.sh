@@ -5,7 +5,8 @@
 # gbbridge bench, members as processes on this host: the 2-member all_reduce
 # over TCP and shm (8 streams) beside their exchange ceilings (the same
 # streams moving the same bytes, nothing reduced), the 4-member all_reduce,
-# the shm all_reduces again with the members copying the owners' results
+# the TCP all_reduce again exchanging at every size (--split off), the shm
+# all_reduces again with the members copying the owners' results
 # (--peer-writes off), one core's memcpy, and torch Gloo's all_reduce of 2 and 4 ranks (the anchor),
 # 1 MiB .. 1 GiB, every row checked element by element after timing; each
 # gbbridge row names the algorithm that ran (exchange, ring, direct-write,
@@ -42,6 +43,9 @@ b() {  # b CONFIG ARGS...
 b memcpy --members 2 --transport shm --streams 8 --collective memcpy
 b tcp-exchange-s8 --members 2 --transport tcp --streams 8 --collective exchange
 b tcp-allreduce-s8 --members 2 --transport tcp --streams 8
+# The same exchanging at every size (--split off: before the ring of two),
+# for a before/after in one run.
+b tcp-allreduce-s8-nosplit --members 2 --transport tcp --streams 8 --split off
 b shm-exchange-s8 --members 2 --transport shm --streams 8 --collective exchange
 b shm-allreduce-s8 --members 2 --transport shm --streams 8
 # The same with every member copying the owners' results (--peer-writes off:

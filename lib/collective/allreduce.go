@@ -33,6 +33,23 @@ func resolveSmall(small int) int {
 	return small
 }
 
+// resolveSplit turns Options.SplitBytes into the threshold a Comm uses:
+// 0 the default, negative -1 (off).
+func resolveSplit(split int) int {
+	switch {
+	case split == 0:
+		return DefaultSplitBytes
+	case split < 0:
+		return -1
+	}
+	return split
+}
+
+// splits says whether an exact all_reduce of L bytes per member that
+// goes through the transport runs as two halves (the ring of two members)
+// rather than the exchange.
+func (c *Comm) splits(L int) bool { return c.size == 2 && c.split >= 0 && L >= c.split }
+
 // exactAlgo is the algorithm an exact (raw or zstd) all_reduce of L bytes
 // per member over members members runs through the transport, with small
 // the resolved Options.SmallBytes: what decides the order of its sums
@@ -51,13 +68,26 @@ func exactAlgo(members, L, small int) string {
 }
 
 // smallFor is what an all_reduce with codec id puts into its fingerprint:
-// the resolved SmallBytes where it may decide the algorithm (three or more
-// members, an exact codec), else 0.
+// the resolved threshold that decides its algorithm where one may (an
+// exact codec): SmallBytes for three or more members, SplitBytes for two;
+// else 0.
 func (c *Comm) smallFor(id codec.ID) int {
-	if c.size < 3 || id.Lossy() {
+	switch {
+	case c.size < 2 || id.Lossy():
 		return 0
+	case c.size == 2:
+		return c.split
 	}
 	return c.small
+}
+
+// thresholdName is the option smallFor puts into the fingerprint, for
+// the message that says members differ.
+func (c *Comm) thresholdName() string {
+	if c.size == 2 {
+		return "SplitBytes"
+	}
+	return "SmallBytes"
 }
 
 // AllReduceOrder returns the algorithm whose order of operations an exact

@@ -76,7 +76,7 @@ func (c *Comm) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, 
 		case descs != nil:
 			c.ran(AlgoDirect)
 			return c.directAllReduce(cl, buf, dt, op, descs, false)
-		case c.size == 2:
+		case c.size == 2 && !c.splits(len(buf)):
 			c.ran(AlgoExchange)
 			return c.exchange(cl, buf, dt, op, a.chunk)
 		}

@@ -28,6 +28,10 @@ const (
 	// runs recursive doubling when Options.SmallBytes is 0 (doc.go has the
 	// measurements it comes from).
 	DefaultSmallBytes = 32 << 10
+	// DefaultSplitBytes is the smallest all_reduce (bytes per member) that
+	// two members split into halves when Options.SplitBytes is 0
+	// (docs/BENCHMARKS.md, issue 12, has the measurements it comes from).
+	DefaultSplitBytes = 64 << 20
 	// DefaultStreamBytes is Options.StreamBytes when it is 0: above the
 	// 64 MiB buffers that the caches of the 16-core H200 host still helped
 	// (30 GB/s there against 23 GB/s at 256 MiB: docs/BENCHMARKS.md, issue
@@ -58,6 +62,17 @@ type Options struct {
 	// the sums, so every member must use the same value (it is part of an
 	// all_reduce's argument fingerprint).
 	SmallBytes int
+	// SplitBytes is the smallest all_reduce, in bytes per member, that
+	// two members run through the transport as a reduce-scatter then an
+	// all-gather (the ring of two: each member reduces the half it owns
+	// and sends it back) rather than the exchange, where each reduces the
+	// whole buffer: the same bytes on the wire, half the reduction and
+	// half the reads of the destination. Default DefaultSplitBytes; a
+	// negative value never splits. Both orders of the sums are the same
+	// (x0 op x1), but the members must run the same algorithm, so every
+	// member must use the same value (it is part of a 2-member
+	// all_reduce's argument fingerprint).
+	SplitBytes int
 	// StreamBytes is the smallest destination (the all_reduce's buffer,
 	// the all_gather's output), in bytes, into which the direct
 	// collectives over shared memory (direct.go) copy with non-temporal
@@ -183,6 +198,7 @@ type Comm struct {
 	chunk               int
 	stream              int  // Options.StreamBytes resolved: -1 off
 	small               int  // Options.SmallBytes resolved: -1 off
+	split               int  // Options.SplitBytes resolved: -1 off
 	overlap             bool // Options.Overlap resolved
 	workers             int
 	timeout             time.Duration
@@ -244,6 +260,7 @@ func newComm(mesh transport.Mesh, o Options, maxUnexpected int64) *Comm {
 		c.chunk = DefaultChunkBytes
 	}
 	c.small = resolveSmall(o.SmallBytes)
+	c.split = resolveSplit(o.SplitBytes)
 	c.stream = o.StreamBytes
 	switch {
 	case c.stream == 0:

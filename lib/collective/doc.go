@@ -64,6 +64,19 @@
 // then reduce.Finish with n = 2, so both hold the same bits, equal to
 // reduce.Reference.
 //
+// From Options.SplitBytes on (default DefaultSplitBytes, 64 MiB) two
+// members split instead: the ring below with n = 2, a reduce-scatter then
+// an all-gather. Member r sends the half it does not own, reduces the
+// peer's copy of its own half into its buffer as the chunks arrive, and
+// sends the result; the peer's result lands straight in the other half.
+// The same bytes cross the wire as in the exchange, but each member
+// reduces half the buffer and reads half its destination back, and the
+// half it sends second is still in cache from the reduction. It keeps the
+// exchange's order, x0 op x1 in both halves (the ring's own order would
+// put the partial first), so which of the two ran changes no bit, and
+// cuts the halves into a chunk per stream (at least 1 MiB, at most
+// ChunkBytes) where ChunkBytes would leave streams idle.
+//
 // With three or more members and more than Options.SmallBytes bytes
 // (below: recursive doubling) it is a pipelined ring: a reduce-scatter of
 // n-1 steps then an all-gather of n-1 steps. The buffer of E elements is

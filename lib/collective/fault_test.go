@@ -479,7 +479,7 @@ func TestCorruptFrameNamed(t *testing.T) {
 	assert.ErrorIs(t, err, wire.ErrCorrupt)
 	var pe *transport.PeerError
 	require.ErrorAs(t, err, &pe)
-	raw := encodeStep(kAllReduce, 0, fingerprint(kAllReduce, 64, reduce.Float32, reduce.Sum, 0, cl.comms[0].chunkFor(4), codec.Raw, 0))
+	raw := encodeStep(kAllReduce, 0, fingerprint(kAllReduce, 64, reduce.Float32, reduce.Sum, 0, cl.comms[0].chunkFor(4), codec.Raw, cl.comms[0].smallFor(codec.Raw)))
 	assert.NotContains(t, err.Error(), fmt.Sprintf("step %d", raw), "the raw step field is no step number")
 	assert.Contains(t, err.Error(), fmt.Sprintf("step field %#08x", raw))
 	assert.Contains(t, err.Error(), "by its header, chunk 0 of step 0 of all_reduce #1 (argument fingerprint")

@@ -105,7 +105,8 @@ func (cl *call) check(peer int, h wire.Header, step, chunk, n int) error {
 	if fp != cl.fp {
 		opts, same := "", "ChunkBytes"
 		if cl.small != 0 {
-			opts, same = ", SmallBytes "+fmtSmall(cl.small), "ChunkBytes and SmallBytes"
+			name := c.thresholdName()
+			opts, same = ", "+name+" "+fmtSmall(cl.small), "ChunkBytes and "+name
 		}
 		return fmt.Errorf("%s called %s #%d with other arguments than this member's (%s, %s chunks%s): every member must pass the same sizes, dtype, op and root, and use the same %s", who, cl.kind, cl.seq, cl.desc, fmtBytes(c.chunk), opts, same)
 	}

@@ -25,8 +25,8 @@ func ReferenceAllReduce(op reduce.Op, dt reduce.DType, inputs [][]byte, members 
 //
 //   - AlgoLocal, AlgoExchange (1 or 2 members): reduce.Reference,
 //     ((x0 op x1)), then Finish;
-//   - AlgoRing (3 or more): the buffer is cut into members segments of
-//     ceil(E/members) elements (E elements in all; the last segments may
+//   - AlgoRing (3 or more; 2 members keep AlgoExchange's order): the
+//     buffer is cut into members segments of ceil(E/members) elements (E elements in all; the last segments may
 //     be shorter or empty), and segment j is reduced in the order x[j+1],
 //     x[j+2], ..., x[members-1], x[0], ..., x[j] (member indices mod
 //     members), the partial always the earlier operand, then Finish;
@@ -41,7 +41,7 @@ func ReferenceAllReduce(op reduce.Op, dt reduce.DType, inputs [][]byte, members 
 // on members members, or arguments AllReduce would refuse.
 func ReferenceAllReduceAlgo(algo string, op reduce.Op, dt reduce.DType, inputs [][]byte, members int) []byte {
 	checkRef(op, dt, inputs, members)
-	if algo == AlgoDirect || algo == AlgoDirectWrite {
+	if algo == AlgoDirect || algo == AlgoDirectWrite || algo == AlgoRing && members == 2 {
 		algo = map[bool]string{true: AlgoExchange, false: AlgoRing}[members <= 2]
 	}
 	switch {

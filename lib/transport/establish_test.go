@@ -226,8 +226,8 @@ func TestVersionMismatch(t *testing.T) {
 			require.Error(t, errs[0])
 			require.Error(t, errs[1])
 			assert.Equal(t, errs[0].Error(), errs[1].Error(), "the same error on every member")
-			want := fmt.Sprintf("bridge protocol: member 0 (rank 0 on %s) v1, member 1 (rank 2 on %s) v2",
-				b.cfgs[0].Members[0].Host, b.cfgs[0].Members[1].Host)
+			want := fmt.Sprintf("bridge protocol: member 0 (rank 0 on %s) v%d, member 1 (rank 2 on %s) v%d",
+				b.cfgs[0].Members[0].Host, wire.ProtocolVersion, b.cfgs[0].Members[1].Host, wire.ProtocolVersion+1)
 			assert.Contains(t, errs[0].Error(), want)
 		})
 	}

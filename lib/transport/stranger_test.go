@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -203,7 +204,7 @@ func TestStrangerHelloLogged(t *testing.T) {
 	rep, _ := send(hsMsg{Version: v2, Type: hsHello, Job: jobTag([]byte("not this job")), From: 1, Streams: 1})
 	assert.Equal(t, "wrong job: this is a bridge member of another job", rep.Text)
 	rep, memberAddr := send(hsMsg{Version: v2, Type: hsHello, Job: tag, From: 1, Streams: 1})
-	assert.Equal(t, "this gbbridge speaks bridge protocol v1", rep.Text)
+	assert.Equal(t, fmt.Sprintf("this gbbridge speaks bridge protocol v%d", wire.ProtocolVersion), rep.Text)
 	// Many more strangers: the warnings stop at the burst.
 	for range 3 * logBurst {
 		send(hsMsg{Version: v2, Type: hsHello, Job: jobTag([]byte("not this job")), From: 1, Streams: 1})
@@ -239,7 +240,7 @@ func TestStrangerHelloLogged(t *testing.T) {
 	}
 	require.NotNil(t, member, "logs: %s", logs.String())
 	assert.Equal(t, "ERROR", member.Level, "this job's tag in another version: %+v", member)
-	assert.Equal(t, "member 1 speaks bridge protocol v2, this gbbridge speaks v1", member.Err)
+	assert.Equal(t, fmt.Sprintf("member 1 speaks bridge protocol v%d, this gbbridge speaks v%d", v2, wire.ProtocolVersion), member.Err)
 	assert.Equal(t, logBurst, strangers, "stranger warnings are rate-limited: %s", logs.String())
 
 	// The real member still joins.

@@ -29,8 +29,11 @@ import (
 )
 
 // ProtocolVersion is the bridge wire protocol version. Peers refuse a
-// different one in their handshake.
-const ProtocolVersion = 1
+// different one in their handshake. 2: a two-member all_reduce's argument
+// fingerprint carries collective.Options.SplitBytes, and from it on such
+// a call runs as two halves (a member of version 1 would answer every one
+// with a mismatch).
+const ProtocolVersion = 2
 
 // HeaderSize is the size of an encoded Header.
 const HeaderSize = 32

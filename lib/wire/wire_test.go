@@ -50,7 +50,7 @@ func TestParseRejects(t *testing.T) {
 	}{
 		{"short", func(b []byte) []byte { return b[:31] }, "31 bytes, need 32"},
 		{"magic", func(b []byte) []byte { b[0] = 'X'; return b }, "bad magic"},
-		{"version", func(b []byte) []byte { b[2] = 9; return b }, "protocol version 9, this gbbridge speaks 1"},
+		{"version", func(b []byte) []byte { b[2] = 9; return b }, fmt.Sprintf("protocol version 9, this gbbridge speaks %d", ProtocolVersion)},
 		{"kind", func(b []byte) []byte { b[3] = 0; return b }, "unknown kind 0"},
 		{"kind high", func(b []byte) []byte { b[3] = 99; return b }, "unknown kind 99"},
 		{"flags", func(b []byte) []byte { b[4] = 0x80; return b }, "unknown flags"},
