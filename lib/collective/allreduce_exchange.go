@@ -1,6 +1,7 @@
 package collective
 
 import (
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"time"
 )
@@ -10,6 +11,9 @@ import (
 // 0's value first.
 func (c *Comm) exchange(cl *call, buf []byte, dt reduce.DType, op reduce.Op, C int) error {
 	peer := 1 - c.self
+	if cl.codec == codec.Raw {
+		C = SpreadChunk(len(buf), C, c.streams, dt.Size())
+	}
 	w := c.workersPer(min(c.streams, (len(buf)+C-1)/C))
 	zero := func(int) int { return 0 }
 	pp := &pipe{

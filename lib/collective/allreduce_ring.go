@@ -1,6 +1,7 @@
 package collective
 
 import (
+	"github.com/gpubridge/gpubridge/lib/codec"
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"time"
 )
@@ -21,15 +22,15 @@ func ringSegments(L, es, n int) (off func(j int) int, length func(j int) int) {
 // half it reduces the received partial (the earlier operand) with its own
 // input, so segment j accumulates members j+1, j+2, ..., j and ends final at
 // member j at step n-2; in the second half the final segments travel on.
-// Two members (the split exchange: Options.SplitBytes) keep the exchange's
-// order instead, x0 op x1 in both halves, so that which of the two runs
-// changes no bit; their halves are cut into chunks small enough to use
-// every stream (twoMemberChunk).
+// Two members (from Options.SplitBytes) keep the exchange's order instead,
+// x0 op x1 in both halves, so that which of the two runs changes no bit.
+// Raw calls cut the segments into chunks small enough to use every stream
+// (SpreadChunk).
 func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op, C int) error {
 	n, r := c.size, c.self
 	segOff, segLen := ringSegments(len(buf), dt.Size(), n)
-	if n == 2 {
-		C = twoMemberChunk(segLen(0), C, c.streams, dt.Size())
+	if cl.codec == codec.Raw {
+		C = SpreadChunk(segLen(0), C, c.streams, dt.Size())
 	}
 	w := c.workersPer(min(c.streams, (segLen(0)+C-1)/C))
 	pp := &pipe{
@@ -92,24 +93,4 @@ func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op
 		},
 	}
 	return pp.run()
-}
-
-// minSpreadChunk is the smallest chunk twoMemberChunk cuts: two of TCP's
-// 512 KiB pieces, so that a frame's header and wake-ups are paid on a
-// megabyte at least.
-const minSpreadChunk = 1 << 20
-
-// twoMemberChunk is the chunk of a two-member ring whose halves are half
-// bytes long, with C the call's chunk: a half of fewer than streams
-// chunks of C would leave streams idle that the exchange of the same
-// buffer keeps busy (16 MiB on the 16-core H200 host ran at half the
-// exchange's rate with 4 MiB chunks on 2 of 8 streams), so the half is
-// cut into one chunk per stream, whole elements of es bytes, at least
-// minSpreadChunk and at most C. Both members compute it from the same
-// arguments.
-func twoMemberChunk(half, C, streams, es int) int {
-	per := (half + streams - 1) / streams
-	per = (per + es - 1) / es * es
-	floor := max(es, minSpreadChunk-minSpreadChunk%es)
-	return max(es, min(C, max(per, floor)))
 }

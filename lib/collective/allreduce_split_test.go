@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/gpubridge/gpubridge/lib/reduce"
 	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/transport"
+	"github.com/gpubridge/gpubridge/lib/wire"
 )
 
 // splitSmall is the SplitBytes of the tests: a few chunks of testChunk.
@@ -156,10 +158,10 @@ func TestSplitBytesOption(t *testing.T) {
 	}
 }
 
-// The halves are cut into a chunk per stream, whole elements, at least
-// minSpreadChunk and at most the call's chunk.
-func TestTwoMemberChunk(t *testing.T) {
-	for _, tt := range []struct{ half, C, streams, es, want int }{
+// Segments are cut into a chunk per stream, whole elements, at least
+// MinSpreadChunk and at most the call's chunk.
+func TestSpreadChunk(t *testing.T) {
+	for _, tt := range []struct{ L, C, streams, es, want int }{
 		{8 << 20, 4 << 20, 8, 4, 1 << 20},  // 16 MiB: a megabyte per stream
 		{32 << 20, 4 << 20, 8, 4, 4 << 20}, // 64 MiB: the call's chunk
 		{12 << 20, 4 << 20, 8, 4, 3 << 19}, // 1.5 MiB per stream
@@ -169,7 +171,7 @@ func TestTwoMemberChunk(t *testing.T) {
 		{10 << 20, 4 << 20, 3, 2, 3495254}, // ceil(10 MiB / 3), even
 		{6, 4 << 20, 8, 2, 1 << 20},
 	} {
-		got := twoMemberChunk(tt.half, tt.C, tt.streams, tt.es)
+		got := SpreadChunk(tt.L, tt.C, tt.streams, tt.es)
 		assert.Equal(t, tt.want, got, "%+v", tt)
 		assert.Zero(t, got%tt.es, "%+v: whole elements", tt)
 	}
@@ -194,5 +196,59 @@ func TestSplitBytesMismatch(t *testing.T) {
 		require.Error(t, err, "member %d", m)
 		t.Logf("member %d: %v", m, err)
 		assert.ErrorContains(t, err, "SplitBytes", "member %d", m)
+	}
+}
+
+// countMesh counts the frames sent on each data stream (its streams have
+// only the methods of transport.Stream).
+type countMesh struct {
+	transport.Mesh
+	sent []atomic.Int64
+}
+
+type countStream struct {
+	transport.Stream
+	n *atomic.Int64
+}
+
+func (m *countMesh) Stream(peer, i int) transport.Stream {
+	return countStream{m.Mesh.Stream(peer, i), &m.sent[i]}
+}
+
+func (s countStream) Send(ctx context.Context, h wire.Header, p []byte) error {
+	s.n.Add(1)
+	return s.Stream.Send(ctx, h, p)
+}
+
+// With a chunk larger than a stream's share, a raw exchange and a ring of
+// two cut their segments into a chunk per stream, and the results stay
+// the reference's.
+func TestSpreadChunksRun(t *testing.T) {
+	const streams = 3
+	for _, tt := range []struct {
+		L     int
+		algo  string
+		sends int64 // frames per stream
+	}{
+		{3<<20 + 4, AlgoExchange, 1},
+		{6<<20 + 8, AlgoRing, 2},
+	} {
+		mem := transport.NewMem(2, streams, false)
+		meshes := make([]transport.Mesh, 2)
+		counts := make([]*countMesh, 2)
+		for m := range mem {
+			counts[m] = &countMesh{Mesh: mem[m], sent: make([]atomic.Int64, streams)}
+			meshes[m] = counts[m]
+		}
+		cl := newClusterMesh(t, meshes, Options{ChunkBytes: 4 << 20, SplitBytes: 5 << 20}, DefaultMaxUnexpected)
+		rng := rand.New(rand.NewPCG(97, uint64(tt.L)))
+		inputs := [][]byte{randData(rng, reduce.Float32, tt.L/4), randData(rng, reduce.Float32, tt.L/4)}
+		runAllReduce(t, cl, reduce.Float32, reduce.Sum, Codec{}, inputs, ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 2), tt.algo, tt.algo)
+		for m := range counts {
+			for s := range streams {
+				assert.Equal(t, tt.sends, counts[m].sent[s].Load(), "%s, member %d, stream %d", tt.algo, m, s)
+			}
+		}
+		cl.close()
 	}
 }

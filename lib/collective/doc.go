@@ -73,9 +73,12 @@
 // reduces half the buffer and reads half its destination back, and the
 // half it sends second is still in cache from the reduction. It keeps the
 // exchange's order, x0 op x1 in both halves (the ring's own order would
-// put the partial first), so which of the two ran changes no bit, and
-// cuts the halves into a chunk per stream (at least 1 MiB, at most
-// ChunkBytes) where ChunkBytes would leave streams idle.
+// put the partial first), so which of the two ran changes no bit.
+//
+// A raw exchange or ring cuts a segment of fewer than Streams chunks of
+// ChunkBytes into a chunk per stream instead (at least 1 MiB: SpreadChunk),
+// so that a 4 MiB exchange or a ring's 4 MiB segments do not ride on one
+// stream of eight.
 //
 // With three or more members and more than Options.SmallBytes bytes
 // (below: recursive doubling) it is a pipelined ring: a reduce-scatter of

@@ -76,7 +76,9 @@ type SweepOptions struct {
 	// most MaxTimedCalls). A few calls of a few milliseconds measure mostly
 	// the first calls after the barrier.
 	MinTime time.Duration
-	// ChunkB is the frame size of the raw exchange.
+	// ChunkB is the frame size of the raw exchange, at most: like the
+	// all_reduce, it cuts a buffer of fewer than one ChunkB per stream
+	// into a frame per stream (collective.SpreadChunk).
 	ChunkB int
 	// Row, if set, receives each row as soon as it is measured (member 0).
 	Row func(BenchRow)
@@ -331,7 +333,8 @@ func (b *benchBufs) run(ctx context.Context, m *bridge.Member, o SweepOptions, g
 	case "reduce_scatter":
 		return m.Comm.ReduceScatterCodec(ctx, b.buf, b.in, o.DType, o.Op, cd, nil)
 	case "exchange":
-		return exchange(ctx, m, b.buf, o.ChunkB, got)
+		// Frames cut as the all_reduce's exchange cuts them.
+		return exchange(ctx, m, b.buf, collective.SpreadChunk(len(b.buf), o.ChunkB, m.Mesh.Streams(), o.DType.Size()), got)
 	case "memcpy":
 		copy(b.in, b.buf)
 		return nil
