@@ -275,7 +275,7 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
         p(
             "Algorithms the rows ran (`algorithm` in the rows; exchange: the two members send each other "
             "their buffers through the transport; ring: the pipelined ring"
-            + (", with two members a reduce-scatter then an all-gather, each reducing half" if two_rings else "")
+            + (", with two members a reduce-scatter then an all-gather" if two_rings else "")
             + "; direct: the members read each other's shared memory"
             + (
                 "; direct-write: the same, each piece's owner writing the result into every member's buffer"
