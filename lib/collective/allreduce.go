@@ -21,28 +21,17 @@ func (c *Comm) AllReduce(ctx context.Context, buf []byte, dt reduce.DType, op re
 	return c.AllReduceCodec(ctx, buf, dt, op, Codec{}, p)
 }
 
-// resolveSmall turns Options.SmallBytes into the threshold a Comm uses:
-// 0 the default, negative -1 (off).
-func resolveSmall(small int) int {
+// resolveThreshold turns an Options byte threshold (SmallBytes,
+// SplitBytes) into the one a Comm uses: 0 its default def, negative -1
+// (off).
+func resolveThreshold(v, def int) int {
 	switch {
-	case small == 0:
-		return DefaultSmallBytes
-	case small < 0:
+	case v == 0:
+		return def
+	case v < 0:
 		return -1
 	}
-	return small
-}
-
-// resolveSplit turns Options.SplitBytes into the threshold a Comm uses:
-// 0 the default, negative -1 (off).
-func resolveSplit(split int) int {
-	switch {
-	case split == 0:
-		return DefaultSplitBytes
-	case split < 0:
-		return -1
-	}
-	return split
+	return v
 }
 
 // splits says whether an exact all_reduce of L bytes per member that

@@ -191,25 +191,34 @@ func TestRecursiveDoublingReady(t *testing.T) {
 				inputs[m] = randData(rng, reduce.Float32, rdSmall/4-3)
 			}
 			want := ReferenceAllReduceAlgo(AlgoRecursiveDoubling, reduce.Sum, reduce.Float32, inputs, members)
-			bufs := make([][]byte, members)
-			recs := make([]*doneRecorder, members)
-			gates := make([]*readyGate, members)
-			for m := range bufs {
-				bufs[m] = make([]byte, len(inputs[m]))
-				garbage(bufs[m])
-				recs[m] = &doneRecorder{buf: bufs[m]}
-				gates[m] = newReadyGate(t, len(bufs[m]))
-				go gates[m].release(bufs[m], inputs[m], 300, 100*time.Microsecond)
-			}
-			requireNoErrors(t, cl.each(func(m int, c *Comm) error {
-				return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, &Progress{Ready: gates[m].ready, Done: recs[m].done})
-			}))
-			for m := range bufs {
-				requireBits(t, want, bufs[m], 4, "member %d", m)
-				recs[m].check(t, want, fmt.Sprintf("member %d", m))
-				assert.Equal(t, AlgoRecursiveDoubling, cl.comms[m].Algorithm())
-			}
+			runReady(t, cl, inputs, want, 300, AlgoRecursiveDoubling)
 		})
+	}
+}
+
+// runReady runs a float32 sum all_reduce of inputs on cl with every
+// member's input released piece bytes at a time through Progress.Ready
+// (into a buffer of garbage until then), and checks the result against
+// want, the ranges reported done, and the algorithm that ran.
+func runReady(t *testing.T, cl *cluster, inputs [][]byte, want []byte, piece int, algo string) {
+	t.Helper()
+	bufs := make([][]byte, len(inputs))
+	recs := make([]*doneRecorder, len(inputs))
+	gates := make([]*readyGate, len(inputs))
+	for m := range bufs {
+		bufs[m] = make([]byte, len(inputs[m]))
+		garbage(bufs[m])
+		recs[m] = &doneRecorder{buf: bufs[m]}
+		gates[m] = newReadyGate(t, len(bufs[m]))
+		go gates[m].release(bufs[m], inputs[m], piece, 100*time.Microsecond)
+	}
+	requireNoErrors(t, cl.each(func(m int, c *Comm) error {
+		return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, &Progress{Ready: gates[m].ready, Done: recs[m].done})
+	}))
+	for m := range bufs {
+		requireBits(t, want, bufs[m], 4, "member %d", m)
+		recs[m].check(t, want, fmt.Sprintf("member %d", m))
+		assert.Equal(t, algo, cl.comms[m].Algorithm(), "member %d", m)
 	}
 }
 

@@ -114,25 +114,7 @@ func TestSplitReady(t *testing.T) {
 	cl := newCluster(t, 2, 2, Options{ChunkBytes: testChunk, SplitBytes: splitSmall})
 	rng := rand.New(rand.NewPCG(96, 1))
 	inputs := [][]byte{randData(rng, reduce.Float32, 3*splitSmall/4-1), randData(rng, reduce.Float32, 3*splitSmall/4-1)}
-	want := ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 2)
-	bufs := make([][]byte, 2)
-	recs := make([]*doneRecorder, 2)
-	gates := make([]*readyGate, 2)
-	for m := range bufs {
-		bufs[m] = make([]byte, len(inputs[m]))
-		garbage(bufs[m])
-		recs[m] = &doneRecorder{buf: bufs[m]}
-		gates[m] = newReadyGate(t, len(bufs[m]))
-		go gates[m].release(bufs[m], inputs[m], 700, 100*time.Microsecond)
-	}
-	requireNoErrors(t, cl.each(func(m int, c *Comm) error {
-		return c.AllReduce(context.Background(), bufs[m], reduce.Float32, reduce.Sum, &Progress{Ready: gates[m].ready, Done: recs[m].done})
-	}))
-	for m := range bufs {
-		requireBits(t, want, bufs[m], 4, "member %d", m)
-		recs[m].check(t, want, fmt.Sprintf("member %d", m))
-		assert.Equal(t, AlgoRing, cl.comms[m].Algorithm())
-	}
+	runReady(t, cl, inputs, ReferenceAllReduce(reduce.Sum, reduce.Float32, inputs, 2), 700, AlgoRing)
 }
 
 // Options.SplitBytes: 0 is the default, negative is off, the threshold is

@@ -259,8 +259,8 @@ func newComm(mesh transport.Mesh, o Options, maxUnexpected int64) *Comm {
 	if c.chunk <= 0 {
 		c.chunk = DefaultChunkBytes
 	}
-	c.small = resolveSmall(o.SmallBytes)
-	c.split = resolveSplit(o.SplitBytes)
+	c.small = resolveThreshold(o.SmallBytes, DefaultSmallBytes)
+	c.split = resolveThreshold(o.SplitBytes, DefaultSplitBytes)
 	c.stream = o.StreamBytes
 	switch {
 	case c.stream == 0:
