@@ -123,6 +123,7 @@ func (m *tcpMesh) Abort(err error) {
 			}
 			defer s.smu.Unlock()
 			if s.sbroken == nil {
+				s.wg.detach(until)
 				_ = s.writeFrame(wire.Header{Kind: wire.KindAbort}, msg)
 			}
 		}()
@@ -142,7 +143,7 @@ func (m *tcpMesh) Close() error {
 		m.each(func(s *tcpStream) {
 			if s.smu.TryLock() {
 				if s.sbroken == nil {
-					s.wg.setLimit(until)
+					s.wg.detach(until)
 					_ = s.writeFrame(wire.Header{Kind: wire.KindClose}, nil)
 				}
 				s.smu.Unlock()

@@ -87,6 +87,27 @@ func (g *guard) setLimit(t time.Time) {
 	g.apply(dl)
 }
 
+// detach leaves the context of earlier I/O behind and bounds the next
+// I/O by t alone: for the frames Close and Abort write outside any call.
+// The guard keeps a context's hook after its I/O returned (so that a call
+// registers it once), and a call's context ends when the call does: its
+// hook then puts the deadline in the past, where setLimit leaves it (it
+// must not revive I/O that a cancellation stopped), so without detach
+// those frames would fail at once, and the peer would read a bare end of
+// the connection instead of the close or the abort. Callers hold the lock
+// of the guarded direction (no I/O is in flight).
+func (g *guard) detach(t time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.stop != nil {
+		g.stop()
+		g.stop = nil
+	}
+	// A hook already running finds another context here and does nothing.
+	g.ctx, g.fired, g.limit = nil, false, t
+	g.setLocked(t)
+}
+
 // release drops the cancellation hook.
 func (g *guard) release() {
 	g.mu.Lock()
