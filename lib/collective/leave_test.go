@@ -1,37 +1,19 @@
 package collective
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
-	"sync"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/gpubridge/gpubridge/lib/reduce"
+	"github.com/gpubridge/gpubridge/lib/store/storetest"
 	"github.com/gpubridge/gpubridge/lib/testenv"
 	"github.com/gpubridge/gpubridge/lib/transport"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
-
-// logBuffer collects a communicator's log records.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 // TestLeaveLogsPeerClosed: a member that leaves as gbbridge's members do
 // (a barrier after its last collective, then Close, a moment later) is
@@ -44,7 +26,7 @@ func TestLeaveLogsPeerClosed(t *testing.T) {
 		t.Run(string(kind), func(t *testing.T) {
 			timeout := testenv.Scale(20 * time.Second)
 			meshes := realMeshesRing(t, kind, 2, 2, 256<<10, 2)
-			var logs [2]logBuffer
+			var logs [2]storetest.SyncBuffer
 			comms := make([]*Comm, 2)
 			for i, m := range meshes {
 				log := slog.New(slog.NewTextHandler(&logs[i], &slog.HandlerOptions{Level: slog.LevelDebug}))
@@ -70,7 +52,7 @@ func TestLeaveLogsPeerClosed(t *testing.T) {
 			require.ErrorIs(t, pr.lost, transport.ErrPeerClosed)
 			assert.NotErrorIs(t, pr.lost, transport.ErrConnClosed)
 			require.Eventually(t, func() bool {
-				return bytes.Contains([]byte(logs[0].String()), []byte("msg=\"bridge member"))
+				return strings.Contains(logs[0].String(), `msg="bridge member`)
 			}, timeout, time.Millisecond)
 			out := logs[0].String()
 			assert.Contains(t, out, `level=DEBUG msg="bridge member closed"`)

@@ -31,10 +31,7 @@ func (g *guard) arm(ctx context.Context) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.ctx != ctx {
-		if g.stop != nil {
-			g.stop()
-			g.stop = nil
-		}
+		g.unhook()
 		g.ctx, g.fired = ctx, false
 		if ctx.Done() != nil {
 			g.stop = context.AfterFunc(ctx, func() { g.cancel(ctx) })
@@ -99,22 +96,24 @@ func (g *guard) setLimit(t time.Time) {
 func (g *guard) detach(t time.Time) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	g.unhook()
+	// A hook already running finds another context here and does nothing.
+	g.ctx, g.fired, g.limit = nil, false, t
+	g.setLocked(t)
+}
+
+// unhook drops the cancellation hook of g.ctx, if any. Callers hold mu.
+func (g *guard) unhook() {
 	if g.stop != nil {
 		g.stop()
 		g.stop = nil
 	}
-	// A hook already running finds another context here and does nothing.
-	g.ctx, g.fired, g.limit = nil, false, t
-	g.setLocked(t)
 }
 
 // release drops the cancellation hook.
 func (g *guard) release() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.stop != nil {
-		g.stop()
-		g.stop = nil
-	}
+	g.unhook()
 	g.ctx = nil
 }
