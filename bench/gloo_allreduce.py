@@ -2,7 +2,7 @@
 tensors, N ranks on this host, the same sizes and row format as
 `gbbridge bench --json` (schema gpubridge.bench/v1, transport "torch gloo").
 
-Usage: python gloo_allreduce.py --members 2 --sizes 1048576,16777216 --iters 5
+Usage: python gloo_allreduce.py --members 2 --sizes 1M,16M --iters 5
 
 --min-time S: where --iters calls take less than S seconds, times as many
 calls again as fill it (the rule of `gbbridge bench --min-time`, at most
@@ -93,17 +93,31 @@ def worker(rank: int, n: int, port: int, sizes: list[int], iters: int, warmup: i
     dist.destroy_process_group()
 
 
+def parse_size(s: str) -> int:
+    """'4M' -> 4194304; plain bytes pass through (gbbridge bench's --sizes)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    s = s.strip()
+    if s and s[-1].upper() in units:
+        return int(s[:-1]) * units[s[-1].upper()]
+    return int(s)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--members", type=int, default=2)
-    p.add_argument("--sizes", default="1048576,16777216,268435456")
+    p.add_argument(
+        "--sizes", default="1M,16M,256M", help="bytes, comma-separated; K/M/G: powers of 1024, as gbbridge's"
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--min-time", type=float, default=0.0, help="seconds (0: --iters calls at every size)")
     a = p.parse_args()
     if a.min_time < 0:
         p.error("--min-time must be 0 or more")
-    sizes = [int(s) for s in a.sizes.split(",")]
+    try:
+        sizes = [parse_size(s) for s in a.sizes.split(",")]
+    except ValueError as e:
+        p.error(f"--sizes: {e}")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     mp.start_processes(
         worker,

@@ -66,13 +66,10 @@ for s in 4 8; do
   bench "shm-allreduce-4m-s$s" --members 4 --transport shm --streams "$s" --collective all_reduce --sizes "$sizes"
 done
 
-bytes=$("$py" -c 'import sys
-m={"K":1<<10,"M":1<<20,"G":1<<30}
-print(",".join(str(int(s[:-1])*m[s[-1]]) if s[-1] in m else s for s in sys.argv[1].split(",")))' "$sizes")
 for n in 2 4; do
   [[ gloo-$n =~ $only ]] || continue
   echo "== gloo, $n ranks" >&2
-  "$py" "$here/gloo_allreduce.py" --members "$n" --sizes "$bytes" --iters "$iters" --min-time "$mintime" | tag "gloo-$n" >> "$rows" \
+  "$py" "$here/gloo_allreduce.py" --members "$n" --sizes "$sizes" --iters "$iters" --min-time "$mintime" | tag "gloo-$n" >> "$rows" \
     || echo "!! gloo $n failed" >&2
 done
 

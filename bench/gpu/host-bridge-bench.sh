@@ -55,12 +55,9 @@ b shm-allreduce-s8-copy --members 2 --transport shm --streams 8 --peer-writes of
 b tcp-allreduce-4m-s8 --members 4 --transport tcp --streams 8
 b shm-allreduce-4m-s8 --members 4 --transport shm --streams 8
 b shm-allreduce-4m-s8-copy --members 4 --transport shm --streams 8 --peer-writes off
-bytes=$("$PY" -c 'import sys
-m={"K":1<<10,"M":1<<20,"G":1<<30}
-print(",".join(str(int(s[:-1])*m[s[-1]]) if s[-1] in m else s for s in sys.argv[1].split(",")))' "$sizes")
 for n in 2 4; do
   s=$(date +%s)
-  timeout -k 5 "$limit" "$PY" bench/gloo_allreduce.py --members "$n" --sizes "$bytes" --iters "$iters" --min-time "$mintime" | tag "gloo-$n" >> "$rows"
+  timeout -k 5 "$limit" "$PY" bench/gloo_allreduce.py --members "$n" --sizes "$sizes" --iters "$iters" --min-time "$mintime" | tag "gloo-$n" >> "$rows"
   echo "== gloo-$n: rc=${PIPESTATUS[0]} in $(( $(date +%s) - s ))s"
 done
 "$PY" bench/report.py "$rows" "$(nproc --all)-core GPU host (CPUs only), commit $GB_COMMIT" > "$out/report.md"

@@ -47,11 +47,8 @@ for pass in $(seq "${GB_PASSES:-2}"); do
   b tcp-allreduce-4m-s8 "$pass" bin/gbbridge "${four[@]}"
   [ -n "$before" ] && b tcp-allreduce-4m-s8-before "$pass" "$before" "${four[@]}"
 done
-bytes=$("$PY" -c 'import sys
-m={"K":1<<10,"M":1<<20,"G":1<<30}
-print(",".join(str(int(s[:-1])*m[s[-1]]) if s[-1] in m else s for s in sys.argv[1].split(",")))' "$sizes4")
 for n in 2 4; do
-  timeout 200 "$PY" bench/gloo_allreduce.py --members "$n" --sizes "$bytes" --iters 3 --min-time 0.2 | "$PY" bench/tag_rows.py "gloo-$n" >> "$rows"
+  timeout 200 "$PY" bench/gloo_allreduce.py --members "$n" --sizes "$sizes4" --iters 3 --min-time 0.2 | "$PY" bench/tag_rows.py "gloo-$n" >> "$rows"
   echo "== gloo-$n rc ${PIPESTATUS[0]} $(( $(date +%s) - t0 ))s" >&2
 done
 "$PY" - "$rows" <<'PY'
