@@ -18,11 +18,15 @@ VENDOR:ISLAND per rank). MODE:
   inside islands and between leaders only: no rank that leads no island may
   have started an endpoint.
 
-Writes OUTDIR/rank<R>.json: {"ok": true, ...} or {"error": text}.
+Writes OUTDIR/rank<R>.json: {"ok": true, ...} or {"error": text}. A call
+that stalls fails at the group's timeout (GROUP_TIMEOUT_S, well within the
+test's deadline for the job), so that a stuck transfer is reported by every
+rank, naming its peer, rather than killed from outside.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -32,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from testenv import scale
 
 rank = int(os.environ["RANK"])
 vendors = sys.argv[1].split(",")
@@ -53,6 +58,7 @@ SHAPES = [(torch.float32, 5000), (torch.bfloat16, 33), (torch.int64, 7)]
 # bytes: 14 chunks, 4096 grown to 12288 to stay within the window's 16).
 BIG_TAGS = ((1 << 24) + 5, (1 << 31) - 1)
 LONG = 40000
+GROUP_TIMEOUT_S = scale(60)
 
 
 def payload(src: int, dst: int, tag: int, k: int, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -154,7 +160,7 @@ def leaders_only(world: int, topo: dict) -> int:
 
 def main() -> int:
     try:
-        dist.init_process_group(backend="gpubridge")
+        dist.init_process_group(backend="gpubridge", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     except RuntimeError as e:
         (outdir / f"rank{rank}.json").write_text(json.dumps({"error": str(e)}))
         return 3

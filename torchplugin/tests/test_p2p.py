@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from test_backend import needs_tools, run_job  # (tests/ is on sys.path under pytest)
+from testenv import scale
 
 from gpubridge._endpoints import pair_bridge
 
@@ -23,7 +24,10 @@ OTHER_LAYOUT = pytest.mark.torch_independent("another layout: gpubridge's routin
 
 
 def launch(tmp_path: Path, vendors: list[str], mode: str) -> list[dict[str, Any]]:
-    rc, results, out = run_job(tmp_path, WORKER, len(vendors), [",".join(vendors), str(tmp_path), mode])
+    # The job's deadline leaves room for the workers' group timeout (60 s
+    # scaled) after a slow start: a stalled call is reported by the ranks.
+    args = [",".join(vendors), str(tmp_path), mode]
+    rc, results, out = run_job(tmp_path, WORKER, len(vendors), args, timeout=scale(180))
     for r, res in enumerate(results):
         assert res.get("ok"), f"rank {r}: {res.get('error')}\n{out[-6000:]}"
     assert rc == 0, out[-6000:]
