@@ -1,7 +1,7 @@
 """What a test does with a job that outlived its deadline: a hang is only
 worth a failure if the failure says where everyone stood. Every process of
 the job's process tree is asked for its stacks (Python ranks: SIGABRT, dumped by
-faulthandler, which job_env turns on; gbbridge serve: SIGQUIT, the Go
+faulthandler, which run turns on; gbbridge serve: SIGQUIT, the Go
 runtime's goroutine dump, read from its stderr file through /proc since the
 rank holds that file), then every one of them is killed so that nothing
 is left behind."""
@@ -13,8 +13,11 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import pytest
 
 # How long the stack dumps get before everything is killed.
 DUMP_GRACE_S = 5.0
@@ -50,10 +53,15 @@ def _cmdline(pid: int) -> list[bytes]:
         return []
 
 
-def stop(p: subprocess.Popen[bytes]) -> tuple[str, str]:
-    """Dumps every process of p's tree, kills them all and returns (p's
-    output, the bridges' dumps). p must have been started with stdout=PIPE
-    (stderr folded into it)."""
+def _text(b: bytes | str | None) -> str:
+    if b is None:
+        return ""
+    return b if isinstance(b, str) else b.decode("utf-8", "replace")
+
+
+def stop(p: subprocess.Popen[Any]) -> tuple[str, str]:
+    """Dumps every process of p's tree, kills them all and returns (what p
+    wrote on its pipes, stdout then stderr; the bridges' dumps)."""
     bridges: dict[int, IO[bytes]] = {}
     first = tree(p.pid)
     for pid in first:
@@ -76,10 +84,34 @@ def stop(p: subprocess.Popen[bytes]) -> tuple[str, str]:
     for pid in {*first, *tree(p.pid)}:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    out, _ = p.communicate()
+    out, err = p.communicate()
     dumps = []
     for pid, f in bridges.items():
         with f:
             text = f.read().decode("utf-8", "replace")
         dumps.append(f"--- gbbridge {pid}, its stderr's end:\n{text[-BRIDGE_DUMP_CHARS:]}")
-    return out.decode("utf-8", "replace"), "\n".join(dumps)
+    return _text(out) + _text(err), "\n".join(dumps)
+
+
+def run(
+    cmd: Sequence[str], *, timeout: float, note: Callable[[], str] | None = None, **kw: Any
+) -> subprocess.CompletedProcess[Any]:
+    """subprocess.run(cmd, capture_output=True, check=False, **kw) for a
+    job: one still running after timeout fails the test with every
+    process's stacks (stop), and none is left; note() adds what the test
+    knows of the job, read before the stacks are asked for."""
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    kw["env"] = {**(kw.get("env") or os.environ), "PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(cmd, **kw) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            known = f" ({note()})" if note else ""
+            text, dumps = stop(p)
+            pytest.fail(
+                f"{' '.join(cmd[:4])} ... still ran after {timeout:.0f} s{known}; every process's "
+                f"stacks follow\n{text[-30000:]}\n{dumps}",
+                pytrace=False,
+            )
+    return subprocess.CompletedProcess(list(cmd), p.returncode, out, err)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hung
 import pytest
 from testenv import scale
 
@@ -77,7 +78,7 @@ def test_fsdp_example_reports_the_bridge(tmp_path: Path) -> None:
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(EXAMPLES / "fsdp_train.py"), "--steps", "2", "--layers", "1", "--dim", "32"]
-    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scale(180))
+    p = hung.run(cmd, cwd=tmp_path, env=env, text=True, timeout=scale(180))
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     lines = p.stderr.splitlines()
     assert "island nvidia: ranks [0], leader 0, gloo" in lines, p.stderr[-3000:]
@@ -102,7 +103,7 @@ def test_pipeline_example_is_exact(tmp_path: Path, schedule: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(EXAMPLES / "pipeline_train.py"), "--schedule", schedule, "--steps", "3", "--check", "--json"]
     cmd += ["--dim", "32", "--layers", "2", "--seq-len", "32", "--vocab", "64"]
-    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scale(180))
+    p = hung.run(cmd, cwd=tmp_path, env=env, text=True, timeout=scale(180))
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert sorted(r["stage"] for r in rows) == [0, 1], p.stdout

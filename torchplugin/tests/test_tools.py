@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hung
 import pytest
 import torch.distributed as dist
 from testenv import scale
@@ -550,7 +551,7 @@ def test_startup_failure_under_torchrun(tmp_path: Path, fault: str, path: str) -
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(WORKER), "nvidia,amd", str(tmp_path / "out"), fault, path, str(tmp_path / "tools"),
     ]  # fmt: skip
-    p = subprocess.run(cmd, env=env, capture_output=True, timeout=120, check=False, cwd=tmp_path)
+    p = hung.run(cmd, env=env, timeout=scale(120), cwd=tmp_path)
     output = (p.stdout + p.stderr).decode("utf-8", "replace")
     assert p.returncode != 0, output[-4000:]
     results = []

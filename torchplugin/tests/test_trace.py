@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hung
 import pytest
 import torch.distributed as dist
 from test_backend import (  # (tests/ is on sys.path under pytest)
@@ -533,7 +534,7 @@ def test_torch_flight_recorder_dumps(tmp_path: Path) -> None:
     env = dict(os.environ, TORCH_FR_BUFFER_SIZE="100", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(job), str(tmp_path), str(round(scale(5)))]  # fmt: skip
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scale(180), check=False)
+    p = hung.run(cmd, env=env, text=True, timeout=scale(180))
     assert p.returncode == 0, p.stdout + p.stderr
     for form in ("fr_", "frp_"):
         d = tmp_path / form
