@@ -127,3 +127,35 @@ func TestAbortAfterCallsEnded(t *testing.T) {
 		})
 	}
 }
+
+// A frame a peer published just before it closed is read, not lost, even
+// when the reader looked at the ring just before the frame and at the
+// peer's state just after the close (a rank's last send of a job: its
+// receiver used to fail with "closed its end of the bridge" instead).
+func TestSHMFrameBeforeCloseIsRead(t *testing.T) {
+	meshes := newBridge(t, SHM, 2, 2, false).mustEstablish(t)
+	reader := meshes[0].(*shmMesh)
+	var once sync.Once
+	sendErr := make(chan error, 1)
+	reader.beforePeerCheck = func() {
+		once.Do(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), testenv.Scale(10*time.Second))
+			defer cancel()
+			sendErr <- streamOf(meshes[1], 0, 0).Send(ctx, wire.Header{Kind: wire.KindData}, []byte("last"))
+			_ = meshes[1].Close()
+		})
+	}
+	ctx, cancel := context.WithTimeout(WithSpin(context.Background(), 0), testenv.Scale(10*time.Second))
+	defer cancel()
+	var got []byte
+	err := streamOf(meshes[0], 1, 0).Recv(ctx, func(_ wire.Header, p []byte) error {
+		got = append([]byte(nil), p...)
+		return nil
+	})
+	require.NoError(t, <-sendErr)
+	require.NoError(t, err)
+	assert.Equal(t, "last", string(got))
+	// The next receive finds the close.
+	err = streamOf(meshes[0], 1, 0).Recv(ctx, func(wire.Header, []byte) error { return nil })
+	assert.ErrorIs(t, err, ErrPeerClosed)
+}

@@ -251,6 +251,10 @@ type shmMesh struct {
 	closing  atomic.Bool
 	aborting atomic.Bool
 
+	// beforePeerCheck, set by tests only, runs in a sleeping wait between
+	// its look at the ring and its look at the peer's state.
+	beforePeerCheck func()
+
 	mu        sync.Mutex
 	ops       int
 	closed    bool
@@ -449,11 +453,14 @@ func SpinFrom(ctx context.Context) (time.Duration, bool) {
 }
 
 // wait blocks until ready returns true. seq and waiting are the futex word
-// and the flag of this side; peerClosed reports the other side's close.
+// and the flag of this side; peerState reports the other side's close.
+// drain (the receiving side) looks at the ring once more after it saw the
+// peer close or die: a peer publishes its frames before it closes, so a
+// frame it sent last, published after this side's look, is still read.
 // It spins for the mesh's spin (ctx's, when WithSpin set one), then sleeps
 // on the futex in slices of shmPoll, checking ctx, the mesh and the peer
 // between them.
-func (s *shmStream) wait(ctx context.Context, op string, ready func() bool, seq, waiting, peerState *atomic.Uint32, abort bool) error {
+func (s *shmStream) wait(ctx context.Context, op string, ready func() bool, seq, waiting, peerState *atomic.Uint32, abort, drain bool) error {
 	if ready() {
 		return nil
 	}
@@ -485,10 +492,19 @@ func (s *shmStream) wait(ctx context.Context, op string, ready func() bool, seq,
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("%s %s on stream %d: %w", op, m.Peer(s.peer), s.idx, err)
 		}
+		if m.beforePeerCheck != nil {
+			m.beforePeerCheck()
+		}
 		if peerState.Load() != 0 {
+			if drain && ready() {
+				return nil
+			}
 			return &PeerError{Peer: m.Peer(s.peer), Err: ErrPeerClosed}
 		}
 		if m.peerGone(s.peer) {
+			if drain && ready() {
+				return nil
+			}
 			died := m.died[s.peer]
 			return &PeerError{Peer: m.Peer(s.peer), Err: &died}
 		}
@@ -578,7 +594,7 @@ func (s *shmStream) reserve(ctx context.Context, need uint64, abort bool) (uint6
 			n = room
 		}
 		if err := s.wait(ctx, "send to", func() bool { return r.cap-(head-r.tail.Load()) >= n },
-			r.consSeq, r.prodWaiting, r.consState, abort); err != nil {
+			r.consSeq, r.prodWaiting, r.consState, abort, false); err != nil {
 			return 0, err
 		}
 		if n == need {
@@ -717,7 +733,7 @@ func (s *shmStream) next(ctx context.Context, dst *[]byte) (h wire.Header, p []b
 	for {
 		rd := s.rd
 		if err := s.wait(ctx, "receive from", func() bool { return r.head.Load() != rd },
-			r.prodSeq, r.consWaiting, r.prodState, false); err != nil {
+			r.prodSeq, r.consWaiting, r.prodState, false, true); err != nil {
 			var pe *PeerError
 			if errors.As(err, &pe) {
 				s.rbroken = err
