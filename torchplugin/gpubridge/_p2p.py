@@ -309,8 +309,10 @@ class _Runner:
             fn = self._q.get()
             if fn is None:
                 return
+            returned = False
             try:
                 fn()
+                returned = True
             finally:
                 # An idle thread must not keep its last transfer (its
                 # tensors, future and events) alive until the process ends.
@@ -318,7 +320,9 @@ class _Runner:
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()
-                    keep = self._idle < self._KEEP
+                    # A thread that a raise is about to end is not idle: a
+                    # submit that counted on it would never run.
+                    keep = returned and self._idle < self._KEEP
                     if keep:
                         self._idle += 1
                     else:

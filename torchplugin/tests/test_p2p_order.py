@@ -274,6 +274,32 @@ def test_runner_close_joins_its_threads_and_drops_their_transfers() -> None:
     assert all(r() is None for r in refs)
 
 
+def test_runner_runs_the_next_transfer_after_one_raised() -> None:
+    """A transfer that raises ends its thread (threading's excepthook reports
+    it); the thread must not count as idle, or the next transfer would wait
+    for it forever."""
+
+    def fails() -> None:
+        raise RuntimeError("a transfer's bug")
+
+    runner = _Runner("test-p2p-raise")
+    hooked: list[BaseException | None] = []
+    old, threading.excepthook = threading.excepthook, lambda a: hooked.append(a.exc_value)
+    try:
+        runner.submit(fails)
+        deadline = time.monotonic() + scale(30)
+        while not hooked:
+            assert time.monotonic() < deadline, "the failing transfer never ran"
+            time.sleep(0.01)
+        ran = threading.Event()
+        runner.submit(ran.set)
+        assert ran.wait(scale(30)), "the transfer after a raise never ran"
+    finally:
+        threading.excepthook = old
+        runner.close(scale(30))
+    assert [str(e) for e in hooked] == ["a transfer's bug"]
+
+
 @pytest.mark.parametrize(
     ("n", "want"),
     [
