@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -53,6 +54,9 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 		}
 	}()
 
+	for _, p := range sweepStaleRings(shmDir, time.Now()) {
+		s.log.Info("removed a ring file whose member died during its set-up", "path", p)
+	}
 	// Our file: our outbound rings.
 	path := filepath.Join(shmDir, fmt.Sprintf("gpubridge-%x-m%d", s.job[:8], self))
 	own, err := createRingFile(path, lay.fileSize())
