@@ -25,6 +25,7 @@ from gpubridge._feed_protocol import MAX_MESSAGE, FeedError, FeedTimeout
 __all__ = ["BridgeProcess", "start_bridge", "start_bridge_lasting"]
 
 _GIVE_UP_POLL_S = 0.25  # how often wait_ready asks its give_up
+_SETUP_EXIT_S = 5.0  # how long a serve stopped in set-up gets to clean up
 
 
 @dataclass
@@ -47,7 +48,7 @@ class BridgeProcess:
         deadline. give_up, asked every _GIVE_UP_POLL_S while no line has come,
         returns why to stop waiting before the deadline (the bridge's other
         members will not come: another rank's set-up failed). On failure the
-        child is killed and FeedError carries its stderr."""
+        child is stopped and FeedError carries its stderr."""
         proc = self.proc
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout
@@ -76,7 +77,10 @@ class BridgeProcess:
                 raise FeedError(f"gpubridge: unexpected ready line from gbbridge serve: {line!r}")
         except BaseException as e:
             msg = self.stderr().strip()
-            self.kill()
+            # SIGTERM first: a serve still in set-up aborts it and removes
+            # what it made (an shm ring file holds ~100 MiB of /dev/shm
+            # until someone does); SIGKILL only if it does not go.
+            self.terminate(_SETUP_EXIT_S)
             if isinstance(e, FeedError) or not msg:
                 raise
             raise FeedError(f"gpubridge: gbbridge serve failed: {e}: {msg}") from e

@@ -119,13 +119,22 @@ def bad_bridge_env(tmp_path: Path) -> dict[str, str]:
     return {"GPUBRIDGE_BIN_DIR": str(tools), "GPUBRIDGE_BIN_STRICT": "1"}
 
 
+def ring_files() -> set[str]:
+    """The shm ring files and share sockets in /dev/shm (gbbridge's)."""
+    return {p.name for p in Path("/dev/shm").glob("gpubridge-*")}
+
+
 @needs_tools
 @SET_UP_AGREEMENT
 def test_bridge_cannot_start_on_one_leader(tmp_path: Path) -> None:
-    """Rank 2 (the AMD island's leader) has a gbbridge that fails at once."""
+    """Rank 2 (the AMD island's leader) has a gbbridge that fails at once.
+    Rank 0's gbbridge, in set-up, is stopped so that it removes its shm
+    ring file: SIGKILL left ~100 MiB of /dev/shm behind every time."""
+    before = ring_files()
     err = same_error(run(tmp_path, {}, {2: bad_bridge_env(tmp_path)}))
     assert err.startswith("gpubridge: set-up failed: rank 2: starting gbbridge serve:"), err
     assert "unknown flag --timeout" in err, err
+    assert ring_files() <= before, "a gbbridge stopped in set-up left its ring file"
 
 
 @needs_tools
