@@ -218,12 +218,23 @@ func shmMAC(secret, b []byte) [shmMACSize]byte {
 }
 
 func parseSHMHeader(b []byte, secret []byte) (shmHeader, error) {
-	if len(b) < shmHdrSize || string(b[:8]) != shmMagic {
-		return shmHeader{}, errors.New("not a gpubridge ring file")
+	h, err := decodeSHMHeader(b)
+	if err != nil {
+		return shmHeader{}, err
 	}
 	mac := shmMAC(secret, b)
 	if !hmac.Equal(mac[:], b[shmHdrSize-shmMACSize:shmHdrSize]) {
 		return shmHeader{}, errors.New("ring file header is not signed with this job's secret")
+	}
+	return h, nil
+}
+
+// decodeSHMHeader reads a header's fields without checking its signature:
+// for parseSHMHeader, and for the sweep of other jobs' files, whose secret
+// this member does not have.
+func decodeSHMHeader(b []byte) (shmHeader, error) {
+	if len(b) < shmHdrSize || string(b[:8]) != shmMagic {
+		return shmHeader{}, errors.New("not a gpubridge ring file")
 	}
 	le := binary.LittleEndian
 	h := shmHeader{

@@ -58,7 +58,7 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 		s.log.Info("removed a ring file whose member died during its set-up", "path", p)
 	}
 	// Our file: our outbound rings.
-	path := filepath.Join(shmDir, fmt.Sprintf("gpubridge-%x-m%d", s.job[:8], self))
+	path := ringPath(s.job, self)
 	own, err := createRingFile(path, lay.fileSize())
 	if err != nil {
 		return nil, err
@@ -132,6 +132,11 @@ func establishSHM(ctx context.Context, s *setup) (_ Mesh, err error) {
 	m.desc = fmt.Sprintf("shm, %d streams per peer%s, %s, %d MiB rings on %s", s.cfg.Streams, p2pWords(s.cfg.P2PStreams), crcWords(s.cfg.CRC),
 		(lay.dataCap-4096)>>20, eps[self].Hostname)
 	return m, nil
+}
+
+// ringPath is member self's ring file of job, while set-up runs.
+func ringPath(job [jobTagSize]byte, self int) string {
+	return filepath.Join(shmDir, fmt.Sprintf("gpubridge-%x-m%d", job[:8], self))
 }
 
 // oneHost refuses members on several hosts or in several pid namespaces

@@ -159,9 +159,10 @@ type shmShare struct {
 	closeOnce sync.Once
 }
 
-// sharePath is where member self of job listens during set-up.
+// sharePath is where member self of job listens during set-up: next to its
+// ring file (the sweep of stale ones relies on the name).
 func sharePath(job [jobTagSize]byte, self int) string {
-	return filepath.Join(shmDir, fmt.Sprintf("gpubridge-%x-m%d.sock", job[:8], self))
+	return ringPath(job, self) + ".sock"
 }
 
 // listenShare opens member self's share socket (replacing a stale one of

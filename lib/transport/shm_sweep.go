@@ -1,7 +1,6 @@
 package transport
 
 import (
-	"encoding/binary"
 	"errors"
 	"os"
 	"path/filepath"
@@ -24,7 +23,7 @@ import (
 // past an hour, and then the file's creator must also be gone.
 const staleRingAge = time.Hour
 
-// ringName is the name establishSHM gives a ring file.
+// ringName is the name ringPath gives a ring file (sharePath adds ".sock").
 var ringName = regexp.MustCompile(`^gpubridge-[0-9a-f]{16}-m[0-9]+$`)
 
 // sweepStaleRings removes the ring files in dir, with their share sockets,
@@ -81,11 +80,12 @@ func staleRing(path string, now time.Time) bool {
 		return false
 	}
 	var hb [shmHdrSize]byte
-	if n, _ := unix.Pread(fd, hb[:], 0); n < 20 || string(hb[:8]) != shmMagic {
+	n, _ := unix.Pread(fd, hb[:], 0)
+	h, err := decodeSHMHeader(hb[:max(n, 0)])
+	if err != nil {
 		return true
 	}
-	pid := int(binary.LittleEndian.Uint32(hb[16:]))
-	return pid > 0 && errors.Is(unix.Kill(pid, 0), unix.ESRCH)
+	return h.pid > 0 && errors.Is(unix.Kill(h.pid, 0), unix.ESRCH)
 }
 
 // staleSocket says whether the share socket at path, whose ring file is
