@@ -25,18 +25,22 @@ DUMP_GRACE_S = 5.0
 BRIDGE_DUMP_CHARS = 20000
 
 
+def stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state first,
+    then the parent's pid), or None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def tree(root: int) -> list[int]:
     """root and its living descendants (by parent links: torchrun starts
     each rank in a session of its own)."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
+        fields = stat(d) if d.isdigit() else None
+        if fields is not None and fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(d))
     out, todo = [], [root]
     while todo:

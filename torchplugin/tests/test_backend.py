@@ -53,8 +53,7 @@ def bridge_pids(tag: str | None = None) -> set[int]:
             continue
         try:
             cmd = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state == "Z" or not cmd or not cmd[0].endswith(b"gbbridge") or b"serve" not in cmd:
+            if not alive(d) or not cmd or not cmd[0].endswith(b"gbbridge") or b"serve" not in cmd:
                 continue
             if want is not None and want not in Path(f"/proc/{d}/environ").read_bytes().split(b"\0"):
                 continue
@@ -64,12 +63,9 @@ def bridge_pids(tag: str | None = None) -> set[int]:
     return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+def alive(pid: int | str) -> bool:
+    fields = hung.stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def job_env(tmp_path: Path) -> dict[str, str]:
