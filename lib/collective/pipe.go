@@ -160,9 +160,9 @@ func (pp *pipe) run() error {
 				// buffer, only for room in the queue.
 				q := make(chan heldPiece, transport.MaxHeldPieces-2)
 				pp.cl.spawn(func() error { return pp.pieceReader(s, ph, q) })
-				pp.cl.spawn(func() error { return pp.pieceConsumer(q, pp.newPieceSink(recvTok, sendTok, prog)) })
+				pp.cl.spawn(func() error { return pp.pieceConsumer(q, pp.newPieceSink(s, recvTok, sendTok, prog)) })
 			} else if pieces {
-				pp.cl.spawn(func() error { return pp.pieceReceiver(s, pr, pp.newPieceSink(recvTok, sendTok, prog)) })
+				pp.cl.spawn(func() error { return pp.pieceReceiver(s, pr, pp.newPieceSink(s, recvTok, sendTok, prog)) })
 			} else if h, ok := st.(transport.Holder); ok {
 				held := make(chan heldChunk, 1)
 				pp.cl.spawn(func() error { return pp.holdReceiver(s, h, held) })
@@ -228,7 +228,7 @@ func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}
 		waitSend := pp.recvWaits(k.t)
 		err := cl.recv(st, s, pp.prev, pp.stepOff+k.t, k.c, k.n, pp.primary, func(p []byte) error {
 			if waitSend {
-				if err := cl.await(sendTok); err != nil {
+				if err := cl.awaitSend(s, sendTok); err != nil {
 					return err
 				}
 			}
@@ -389,6 +389,7 @@ func (pp *pipe) pieceConsumer(q <-chan heldPiece, sink *pieceSink) (err error) {
 // most spillAfter for its send.
 type pieceSink struct {
 	pp          *pipe
+	s           int // the data stream
 	recvTok     chan<- struct{}
 	sendTok     <-chan struct{}
 	prog        *sendProgress
@@ -399,8 +400,8 @@ type pieceSink struct {
 	spilled     [][2]int // pieces in the spill buffer: offset, length
 }
 
-func (pp *pipe) newPieceSink(recvTok chan<- struct{}, sendTok <-chan struct{}, prog *sendProgress) *pieceSink {
-	return &pieceSink{pp: pp, recvTok: recvTok, sendTok: sendTok, prog: prog}
+func (pp *pipe) newPieceSink(s int, recvTok chan<- struct{}, sendTok <-chan struct{}, prog *sendProgress) *pieceSink {
+	return &pieceSink{pp: pp, s: s, recvTok: recvTok, sendTok: sendTok, prog: prog}
 }
 
 // begin starts chunk k.
@@ -425,7 +426,10 @@ func (ps *pieceSink) piece(off int, p []byte) error {
 	direct := ps.sent
 	if !direct && ps.prog != nil {
 		var err error
-		if direct, err = ps.prog.await(pp.cl.ctx, k.t-pp.recvLag, k.c, off+len(p), &ps.wait); err != nil {
+		t0 := time.Now()
+		direct, err = ps.prog.await(pp.cl.ctx, k.t-pp.recvLag, k.c, off+len(p), &ps.wait)
+		pp.cl.waitedSend(ps.s, t0)
+		if err != nil {
 			return err
 		}
 	}
@@ -438,6 +442,7 @@ func (ps *pieceSink) piece(off int, p []byte) error {
 	if len(ps.spilled) == 0 {
 		spills.Add(1)
 	}
+	pp.cl.st.spilled.Add(int64(len(p)))
 	copy(ps.spill[off:], p)
 	if n := len(ps.spilled); n > 0 && ps.spilled[n-1][0]+ps.spilled[n-1][1] == off {
 		ps.spilled[n-1][1] += len(p)
@@ -453,7 +458,7 @@ func (ps *pieceSink) piece(off int, p []byte) error {
 func (ps *pieceSink) end() error {
 	pp, k, cl := ps.pp, ps.k, ps.pp.cl
 	if ps.needs && !ps.sent {
-		if err := cl.await(ps.sendTok); err != nil {
+		if err := cl.awaitSend(ps.s, ps.sendTok); err != nil {
 			return err
 		}
 	}
@@ -590,6 +595,19 @@ func (cl *call) await(ch <-chan struct{}) error {
 	}
 }
 
+// awaitSend is await for the token of this member's own send that a
+// receiver on data stream s waits for; the wait counts as SendWait.
+func (cl *call) awaitSend(s int, ch <-chan struct{}) error {
+	select {
+	case <-ch:
+		return nil
+	default:
+	}
+	t0 := time.Now()
+	defer cl.waitedSend(s, t0)
+	return cl.await(ch)
+}
+
 // heldChunk is a chunk read off a stream and held for the consumer.
 type heldChunk struct {
 	chunkAt
@@ -636,7 +654,7 @@ func (pp *pipe) consumer(s int, held <-chan heldChunk, recvTok chan<- struct{}, 
 	}()
 	for h := range held {
 		if pp.recvWaits(h.t) {
-			if err := cl.await(sendTok); err != nil {
+			if err := cl.awaitSend(s, sendTok); err != nil {
 				h.release()
 				return err
 			}

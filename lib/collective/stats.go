@@ -31,6 +31,13 @@ type Stats struct {
 	// encoders and decoders, decode-and-add included), summed over the
 	// goroutines that ran them; 0 for a raw call.
 	Codec time.Duration
+	// SendWait is how long this member's receivers held frames that had
+	// arrived while they waited for this member's own send of the bytes
+	// the frames overwrite (an in-place exchange or ring), summed over
+	// the streams; Spilled the bytes they copied aside meanwhile, to be
+	// consumed once the send was out (after spillAfter).
+	SendWait time.Duration
+	Spilled  uint64
 	// Streams is the data streams per peer.
 	Streams int
 	// Peers holds every other member, in member order.
@@ -63,6 +70,8 @@ type callStats struct {
 	blocked  []atomic.Int64 // per member × stream, ns
 	reduce   []paddedInt64  // per stream, ns
 	codec    []paddedInt64  // per stream, ns
+	sendWait []paddedInt64  // per stream, ns
+	spilled  atomic.Int64
 	sent     atomic.Int64
 	received atomic.Int64
 }
@@ -75,11 +84,12 @@ type paddedInt64 struct {
 
 func (c *Comm) newCallStats() *callStats {
 	return &callStats{
-		start:   time.Now(),
-		first:   make([]atomic.Int64, c.size),
-		blocked: make([]atomic.Int64, c.size*c.streams),
-		reduce:  make([]paddedInt64, c.streams),
-		codec:   make([]paddedInt64, c.streams),
+		start:    time.Now(),
+		first:    make([]atomic.Int64, c.size),
+		blocked:  make([]atomic.Int64, c.size*c.streams),
+		reduce:   make([]paddedInt64, c.streams),
+		codec:    make([]paddedInt64, c.streams),
+		sendWait: make([]paddedInt64, c.streams),
 	}
 }
 
@@ -100,6 +110,11 @@ func (cl *call) reduced(s int, t0 time.Time) {
 	cl.st.reduce[s%len(cl.st.reduce)].Add(int64(time.Since(t0)))
 }
 
+// waitedSend adds the time since t0 to stream s's SendWait.
+func (cl *call) waitedSend(s int, t0 time.Time) {
+	cl.st.sendWait[s%len(cl.st.sendWait)].Add(int64(time.Since(t0)))
+}
+
 // coded adds the time since t0 to stream s's codec time.
 func (cl *call) coded(s int, t0 time.Time) {
 	cl.st.codec[s%len(cl.st.codec)].Add(int64(time.Since(t0)))
@@ -109,10 +124,11 @@ func (cl *call) coded(s int, t0 time.Time) {
 func (cl *call) snapshot(out *Stats, end time.Time) {
 	st, c := cl.st, cl.c
 	out.set(Stats{Seq: cl.seq, Start: st.start, End: end, AllArrived: st.start, Streams: c.streams,
-		BytesSent: uint64(st.sent.Load()), BytesReceived: uint64(st.received.Load())}, c.size-1)
+		BytesSent: uint64(st.sent.Load()), BytesReceived: uint64(st.received.Load()), Spilled: uint64(st.spilled.Load())}, c.size-1)
 	for i := range st.reduce {
 		out.Reduce += time.Duration(st.reduce[i].Load())
 		out.Codec += time.Duration(st.codec[i].Load())
+		out.SendWait += time.Duration(st.sendWait[i].Load())
 	}
 	i := 0
 	for m := range c.size {
