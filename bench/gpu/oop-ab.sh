@@ -17,9 +17,10 @@
 # Needs bin/gbbridge built on the dev machine and carried. Writes under $OUT
 # (default /tmp/gpubridge-out): rows.jsonl (every row, "config" and "pass"
 # added), oop-ab.log, and oop-ab.tgz: NAME-cpu.RANK per profiled run and
-# each run's stderr. GB_PASSES (3),
-# GB_SIZES (64M,256M,1G), GB_ITERS (10), GB_STREAMS (8), GB_LIMIT_S per
-# command (60).
+# each run's stderr. GB_PASSES (3), GB_SIZES (64M,256M,1G), GB_ITERS (10),
+# GB_STREAMS (8), GB_LIMIT_S per command (60); GB_CONFIGS (the four above),
+# GB_ARGS (more gbbridge bench flags for every run, e.g. --tcp-sockbuf 1M),
+# GB_TAG (appended to every config name), GB_PROFILE=0 (no profiled runs).
 set -uo pipefail
 out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
 exec > >(tee "$out/oop-ab.log") 2>&1
@@ -39,17 +40,19 @@ declare -A args=(
   [oop]="--split off --out-of-place"
   [ring]=""
 )
-order=(exchange inplace oop ring)
+read -r -a order <<< "${GB_CONFIGS:-exchange inplace oop ring}"
+read -r -a extra <<< "${GB_ARGS:-}"
+tag=${GB_TAG:-}
 b() {  # b CONFIG PASS ARGS...: one bench run, its rows tagged
   local cfg=$1 pass=$2; shift 2
   local s=$(date +%s)
   # shellcheck disable=SC2086
-  timeout -k 5 "$limit" bin/gbbridge bench "${common[@]}" --sizes "${bsizes:-$sizes}" "$@" 2>"$out/$cfg.err" |
-    "$PY" bench/tag_rows.py "$cfg" pass="$pass" >> "$rows"
+  timeout -k 5 "$limit" bin/gbbridge bench "${common[@]}" --sizes "${bsizes:-$sizes}" "${extra[@]}" "$@" 2>"$out/$cfg.err" |
+    "$PY" bench/tag_rows.py "$cfg$tag" pass="$pass" >> "$rows"
   local rc=${PIPESTATUS[0]}
   echo "== $cfg pass $pass: rc=$rc in $(( $(date +%s) - s ))s: $("$PY" -c 'import json,sys
 rs = [r for r in map(json.loads, open(sys.argv[1])) if r["config"] == sys.argv[2] and r["pass"] == int(sys.argv[3])]
-print("; ".join("%dM %.2f GB/s wait %.0f ms spilled %d MiB" % (r["size"] >> 20, r["algbw_gbps"], r.get("send_wait_us", 0) / 1e3, r.get("spilled_bytes", 0) >> 20) for r in rs))' "$rows" "$cfg" "$pass" 2>&1)"
+print("; ".join("%dM %.2f GB/s wait %.0f ms spilled %d MiB" % (r["size"] >> 20, r["algbw_gbps"], r.get("send_wait_us", 0) / 1e3, r.get("spilled_bytes", 0) >> 20) for r in rs))' "$rows" "$cfg$tag" "$pass" 2>&1)"
   (( rc == 0 )) || { failed=1; tail -5 "$out/$cfg.err"; }
 }
 for (( p = 0; p < passes; p++ )); do
@@ -60,13 +63,16 @@ for (( p = 0; p < passes; p++ )); do
   done
 done
 big=${sizes##*,}
-for cfg in inplace oop; do
+[ "${GB_PROFILE:-1}" = 0 ] || for cfg in inplace oop; do
   # shellcheck disable=SC2086
   GPUBRIDGE_CPUPROFILE=$out/$cfg-cpu bsizes=$big b "prof-$cfg" 0 ${args[$cfg]}
 done
-"$PY" - "$rows" <<'EOF'
+"$PY" - "$rows" "$tag" <<'EOF'
 import json, statistics, sys
+tag = sys.argv[2]
 rows = [json.loads(l) for l in open(sys.argv[1])]
+for r in rows:
+    r["config"] = r["config"].removesuffix(tag) if tag else r["config"]
 by = {}
 for r in rows:
     by.setdefault((r["config"], r["size"]), []).append(r["algbw_gbps"])
@@ -85,6 +91,7 @@ wrong = sum(r["wrong"] for r in rows)
 print(f"== rows {len(rows)}, wrong elements {wrong}")
 EOF
 # A call returns few files: the profiles and stderr files travel packed.
+# shellcheck disable=SC2046
 tar -C "$out" -czf "$out/oop-ab.tgz" --remove-files $(cd "$out" && ls -- *-cpu.* *.err 2>/dev/null)
 echo "== oop-ab done: failed=$failed"
 exit $failed

@@ -57,6 +57,11 @@ type Config struct {
 	// ListenHost is an explicit IP (or host name) to bind and advertise; it
 	// wins over Interface.
 	ListenHost string
+	// SockBuf is SO_SNDBUF and SO_RCVBUF of every TCP connection (0: 4
+	// MiB; negative: the kernel's autotuning). Smaller buffers keep less
+	// in flight per stream: a buffer sent is reduced into sooner after,
+	// while its lines may still be cached.
+	SockBuf int
 	// Timeout bounds the whole setup (default 60s).
 	Timeout time.Duration
 	// RingBytes is the size of each shm data ring (default 8 MiB, at least
@@ -109,6 +114,8 @@ const (
 	DefaultP2PStreams = 4
 	minRingBytes      = 64 << 10
 	maxRingBytes      = 1 << 30
+	minSockBuf        = 64 << 10
+	maxSockBuf        = 256 << 20
 )
 
 // wireStreams is the number of streams per pair besides the control
@@ -152,6 +159,9 @@ func (c *Config) normalize() error {
 		return fmt.Errorf("ring of %d bytes (at most %d allowed)", c.RingBytes, maxRingBytes)
 	}
 	c.RingBytes = max(c.RingBytes, minRingBytes)
+	if c.SockBuf > maxSockBuf || c.SockBuf > 0 && c.SockBuf < minSockBuf {
+		return fmt.Errorf("socket buffers of %d bytes (%d..%d allowed, or negative: the kernel's autotuning)", c.SockBuf, minSockBuf, maxSockBuf)
+	}
 	if c.Spin == 0 {
 		c.Spin = DefaultSpin
 	}

@@ -467,18 +467,36 @@ var keepAlive = net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interva
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-// sockBufSize is SO_SNDBUF and SO_RCVBUF of bridge sockets; 0 leaves the
-// kernel's autotuning alone (benchmarks compare both).
+// sockBufSize is SO_SNDBUF and SO_RCVBUF of bridge sockets where
+// Config.SockBuf is 0; 0 leaves the kernel's autotuning alone (benchmarks
+// compare both).
 var sockBufSize = sockBuf
 
-// sockControl sets the socket buffers before connect/listen, so that the
-// window scale is negotiated for them. Listening sockets pass them on to
-// accepted ones.
-func sockControl(_, _ string, c syscall.RawConn) error {
-	n := sockBufSize
-	if n <= 0 {
-		return nil
+// sockBufFor is the socket buffer size of cfg (0: autotuning).
+func sockBufFor(cfg *Config) int {
+	switch {
+	case cfg.SockBuf < 0:
+		return 0
+	case cfg.SockBuf > 0:
+		return cfg.SockBuf
 	}
+	return sockBufSize
+}
+
+// sockControl returns the Control that sets the socket buffers to n bytes
+// (0: leaves them alone) before connect/listen, so that the window scale
+// is negotiated for them. Listening sockets pass them on to accepted
+// ones.
+func sockControl(n int) func(_, _ string, c syscall.RawConn) error {
+	return func(_, _ string, c syscall.RawConn) error {
+		if n <= 0 {
+			return nil
+		}
+		return setSockBuf(c, n)
+	}
+}
+
+func setSockBuf(c syscall.RawConn, n int) error {
 	return c.Control(func(fd uintptr) {
 		for _, o := range [][2]int{{unix.SO_SNDBUFFORCE, unix.SO_SNDBUF}, {unix.SO_RCVBUFFORCE, unix.SO_RCVBUF}} {
 			if unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[0], n) != nil {

@@ -45,7 +45,7 @@ func establishTCP(ctx context.Context, s *setup) (Mesh, error) {
 	if err != nil {
 		return nil, err
 	}
-	lc := net.ListenConfig{Control: sockControl, KeepAliveConfig: keepAlive}
+	lc := net.ListenConfig{Control: sockControl(sockBufFor(&s.cfg)), KeepAliveConfig: keepAlive}
 	l, err := lc.Listen(ctx, "tcp", net.JoinHostPort(ip.String(), "0"))
 	if err != nil {
 		return nil, fmt.Errorf("listen on %s: %w", ip, err)
@@ -325,7 +325,7 @@ func (c *tcpConnector) timeout(conns [][]*net.TCPConn, peers []string) error {
 // unauthenticated connections when strangers crowd it).
 func (s *setup) dial(ctx context.Context, ip net.IP, ep tcpEndpoint, hp *hsParams, p, st int, noteErr func(error)) (*net.TCPConn, error) {
 	addr := net.JoinHostPort(ep.IP, strconv.Itoa(ep.Port))
-	d := net.Dialer{Control: sockControl, LocalAddr: &net.TCPAddr{IP: ip}, KeepAliveConfig: keepAlive}
+	d := net.Dialer{Control: sockControl(sockBufFor(&s.cfg)), LocalAddr: &net.TCPAddr{IP: ip}, KeepAliveConfig: keepAlive}
 	backoff := 5 * time.Millisecond
 	for {
 		c, err := d.DialContext(ctx, "tcp", addr)

@@ -72,6 +72,7 @@ type memberFlags struct {
 	Chunk     byteSize      `help:"Pipelining unit of the collectives (K, M, G: powers of 1024)." default:"4M" placeholder:"BYTES"`
 	Small     smallSize     `help:"An all_reduce of 3 or more members up to this size runs recursive doubling (log2 N dependent steps instead of the ring's 2(N-1)); 0 or off turns it off." default:"32K" placeholder:"BYTES"`
 	Split     smallSize     `help:"A 2-member all_reduce of this size and more runs as two halves through the transport (each member reduces the half it owns, then sends it: half the exchange's reduction, the same bytes on the wire); 0 or off: never (the exchange)." default:"64M" placeholder:"BYTES"`
+	SockBuf   smallSize     `name:"tcp-sockbuf" help:"SO_SNDBUF and SO_RCVBUF of every TCP connection between members (K, M: powers of 1024); 0 or off: the kernel's autotuning." default:"4M" placeholder:"BYTES"`
 	CRC       bool          `help:"CRC32C on every frame between members (off by default: it costs 25-45% at 256 MiB on a 2-core host, see docs/BENCHMARKS.md)." negatable:""`
 	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
 	Stream    smallSize     `help:"Direct collectives over shared memory copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written; the all_reduce's writes through, into lines just read, never stream); 0 or off: never." default:"128M" placeholder:"BYTES"`
@@ -93,7 +94,7 @@ func (f memberFlags) Validate() error {
 func (f memberFlags) memberArgs(cmd string, rank, n int, storeAddr, ns string) []string {
 	return []string{cmd, "--store", storeAddr, "--rank", strconv.Itoa(rank), "--world-size", strconv.Itoa(n),
 		"--namespace", ns, "--transport", f.Transport, "--streams", strconv.Itoa(f.Streams),
-		"--chunk", strconv.Itoa(int(f.Chunk)), "--small", strconv.Itoa(int(f.Small)), "--split", strconv.Itoa(int(f.Split)), "--crc=" + strconv.FormatBool(f.CRC),
+		"--chunk", strconv.Itoa(int(f.Chunk)), "--small", strconv.Itoa(int(f.Small)), "--split", strconv.Itoa(int(f.Split)), "--tcp-sockbuf", strconv.Itoa(int(f.SockBuf)), "--crc=" + strconv.FormatBool(f.CRC),
 		"--workers", strconv.Itoa(f.Workers), "--stream", strconv.Itoa(int(f.Stream)), "--peer-writes", f.PeerWrite, "--overlap", collective.Overlap(f.Overlap).String(), "--spin-us", strconv.Itoa(f.SpinUS),
 		"--timeout", f.Timeout.String()}
 }
@@ -110,7 +111,7 @@ func (f memberFlags) join(env *cli.Env) (*bridge.Member, error) {
 		return nil, err
 	}
 	return bridge.Join(env.Ctx, bridge.Config{Store: f.Store, Namespace: f.Namespace, Size: f.WorldSize,
-		Mesh: transport.Config{Self: f.Rank, Transport: transport.Kind(f.Transport), Streams: f.Streams, CRC: f.CRC, PeerWrite: f.PeerWrite == "on",
+		Mesh: transport.Config{Self: f.Rank, Transport: transport.Kind(f.Transport), Streams: f.Streams, SockBuf: smallBytes(f.SockBuf), CRC: f.CRC, PeerWrite: f.PeerWrite == "on",
 			Timeout: f.Timeout, RingBytes: 2 * int(f.Chunk), Spin: spin, Log: env.Log, Process: "gbbridge member"},
 		Comm: collective.Options{ChunkBytes: int(f.Chunk), SmallBytes: smallBytes(f.Small), SplitBytes: smallBytes(f.Split), Workers: f.Workers, StreamBytes: smallBytes(f.Stream),
 			Overlap: collective.Overlap(f.Overlap), Timeout: f.Timeout, Log: env.Log},
