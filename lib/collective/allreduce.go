@@ -79,15 +79,6 @@ func (c *Comm) thresholdName() string {
 	return "SmallBytes"
 }
 
-// OutOfPlace says whether an all_reduce of bytes bytes per member with
-// codec id runs out of place natively on this Comm (AllReduceInto): the
-// raw two-member exchange, which then reduces what arrives without
-// waiting for its own send of the same bytes. Other calls copy the input
-// to the output first, a pass over memory an in-place call saves.
-func (c *Comm) OutOfPlace(bytes int, id codec.ID) bool {
-	return c.size == 2 && id == codec.Raw && bytes > 0 && !c.splits(bytes) && !c.direct(bytes)
-}
-
 // AllReduceOrder returns the algorithm whose order of operations an exact
 // (raw or zstd) AllReduce of bytes bytes per member follows on this
 // Comm — AlgoLocal, AlgoExchange, AlgoRing or AlgoRecursiveDoubling (the

@@ -39,65 +39,16 @@ type Codec struct {
 // doubling. Compressed calls never take the direct path:
 // they go through the transport's streams on every transport.
 func (c *Comm) AllReduceCodec(ctx context.Context, buf []byte, dt reduce.DType, op reduce.Op, cd Codec, p *Progress) error {
-	return c.AllReduceInto(ctx, buf, buf, dt, op, cd, p)
-}
-
-// AllReduceInto is AllReduceCodec out of place: the result goes to out,
-// and in (of out's length; in == out is AllReduceCodec) is only read. The
-// two-member exchange (AlgoExchange, raw) then reduces what arrives
-// straight into out, without waiting for this member's own send of the
-// same bytes (OutOfPlace); every other algorithm copies in to out once
-// the whole input is ready and runs in place on out.
-func (c *Comm) AllReduceInto(ctx context.Context, out, in []byte, dt reduce.DType, op reduce.Op, cd Codec, p *Progress) error {
-	buf := out
 	a := args{kind: kAllReduce, desc: fmt.Sprintf("%s %s, %s%s", dt, op, fmtBytes(len(buf)), codecDesc(cd.ID)), n: len(buf), dt: dt, op: op, codec: cd.ID, cdt: dt}
 	if err := a.checkReduce("length", len(buf)); err != nil {
 		return err
 	}
-	apart := !sameSlice(in, out)
-	if apart && len(in) != len(out) {
-		return a.refuse("input of %d bytes, output of %d: out of place they must be the same length", len(in), len(out))
-	}
-	if apart && overlap(in, out) {
-		return a.refuse("the input overlaps the output other than as the same buffer")
-	}
 	if err := a.checkCodec(cd, len(buf)/dt.Size(), buf); err != nil {
 		return err
 	}
-	if apart && cd.Residual != nil && overlap(cd.Residual, in) {
-		return a.refuse("the residual overlaps the input")
-	}
 	a.chunk = c.codecChunk(dt.Size(), cd.ID, dt)
 	a.small = c.smallFor(cd.ID)
-	// inPlace makes an out-of-place call of every algorithm but the
-	// exchange in place on out.
-	inPlace := func(cl *call) error {
-		if !apart {
-			return nil
-		}
-		if err := cl.ready(len(in)); err != nil {
-			return err
-		}
-		copy(out, in)
-		return nil
-	}
-	alone := func() error {
-		copy(out, in)
-		return reduce.Finish(op, dt, buf, 1)
-	}
-	return c.collect(ctx, a, p, alone, func(cl *call) error {
-		if c.OutOfPlace(len(buf), cd.ID) && apart {
-			c.ran(AlgoExchange)
-			return c.exchange(cl, out, in, dt, op, a.chunk)
-		}
-		if err := inPlace(cl); err != nil {
-			return err
-		}
-		// The input is all there now: the direct path need not tell
-		// peers it streams in.
-		if apart {
-			cl.readyFn = nil
-		}
+	return c.collect(ctx, a, p, func() error { return reduce.Finish(op, dt, buf, 1) }, func(cl *call) error {
 		if cd.ID.Lossy() {
 			lz := c.newLossy(cl, cd, dt, op, buf)
 			if c.size == 2 {
@@ -127,7 +78,7 @@ func (c *Comm) AllReduceInto(ctx context.Context, out, in []byte, dt reduce.DTyp
 			return c.directAllReduce(cl, buf, dt, op, descs, false)
 		case c.size == 2 && !c.splits(len(buf)):
 			c.ran(AlgoExchange)
-			return c.exchange(cl, buf, buf, dt, op, a.chunk)
+			return c.exchange(cl, buf, dt, op, a.chunk)
 		}
 		c.ran(AlgoRing)
 		return c.ringAllReduce(cl, buf, dt, op, a.chunk)

@@ -110,22 +110,14 @@ func parseDesc(b []byte) (desc, error) {
 	return d, nil
 }
 
-// direct says whether a collective of bytes bytes per member may take the
-// direct path on this Comm: the mesh shares memory and the buffer is large
-// enough (whether it does depends on the buffer: describe).
-func (c *Comm) direct(bytes int) bool {
-	_, ok := c.mesh.(transport.Sharer)
-	return ok && bytes >= directMin && (c.size != 2 || bytes >= directMin2)
-}
-
 // describe exchanges descriptors of buf (this member's input) with every
 // peer when the mesh shares memory and buf is large enough. It returns
 // them by member, or nil when the call is not to run directly.
 func (c *Comm) describe(cl *call, buf []byte) ([]desc, error) {
-	if !c.direct(len(buf)) {
+	sh, ok := c.mesh.(transport.Sharer)
+	if !ok || len(buf) < directMin || c.size == 2 && len(buf) < directMin2 {
 		return nil, nil
 	}
-	sh := c.mesh.(transport.Sharer)
 	var mine desc
 	if id, off, ok := sh.Locate(buf); ok {
 		mine = desc{id: id, off: off, flags: descShared}

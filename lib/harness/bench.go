@@ -61,9 +61,6 @@ type BenchRow struct {
 	// Iters is how many calls the time is the mean of (SweepOptions.Iters,
 	// or more under MinTime). Rows of older versions lack it.
 	Iters int `json:"iters,omitempty"`
-	// OutOfPlace says the all_reduce read one buffer and wrote another
-	// (SweepOptions.OutOfPlace).
-	OutOfPlace bool `json:"out_of_place,omitempty"`
 	// ReduceUS, SendWaitUS and SpilledBytes are from this member's
 	// checked call (collective.Stats: time in the reduction kernels and
 	// receivers' waits for this member's own sends, summed over the
@@ -71,6 +68,9 @@ type BenchRow struct {
 	ReduceUS     float64 `json:"reduce_us,omitempty"`
 	SendWaitUS   float64 `json:"send_wait_us,omitempty"`
 	SpilledBytes uint64  `json:"spilled_bytes,omitempty"`
+	// SenderReducedBytes is what that call's senders reduced right after
+	// sending the same bytes (--overlap sender).
+	SenderReducedBytes uint64 `json:"sender_reduced_bytes,omitempty"`
 }
 
 // SweepOptions choose what a bench times.
@@ -104,9 +104,6 @@ type SweepOptions struct {
 	// the pattern; the results are checked against the references computed
 	// from every member's input.
 	Random bool
-	// OutOfPlace runs the all_reduce from an input buffer into another
-	// (collective.Comm.AllReduceInto), as the feed's out-of-place calls do.
-	OutOfPlace bool
 }
 
 // BusFactor is nccl-tests' factor from algorithm to bus bandwidth.
@@ -149,7 +146,7 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 		unit = sz * int64(n)
 	}
 	size = max(size/unit*unit, unit)
-	b, err := newBenchBufs(m, o, size, n)
+	b, err := newBenchBufs(m, o.Coll, size, n)
 	if err != nil {
 		return BenchRow{}, err
 	}
@@ -207,8 +204,8 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 		Size: size, Count: size / sz, Type: o.DType.String(), Redop: o.Op.String(),
 		TimeUS: slowest * 1e6, AlgBW: algbw, BusBW: algbw * BusFactor(o.Coll, n), Wrong: totalWrong, Checked: true,
 		Algorithm: algo, Codec: o.codecFor().Versioned(), Feedback: b.res != nil, Data: o.data(), SentBytes: sent,
-		Iters: iters, OutOfPlace: o.outOfPlace(),
-		ReduceUS: us(st.Reduce), SendWaitUS: us(st.SendWait), SpilledBytes: st.Spilled,
+		Iters:    iters,
+		ReduceUS: us(st.Reduce), SendWaitUS: us(st.SendWait), SpilledBytes: st.Spilled, SenderReducedBytes: st.SenderReduced,
 	}
 	switch o.Coll {
 	case "memcpy":
@@ -227,9 +224,6 @@ func (o SweepOptions) codecFor() codec.ID {
 	}
 	return o.Codec
 }
-
-// outOfPlace says whether the all_reduce runs out of place.
-func (o SweepOptions) outOfPlace() bool { return o.OutOfPlace && o.Coll == "all_reduce" }
 
 // data names what the buffers hold (BenchRow.Data).
 func (o SweepOptions) data() string {
@@ -293,8 +287,8 @@ type benchBufs struct {
 	frees   []func()
 }
 
-func newBenchBufs(m *bridge.Member, o SweepOptions, size int64, n int) (*benchBufs, error) {
-	b, coll := &benchBufs{}, o.Coll
+func newBenchBufs(m *bridge.Member, coll string, size int64, n int) (*benchBufs, error) {
+	b := &benchBufs{}
 	alloc := func(dst *[]byte, size int64) error {
 		if coll == "exchange" || coll == "memcpy" {
 			*dst = make([]byte, size)
@@ -317,10 +311,6 @@ func newBenchBufs(m *bridge.Member, o SweepOptions, size int64, n int) (*benchBu
 		inLen = size / int64(n)
 	case "reduce_scatter":
 		bufLen, inLen = size/int64(n), size
-	case "all_reduce":
-		if o.outOfPlace() {
-			inLen = size
-		}
 	}
 	if err := alloc(&b.buf, bufLen); err != nil {
 		return nil, err
@@ -347,9 +337,6 @@ func (b *benchBufs) run(ctx context.Context, m *bridge.Member, o SweepOptions, g
 	cd := collective.Codec{ID: o.Codec, DType: o.DType, Residual: b.res}
 	switch o.Coll {
 	case "all_reduce":
-		if o.outOfPlace() {
-			return m.Comm.AllReduceInto(ctx, b.buf, b.in, o.DType, o.Op, cd, nil)
-		}
 		return m.Comm.AllReduceCodec(ctx, b.buf, o.DType, o.Op, cd, nil)
 	case "broadcast":
 		return m.Comm.BroadcastCodec(ctx, b.buf, 0, cd, nil)
@@ -369,10 +356,9 @@ func (b *benchBufs) run(ctx context.Context, m *bridge.Member, o SweepOptions, g
 
 // fillBench fills this member's input with its pattern (or random
 // values): buf for the in-place collectives (of a broadcast only the
-// root's survives), in for all_gather, reduce_scatter and the
-// out-of-place all_reduce.
+// root's survives), in for all_gather and reduce_scatter.
 func fillBench(o SweepOptions, me int, buf, in []byte) {
-	if o.Coll == "all_gather" || o.Coll == "reduce_scatter" || o.outOfPlace() {
+	if o.Coll == "all_gather" || o.Coll == "reduce_scatter" {
 		buf = in
 	}
 	fillMember(o, me, buf)

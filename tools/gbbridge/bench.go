@@ -32,7 +32,6 @@ type benchCmd struct {
 	JSON       bool          `help:"JSON lines (schema gpubridge.bench/v1) instead of nccl-tests columns."`
 	Codec      string        `help:"Compression of the collective's frames (docs/COMPRESSION.md): raw, bf16 or fp8 (lossy: a floating sum or avg all_reduce, checked against the codec's reference), zstd (lossless, every collective). The exchange and memcpy anchors stay raw." default:"raw"`
 	Feedback   bool          `help:"With bf16 or fp8: each member keeps an error-feedback residual (4 bytes per value) across the calls."`
-	OutOfPlace bool          `name:"out-of-place" help:"all_reduce: read one buffer and write the result into another (as the plugin's out-of-place calls do); the two-member raw exchange then reduces without waiting for its own sends."`
 	Data       string        `help:"What the buffers hold: pattern (small integers, exact in every dtype) or random (random values in [-8, 8), random bits for integers: zstd packs them about as well as float32 gradients). Every result is checked either way." enum:"pattern,random" default:"pattern"`
 }
 
@@ -53,8 +52,7 @@ func (c *benchCmd) Run(env *cli.Env) error {
 		return append(c.memberArgs("bench", rank, c.Members, addr, ns),
 			"--op", sweep.Op.String(), "--dtype", sweep.DType.String(), "--collective", c.Collective, "--sizes", sizesArg(sweep.Sizes),
 			"--iters", strconv.Itoa(c.Iters), "--warmup", strconv.Itoa(c.Warmup), "--min-time", c.MinTime.String(), "--json="+strconv.FormatBool(c.JSON),
-			"--codec", sweep.Codec.String(), "--feedback="+strconv.FormatBool(c.Feedback), "--data", c.Data,
-			"--out-of-place="+strconv.FormatBool(c.OutOfPlace))
+			"--codec", sweep.Codec.String(), "--feedback="+strconv.FormatBool(c.Feedback), "--data", c.Data)
 	}, env.Stdout, env.Stderr, env.Log)
 	var me *harness.MemberExit
 	if errors.As(err, &me) {
@@ -94,9 +92,6 @@ func (c *benchCmd) sweep() (harness.SweepOptions, error) {
 	if err := reduce.Supported(op, dt); err != nil && (c.Collective == "all_reduce" || c.Collective == "reduce_scatter") {
 		return harness.SweepOptions{}, err
 	}
-	if c.OutOfPlace && c.Collective != "all_reduce" {
-		return harness.SweepOptions{}, fmt.Errorf("--out-of-place is for all_reduce (%s has its own output buffer or none)", c.Collective)
-	}
 	id, err := codec.Parse(c.Codec)
 	if err != nil {
 		return harness.SweepOptions{}, fmt.Errorf("--codec: %w", err)
@@ -115,7 +110,7 @@ func (c *benchCmd) sweep() (harness.SweepOptions, error) {
 		return harness.SweepOptions{}, fmt.Errorf("--feedback is for the lossy codecs (bf16, fp8), not %s", id)
 	}
 	return harness.SweepOptions{Coll: c.Collective, DType: dt, Op: op, Sizes: sizes, Iters: c.Iters,
-		Warmup: c.Warmup, MinTime: c.MinTime, ChunkB: int(c.Chunk), Codec: id, Feedback: c.Feedback, Random: c.Data == "random", OutOfPlace: c.OutOfPlace}, nil
+		Warmup: c.Warmup, MinTime: c.MinTime, ChunkB: int(c.Chunk), Codec: id, Feedback: c.Feedback, Random: c.Data == "random"}, nil
 }
 
 // describe says, for the header, what the rows run beside the transport:
@@ -130,9 +125,6 @@ func describe(o harness.SweepOptions) string {
 	}
 	if o.Random {
 		parts = append(parts, "random data")
-	}
-	if o.OutOfPlace && o.Coll == "all_reduce" {
-		parts = append(parts, "out of place")
 	}
 	return strings.Join(parts, ", ")
 }

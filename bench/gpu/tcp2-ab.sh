@@ -1,32 +1,31 @@
 #!/usr/bin/env bash
-# The 2-member TCP all_reduce in place against out of place, beside the
-# exchange it rides on (issue 12), ~1-2 minutes, from the repository root:
-#   bash bench/gpu/oop-ab.sh
+# The 2-member TCP all_reduce beside the exchange it rides on (issue 12),
+# ~2-4 minutes, from the repository root: bash bench/gpu/tcp2-ab.sh
 #
-# In place (--split off) a receiver reduces a piece into the buffer only once
-# this member's own send of the same bytes is out; out of place
-# (--out-of-place) nothing waits for a send. Each pass times, in an order
-# that rotates from pass to pass: the exchange (the ceiling), the in-place
-# exchange all_reduce, the out-of-place one and the default (the ring of two
-# halves); rows carry the receivers' summed wait for their own sends
-# (send_wait_us), the bytes spilled meanwhile and the reduction's time
-# (member 0's checked call). Then one CPU profile per member of the in-place
-# and the out-of-place run at the largest size. Read the profiles on the dev
-# machine with the same binary: go tool pprof -top bin/gbbridge cpu.0
+# Each pass times, in an order that rotates from pass to pass: the exchange
+# (the ceiling), the exchange all_reduce (--split off) with each stream's
+# reader reducing what it reads (inplace) and with the stream's sender
+# reducing it right after its own send of the same bytes (sender: --overlap
+# sender), and the default (ring: two halves). Rows carry the receivers'
+# summed wait for their own sends (send_wait_us), the bytes spilled
+# meanwhile, the reduction's time and what the senders reduced (member 0's
+# checked call). Then one CPU profile per member of the inplace and the
+# sender run at the largest size. Read the profiles on the dev machine with
+# the same binary: go tool pprof -top bin/gbbridge cpu.0
 #
 # Needs bin/gbbridge built on the dev machine and carried. Writes under $OUT
 # (default /tmp/gpubridge-out): rows.jsonl (every row, "config" and "pass"
-# added), oop-ab.log, and oop-ab.tgz: NAME-cpu.RANK per profiled run and
+# added), tcp2-ab.log, and tcp2-ab.tgz: NAME-cpu.RANK per profiled run and
 # each run's stderr. GB_PASSES (3), GB_SIZES (64M,256M,1G), GB_ITERS (10),
 # GB_STREAMS (8), GB_LIMIT_S per command (60); GB_CONFIGS (the four above),
 # GB_ARGS (more gbbridge bench flags for every run, e.g. --tcp-sockbuf 1M),
 # GB_TAG (appended to every config name), GB_PROFILE=0 (no profiled runs).
 set -uo pipefail
 out=${OUT:-/tmp/gpubridge-out}; mkdir -p "$out"
-exec > >(tee "$out/oop-ab.log") 2>&1
+exec > >(tee "$out/tcp2-ab.log") 2>&1
 PY=${PYTHON:-python3}
 GB_COMMIT=${GB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-echo "== $(date -u +%FT%TZ) oop-ab: commit $GB_COMMIT; $(nproc --all) cores; $(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)"
+echo "== $(date -u +%FT%TZ) tcp2-ab: commit $GB_COMMIT; $(nproc --all) cores; $(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)"
 [ -x bin/gbbridge ] || { echo "bin/gbbridge is missing: build with 'make build' and carry bin/"; exit 2; }
 rows=$out/rows.jsonl; : > "$rows"
 limit=${GB_LIMIT_S:-60}
@@ -37,10 +36,10 @@ failed=0
 declare -A args=(
   [exchange]="--collective exchange"
   [inplace]="--split off"
-  [oop]="--split off --out-of-place"
+  [sender]="--split off --overlap sender"
   [ring]=""
 )
-read -r -a order <<< "${GB_CONFIGS:-exchange inplace oop ring}"
+read -r -a order <<< "${GB_CONFIGS:-exchange inplace sender ring}"
 read -r -a extra <<< "${GB_ARGS:-}"
 tag=${GB_TAG:-}
 b() {  # b CONFIG PASS ARGS...: one bench run, its rows tagged
@@ -52,7 +51,7 @@ b() {  # b CONFIG PASS ARGS...: one bench run, its rows tagged
   local rc=${PIPESTATUS[0]}
   echo "== $cfg pass $pass: rc=$rc in $(( $(date +%s) - s ))s: $("$PY" -c 'import json,sys
 rs = [r for r in map(json.loads, open(sys.argv[1])) if r["config"] == sys.argv[2] and r["pass"] == int(sys.argv[3])]
-print("; ".join("%dM %.2f GB/s wait %.0f ms spilled %d MiB" % (r["size"] >> 20, r["algbw_gbps"], r.get("send_wait_us", 0) / 1e3, r.get("spilled_bytes", 0) >> 20) for r in rs))' "$rows" "$cfg$tag" "$pass" 2>&1)"
+print("; ".join("%dM %.2f GB/s wait %.0f ms spilled %d MiB by senders %d MiB" % (r["size"] >> 20, r["algbw_gbps"], r.get("send_wait_us", 0) / 1e3, r.get("spilled_bytes", 0) >> 20, r.get("sender_reduced_bytes", 0) >> 20) for r in rs))' "$rows" "$cfg$tag" "$pass" 2>&1)"
   (( rc == 0 )) || { failed=1; tail -5 "$out/$cfg.err"; }
 }
 for (( p = 0; p < passes; p++ )); do
@@ -63,7 +62,7 @@ for (( p = 0; p < passes; p++ )); do
   done
 done
 big=${sizes##*,}
-[ "${GB_PROFILE:-1}" = 0 ] || for cfg in inplace oop; do
+[ "${GB_PROFILE:-1}" = 0 ] || for cfg in inplace sender; do
   # shellcheck disable=SC2086
   GPUBRIDGE_CPUPROFILE=$out/$cfg-cpu bsizes=$big b "prof-$cfg" 0 ${args[$cfg]}
 done
@@ -81,7 +80,7 @@ print("== medians over passes (GB/s), and against the exchange")
 for s in sizes:
     ex = statistics.median(by.get(("exchange", s), [float("nan")]))
     line = [f"{s >> 20}M exchange {ex:.2f}"]
-    for cfg in ("inplace", "oop", "ring"):
+    for cfg in ("inplace", "sender", "ring"):
         v = by.get((cfg, s))
         if v:
             m = statistics.median(v)
@@ -92,6 +91,6 @@ print(f"== rows {len(rows)}, wrong elements {wrong}")
 EOF
 # A call returns few files: the profiles and stderr files travel packed.
 # shellcheck disable=SC2046
-tar -C "$out" -czf "$out/oop-ab.tgz" --remove-files $(cd "$out" && ls -- *-cpu.* *.err 2>/dev/null)
-echo "== oop-ab done: failed=$failed"
+tar -C "$out" -czf "$out/tcp2-ab.tgz" --remove-files $(cd "$out" && ls -- *-cpu.* *.err 2>/dev/null)
+echo "== tcp2-ab done: failed=$failed"
 exit $failed
