@@ -3,14 +3,11 @@
 # ~2-4 minutes, from the repository root: bash bench/gpu/tcp2-ab.sh
 #
 # Each pass times, in an order that rotates from pass to pass: the exchange
-# (the ceiling), the exchange all_reduce (--split off) with each stream's
-# reader reducing what it reads (inplace) and with the stream's sender
-# reducing it right after its own send of the same bytes (sender: --overlap
-# sender), and the default (ring: two halves). Rows carry the receivers'
-# summed wait for their own sends (send_wait_us), the bytes spilled
-# meanwhile, the reduction's time and what the senders reduced (member 0's
-# checked call). Then one CPU profile per member of the inplace and the
-# sender run at the largest size. Read the profiles on the dev machine with
+# (the ceiling), the exchange all_reduce (inplace: --split off) and the
+# default (ring: two halves). Rows carry the receivers' summed wait for
+# their own sends (send_wait_us), the bytes spilled meanwhile and the
+# reduction's time (member 0's checked call). Then one CPU profile per
+# member of the inplace and the ring run at the largest size. Read the profiles on the dev machine with
 # the same binary: go tool pprof -top bin/gbbridge cpu.0
 #
 # Needs bin/gbbridge built on the dev machine and carried. Writes under $OUT
@@ -36,10 +33,9 @@ failed=0
 declare -A args=(
   [exchange]="--collective exchange"
   [inplace]="--split off"
-  [sender]="--split off --overlap sender"
   [ring]=""
 )
-read -r -a order <<< "${GB_CONFIGS:-exchange inplace sender ring}"
+read -r -a order <<< "${GB_CONFIGS:-exchange inplace ring}"
 read -r -a extra <<< "${GB_ARGS:-}"
 tag=${GB_TAG:-}
 b() {  # b CONFIG PASS ARGS...: one bench run, its rows tagged
@@ -51,7 +47,7 @@ b() {  # b CONFIG PASS ARGS...: one bench run, its rows tagged
   local rc=${PIPESTATUS[0]}
   echo "== $cfg pass $pass: rc=$rc in $(( $(date +%s) - s ))s: $("$PY" -c 'import json,sys
 rs = [r for r in map(json.loads, open(sys.argv[1])) if r["config"] == sys.argv[2] and r["pass"] == int(sys.argv[3])]
-print("; ".join("%dM %.2f GB/s wait %.0f ms spilled %d MiB by senders %d MiB" % (r["size"] >> 20, r["algbw_gbps"], r.get("send_wait_us", 0) / 1e3, r.get("spilled_bytes", 0) >> 20, r.get("sender_reduced_bytes", 0) >> 20) for r in rs))' "$rows" "$cfg$tag" "$pass" 2>&1)"
+print("; ".join("%dM %.2f GB/s wait %.0f ms spilled %d MiB" % (r["size"] >> 20, r["algbw_gbps"], r.get("send_wait_us", 0) / 1e3, r.get("spilled_bytes", 0) >> 20) for r in rs))' "$rows" "$cfg$tag" "$pass" 2>&1)"
   (( rc == 0 )) || { failed=1; tail -5 "$out/$cfg.err"; }
 }
 for (( p = 0; p < passes; p++ )); do
@@ -62,7 +58,7 @@ for (( p = 0; p < passes; p++ )); do
   done
 done
 big=${sizes##*,}
-[ "${GB_PROFILE:-1}" = 0 ] || for cfg in inplace sender; do
+[ "${GB_PROFILE:-1}" = 0 ] || for cfg in inplace ring; do
   # shellcheck disable=SC2086
   GPUBRIDGE_CPUPROFILE=$out/$cfg-cpu bsizes=$big b "prof-$cfg" 0 ${args[$cfg]}
 done
@@ -80,7 +76,7 @@ print("== medians over passes (GB/s), and against the exchange")
 for s in sizes:
     ex = statistics.median(by.get(("exchange", s), [float("nan")]))
     line = [f"{s >> 20}M exchange {ex:.2f}"]
-    for cfg in ("inplace", "sender", "ring"):
+    for cfg in ("inplace", "ring"):
         v = by.get((cfg, s))
         if v:
             m = statistics.median(v)

@@ -25,8 +25,6 @@ func (c *Comm) exchange(cl *call, buf []byte, dt reduce.DType, op reduce.Op, C i
 		// Own chunk c is overwritten by the reduction only once sent.
 		recvLag: 0, recvFrom: 0, recvTo: 0,
 		primary: true,
-		// The reduction reads the bytes just sent: on the sender's core.
-		senderReduces: c.senderReduces,
 		payload: func(_, _, _, off, n int) ([]byte, error) {
 			if err := cl.ready(off + n); err != nil {
 				return nil, err

@@ -105,12 +105,6 @@ const (
 	// OverlapOff: one goroutine per stream reads a piece, reduces it,
 	// then reads the next.
 	OverlapOff
-	// OverlapSender: in the in-place exchange a stream's reader holds the
-	// pieces it reads, and the stream's sender reduces each into the
-	// buffer right after its own send of the same bytes, while the kernel's
-	// copy has just brought them into its core's cache (the reader reduces
-	// only what the sender leaves). Other pipes run as OverlapOff.
-	OverlapSender
 )
 
 // on resolves o: OverlapAuto is off wherever it was measured. Reading
@@ -132,8 +126,6 @@ func (o Overlap) String() string {
 		return "on"
 	case OverlapOff:
 		return "off"
-	case OverlapSender:
-		return "sender"
 	}
 	return fmt.Sprintf("Overlap(%d)", int8(o))
 }
@@ -147,10 +139,8 @@ func ParseOverlap(s string) (Overlap, error) {
 		return OverlapOn, nil
 	case "off":
 		return OverlapOff, nil
-	case "sender":
-		return OverlapSender, nil
 	}
-	return OverlapAuto, fmt.Errorf("overlap %q: want auto, on, off or sender", s)
+	return OverlapAuto, fmt.Errorf("overlap %q: want auto, on or off", s)
 }
 
 // Errors a call's error can be tested for with errors.Is.
@@ -210,7 +200,6 @@ type Comm struct {
 	small               int  // Options.SmallBytes resolved: -1 off
 	split               int  // Options.SplitBytes resolved: -1 off
 	overlap             bool // Options.Overlap resolved
-	senderReduces       bool // Options.Overlap is OverlapSender
 	workers             int
 	timeout             time.Duration
 	log                 *slog.Logger
@@ -281,7 +270,6 @@ func newComm(mesh transport.Mesh, o Options, maxUnexpected int64) *Comm {
 	}
 	c.chunk = min(c.chunk, wire.MaxPayload)
 	c.overlap = o.Overlap.on()
-	c.senderReduces = o.Overlap == OverlapSender
 	if c.workers <= 0 {
 		c.workers = runtime.NumCPU()
 	}

@@ -189,6 +189,19 @@ func testPiecesSpill(t *testing.T, members int, hold bool) {
 	if members == 2 {
 		// (The ring's receives depend on sends of earlier steps.)
 		assert.Positive(t, spills.Load()-before, "no chunk went through the spill buffer")
+		// The call's stats say so: the receivers waited for their sends
+		// and copied the pieces aside meanwhile.
+		var wait time.Duration
+		var spilled uint64
+		for _, c := range cl.comms {
+			var st Stats
+			require.True(t, c.LastStats(&st))
+			wait += st.SendWait
+			spilled += st.Spilled
+			assert.LessOrEqual(t, st.Spilled, uint64(len(bufs[0])), "more spilled than received")
+		}
+		assert.Positive(t, wait, "Stats.SendWait")
+		assert.Positive(t, spilled, "Stats.Spilled")
 	}
 	requireOverlapped(t, hold, beforeOverlaps)
 }

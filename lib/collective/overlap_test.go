@@ -223,16 +223,16 @@ func TestOverlapCollectives(t *testing.T) {
 }
 
 func TestOverlapOption(t *testing.T) {
-	for o, want := range map[Overlap]bool{OverlapAuto: false, OverlapOn: true, OverlapOff: false, OverlapSender: false} {
+	for o, want := range map[Overlap]bool{OverlapAuto: false, OverlapOn: true, OverlapOff: false} {
 		assert.Equal(t, want, o.on(), "%s", o)
 	}
-	for _, o := range []Overlap{OverlapAuto, OverlapOn, OverlapOff, OverlapSender} {
+	for _, o := range []Overlap{OverlapAuto, OverlapOn, OverlapOff} {
 		got, err := ParseOverlap(o.String())
 		require.NoError(t, err)
 		assert.Equal(t, o, got, "%s", o)
 	}
 	_, err := ParseOverlap("yes")
-	require.ErrorContains(t, err, `overlap "yes": want auto, on, off or sender`)
+	require.ErrorContains(t, err, `overlap "yes": want auto, on or off`)
 }
 
 // failingMesh's data streams from member 1 to member 0 fail in the middle

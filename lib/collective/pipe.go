@@ -86,13 +86,6 @@ type pipe struct {
 	// an algorithm that runs several pipes one after the other (recursive
 	// doubling) numbers its frames through.
 	stepOff int
-	// senderReduces lets each stream's sender consume the pieces the
-	// stream received right after its own send of the same bytes
-	// (Options.Overlap OverlapSender: eagerSink), where the stream holds
-	// pieces and reports send progress. Only for a pipe whose receive of
-	// (t, c) waits for the send of (t, c) on the same stream (recvLag 0,
-	// the same chunks sent and received: the in-place exchange).
-	senderReduces bool
 }
 
 func (pp *pipe) nchunks(j int) int { return (pp.segLen(j) + pp.chunk - 1) / pp.chunk }
@@ -150,9 +143,6 @@ func (pp *pipe) run() error {
 			// Reading ahead helps only a stream that receives more
 			// than one piece; a small call keeps its one hand-over less.
 			ph, overlap = st.(transport.PieceHolder)
-			if !pieces {
-				ph = nil
-			}
 			overlap = overlap && pieces && pp.cl.c.overlap && pp.recvMore(s, pr.PieceSize())
 		}
 		if nsend > 0 && pieces && pp.recvFrom <= pp.recvTo {
@@ -160,17 +150,11 @@ func (pp *pipe) run() error {
 				prog = newSendProgress()
 			}
 		}
-		var es *eagerSink
-		if pp.senderReduces && prog != nil && nrecv > 0 && ph != nil && pp.recvMore(s, pr.PieceSize()) {
-			es = &eagerSink{sink: pp.newPieceSink(s, recvTok, sendTok, prog), users: 2, room: make(chan struct{}, 1)}
-		}
 		if nsend > 0 {
-			pp.cl.spawn(func() error { return pp.sender(s, recvTok, sendTok, prog, es) })
+			pp.cl.spawn(func() error { return pp.sender(s, recvTok, sendTok, prog) })
 		}
 		if nrecv > 0 {
-			if es != nil {
-				pp.cl.spawn(func() error { return pp.eagerReader(s, ph, es) })
-			} else if overlap {
+			if overlap {
 				// The reader holds one piece, the consumer one, and
 				// the queue the rest: the reader never waits for a
 				// buffer, only for room in the queue.
@@ -191,15 +175,7 @@ func (pp *pipe) run() error {
 	return pp.cl.wait()
 }
 
-func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}, prog *sendProgress, es *eagerSink) (err error) {
-	if es != nil {
-		defer func() {
-			if err == nil {
-				err = es.finish()
-			}
-			es.leave()
-		}()
-	}
+func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}, prog *sendProgress) error {
 	cl := pp.cl
 	S := cl.c.streams
 	st := cl.c.mesh.Stream(pp.next, s)
@@ -223,15 +199,9 @@ func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}, 
 			if prog != nil {
 				prog.at(t, c, 0)
 				progress = func(n int) { prog.at(t, c, n) }
-				if es != nil {
-					progress = func(n int) { prog.at(t, c, n); es.eager(t, c, n) }
-				}
 			}
 			if err := cl.sendProgress(st, pp.next, pp.stepOff+t, c, p, progress); err != nil {
 				return err
-			}
-			if es != nil && es.err != nil {
-				return es.err
 			}
 			if pp.sent != nil {
 				if err := pp.sent(t, j, c, off, n); err != nil {
@@ -240,11 +210,6 @@ func (pp *pipe) sender(s int, recvTok <-chan struct{}, sendTok chan<- struct{}, 
 			}
 			if pp.prev >= 0 && pp.recvWaits(t+pp.recvLag) {
 				sendTok <- struct{}{}
-			}
-			if es != nil {
-				if err := es.after(t, c); err != nil {
-					return err
-				}
 			}
 		}
 	}
@@ -509,214 +474,6 @@ func (ps *pieceSink) end() error {
 	return nil
 }
 
-// eagerSink is a stream's pieceSink shared by its reader and its sender
-// (pipe.senderReduces): the reader queues every piece it reads (held:
-// transport.PieceHolder) and the sender, after each piece of its own
-// send, consumes the queued pieces whose bytes it has sent, while the
-// kernel's copy of them has just passed through its core's cache (the
-// in-place exchange reads the destination it adds into). With eagerKeep
-// pieces queued the reader waits up to spillAfter for the sender to make
-// room, then consumes the oldest itself (waiting for the send as
-// pieceSink does, at most spillAfter more), so the socket is never left
-// undrained for long; once the sender is done it consumes everything
-// itself. Pieces are consumed in order, under mu, whoever consumes them.
-type eagerSink struct {
-	mu    sync.Mutex
-	sink  *pieceSink
-	fifo  []heldPiece
-	in    bool          // a chunk's pieces are being consumed
-	done  bool          // the sender has sent everything
-	users int           // goroutines using it; the last releases what is left
-	room  chan struct{} // a consumption by the sender made room
-	wait  *time.Timer
-	// err is the error of a consumption in the sender's progress
-	// callback, which cannot return it (the sender's alone).
-	err error
-}
-
-// eagerKeep is how many pieces the reader leaves queued for the sender:
-// with the one it reads into and the one being consumed, the stream's
-// transport.MaxHeldPieces.
-const eagerKeep = transport.MaxHeldPieces - 2
-
-// consumeHead consumes the oldest queued piece (or chunk end). Callers
-// hold mu.
-func (es *eagerSink) consumeHead() error {
-	h := es.fifo[0]
-	es.fifo[0] = heldPiece{}
-	es.fifo = es.fifo[1:]
-	ps := es.sink
-	if !es.in {
-		ps.begin(h.k)
-		es.in = true
-	}
-	if h.end {
-		es.in = false
-		return ps.end()
-	}
-	err := ps.piece(h.off, h.p)
-	h.release()
-	if err != nil {
-		return ps.pp.cl.recvErr(&localError{err}, ps.pp.prev, ps.pp.primary)
-	}
-	return nil
-}
-
-// push queues h (the reader). Past eagerKeep queued pieces it waits up to
-// spillAfter for the sender to consume some, then consumes the oldest
-// itself; once the sender is done, every piece.
-func (es *eagerSink) push(h heldPiece) error {
-	es.mu.Lock()
-	defer es.mu.Unlock()
-	es.fifo = append(es.fifo, h)
-	waited := false
-	for {
-		keep := eagerKeep
-		if es.done {
-			keep = 0
-		}
-		if len(es.fifo) <= keep {
-			return nil
-		}
-		if !es.done && !waited {
-			waited = true
-			es.mu.Unlock()
-			err := es.awaitRoom()
-			es.mu.Lock()
-			if err != nil {
-				return err
-			}
-			continue
-		}
-		if err := es.consumeHead(); err != nil {
-			return err
-		}
-	}
-}
-
-// awaitRoom waits up to spillAfter for the sender to consume a piece.
-func (es *eagerSink) awaitRoom() error {
-	if es.wait == nil {
-		es.wait = time.NewTimer(spillAfter)
-	} else {
-		es.wait.Reset(spillAfter)
-	}
-	defer es.wait.Stop()
-	select {
-	case <-es.room:
-	case <-es.wait.C:
-	case <-es.sink.pp.cl.ctx.Done():
-		return errSibling
-	}
-	return nil
-}
-
-// madeRoom tells a waiting reader that the sender consumed pieces.
-func (es *eagerSink) madeRoom() {
-	select {
-	case es.room <- struct{}{}:
-	default:
-	}
-}
-
-// eager consumes, from the sender's progress callback, the queued pieces
-// whose bytes are out: those of chunks before (t, c), ends included, and
-// those of (t, c) within its first n bytes. It never waits: when the
-// reader is consuming, it leaves the pieces to the next call.
-func (es *eagerSink) eager(t, c, n int) {
-	if es.err != nil || !es.mu.TryLock() {
-		return
-	}
-	defer es.mu.Unlock()
-	defer es.madeRoom()
-	for len(es.fifo) > 0 {
-		h := es.fifo[0]
-		if !(h.k.t < t || h.k.t == t && h.k.c < c || h.k.t == t && h.k.c == c && !h.end && h.off+len(h.p) <= n) {
-			return
-		}
-		if !h.end {
-			es.sink.pp.cl.st.eager.Add(int64(len(h.p)))
-			eagers.Add(1)
-		}
-		if es.err = es.consumeHead(); es.err != nil {
-			return
-		}
-	}
-}
-
-// after consumes, once the sender's chunk (t, c) is wholly out (and its
-// token given), every queued piece of it and of the chunks before.
-func (es *eagerSink) after(t, c int) error {
-	es.mu.Lock()
-	defer es.mu.Unlock()
-	defer es.madeRoom()
-	for len(es.fifo) > 0 {
-		h := es.fifo[0]
-		if !(h.k.t < t || h.k.t == t && h.k.c <= c) {
-			return nil
-		}
-		if err := es.consumeHead(); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// finish is the sender's last step: everything queued is consumed, and the
-// reader consumes what it reads from now on.
-func (es *eagerSink) finish() error {
-	es.mu.Lock()
-	defer es.mu.Unlock()
-	defer es.madeRoom()
-	es.done = true
-	for len(es.fifo) > 0 {
-		if err := es.consumeHead(); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// leave is called by the reader and the sender as they return; the last
-// releases the pieces still queued (a failed call).
-func (es *eagerSink) leave() {
-	es.mu.Lock()
-	defer es.mu.Unlock()
-	if es.users--; es.users > 0 {
-		return
-	}
-	for _, h := range es.fifo {
-		if !h.end {
-			h.release()
-		}
-	}
-	es.fifo = nil
-}
-
-// eagerReader reads the chunks of data stream s off the stream piece by
-// piece (transport.PieceHolder) and queues them, each chunk followed by
-// its end, in the stream's eagerSink.
-func (pp *pipe) eagerReader(s int, st transport.PieceHolder, es *eagerSink) error {
-	defer es.leave()
-	cl := pp.cl
-	return pp.recvChunks(s, func(k chunkAt) error {
-		var perr error
-		err := cl.recvPiecesHold(st, s, pp.prev, pp.stepOff+k.t, k.c, k.n, pp.primary, func(off int, p []byte, release func()) error {
-			if perr = es.push(heldPiece{k: k, off: off, p: p, release: release}); perr != nil {
-				return errSibling
-			}
-			return nil
-		})
-		switch {
-		case perr != nil:
-			return perr
-		case err != nil:
-			return err
-		}
-		return es.push(heldPiece{k: k, end: true})
-	})
-}
-
 // recvMore says whether data stream s receives more than piece bytes in
 // the call.
 func (pp *pipe) recvMore(s, piece int) bool {
@@ -795,9 +552,8 @@ func (sp *sendProgress) await(ctx context.Context, t, c, n int, timer **time.Tim
 }
 
 // spills counts the chunks that began in a spill buffer, overlaps the
-// streams whose pieces were read ahead of their reduction, eagers the
-// pieces a sender reduced (tests).
-var spills, overlaps, eagers atomic.Int64
+// streams whose pieces were read ahead of their reduction (tests).
+var spills, overlaps atomic.Int64
 
 // chunkAt is a chunk of the schedule: step t, segment j, chunk c, bytes
 // [off, off+n) of the segment.

@@ -38,10 +38,6 @@ type Stats struct {
 	// consumed once the send was out (after spillAfter).
 	SendWait time.Duration
 	Spilled  uint64
-	// SenderReduced is the bytes the streams' senders reduced right after
-	// sending the same bytes (Options.Overlap OverlapSender); the
-	// readers reduced the rest.
-	SenderReduced uint64
 	// Streams is the data streams per peer.
 	Streams int
 	// Peers holds every other member, in member order.
@@ -76,7 +72,6 @@ type callStats struct {
 	codec    []paddedInt64  // per stream, ns
 	sendWait []paddedInt64  // per stream, ns
 	spilled  atomic.Int64
-	eager    atomic.Int64 // bytes the senders reduced
 	sent     atomic.Int64
 	received atomic.Int64
 }
@@ -129,7 +124,7 @@ func (cl *call) coded(s int, t0 time.Time) {
 func (cl *call) snapshot(out *Stats, end time.Time) {
 	st, c := cl.st, cl.c
 	out.set(Stats{Seq: cl.seq, Start: st.start, End: end, AllArrived: st.start, Streams: c.streams,
-		BytesSent: uint64(st.sent.Load()), BytesReceived: uint64(st.received.Load()), Spilled: uint64(st.spilled.Load()), SenderReduced: uint64(st.eager.Load())}, c.size-1)
+		BytesSent: uint64(st.sent.Load()), BytesReceived: uint64(st.received.Load()), Spilled: uint64(st.spilled.Load())}, c.size-1)
 	for i := range st.reduce {
 		out.Reduce += time.Duration(st.reduce[i].Load())
 		out.Codec += time.Duration(st.codec[i].Load())

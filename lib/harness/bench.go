@@ -68,9 +68,6 @@ type BenchRow struct {
 	ReduceUS     float64 `json:"reduce_us,omitempty"`
 	SendWaitUS   float64 `json:"send_wait_us,omitempty"`
 	SpilledBytes uint64  `json:"spilled_bytes,omitempty"`
-	// SenderReducedBytes is what that call's senders reduced right after
-	// sending the same bytes (--overlap sender).
-	SenderReducedBytes uint64 `json:"sender_reduced_bytes,omitempty"`
 }
 
 // SweepOptions choose what a bench times.
@@ -205,7 +202,7 @@ func sweepSize(ctx context.Context, m *bridge.Member, o SweepOptions, size int64
 		TimeUS: slowest * 1e6, AlgBW: algbw, BusBW: algbw * BusFactor(o.Coll, n), Wrong: totalWrong, Checked: true,
 		Algorithm: algo, Codec: o.codecFor().Versioned(), Feedback: b.res != nil, Data: o.data(), SentBytes: sent,
 		Iters:    iters,
-		ReduceUS: us(st.Reduce), SendWaitUS: us(st.SendWait), SpilledBytes: st.Spilled, SenderReducedBytes: st.SenderReduced,
+		ReduceUS: us(st.Reduce), SendWaitUS: us(st.SendWait), SpilledBytes: st.Spilled,
 	}
 	switch o.Coll {
 	case "memcpy":

@@ -110,12 +110,13 @@ const (
 	DefaultSpin      = 5 * time.Microsecond
 	MaxSpin          = 10 * time.Millisecond
 	MaxStreams       = 64
+	// MinSockBuf and MaxSockBuf bound a Config.SockBuf that is set.
+	MinSockBuf = 64 << 10
+	MaxSockBuf = 256 << 20
 	// DefaultP2PStreams is what lib/bridge asks for (Config.P2PStreams).
 	DefaultP2PStreams = 4
 	minRingBytes      = 64 << 10
 	maxRingBytes      = 1 << 30
-	minSockBuf        = 64 << 10
-	maxSockBuf        = 256 << 20
 )
 
 // wireStreams is the number of streams per pair besides the control
@@ -159,8 +160,8 @@ func (c *Config) normalize() error {
 		return fmt.Errorf("ring of %d bytes (at most %d allowed)", c.RingBytes, maxRingBytes)
 	}
 	c.RingBytes = max(c.RingBytes, minRingBytes)
-	if c.SockBuf > maxSockBuf || c.SockBuf > 0 && c.SockBuf < minSockBuf {
-		return fmt.Errorf("socket buffers of %d bytes (%d..%d allowed, or negative: the kernel's autotuning)", c.SockBuf, minSockBuf, maxSockBuf)
+	if c.SockBuf > MaxSockBuf || c.SockBuf > 0 && c.SockBuf < MinSockBuf {
+		return fmt.Errorf("socket buffers of %d bytes (%d..%d allowed, or negative: the kernel's autotuning)", c.SockBuf, MinSockBuf, MaxSockBuf)
 	}
 	if c.Spin == 0 {
 		c.Spin = DefaultSpin

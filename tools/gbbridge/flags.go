@@ -77,7 +77,7 @@ type memberFlags struct {
 	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
 	Stream    smallSize     `help:"Direct collectives over shared memory copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written; the all_reduce's writes through, into lines just read, never stream); 0 or off: never." default:"128M" placeholder:"BYTES"`
 	PeerWrite string        `help:"Over shared memory, the direct all_reduce's owner of each piece writes the result into every member's buffer (on: peers' shared memory is mapped writable, within the buffers each announces) instead of every member copying it from the owner's (off: read-only, as before); every member must say on for it to run (else the copies); results are the same." enum:"on,off" default:"on" name:"peer-writes" placeholder:"on|off"`
-	Overlap   overlapFlag   `help:"Over TCP, read the next pieces of a frame off the socket while the earlier ones are reduced, on two goroutines per stream (up to 2 MiB of pieces per stream): on, off, auto (off: measured slower on the hosts tried, docs/BENCHMARKS.md), or sender (the 2-member exchange's senders reduce the pieces held for them right after sending the same bytes)." default:"auto" placeholder:"auto|on|off|sender"`
+	Overlap   overlapFlag   `help:"Over TCP, read the next pieces of a frame off the socket while the earlier ones are reduced, on two goroutines per stream (up to 2 MiB of pieces per stream): on, off, or auto (off: measured slower on the hosts tried, docs/BENCHMARKS.md)." default:"auto" placeholder:"auto|on|off"`
 	SpinUS    int           `help:"Microseconds a shm stream's waiter checks its ring before sleeping, as serve's --spin-us (the plugin passes 200 where every process has a core)." default:"5" name:"spin-us" placeholder:"US"`
 	Timeout   time.Duration `help:"Deadline of the setup and of each collective." default:"60s"`
 }
@@ -85,6 +85,9 @@ type memberFlags struct {
 // Validate refuses flags a member would refuse, before members start
 // (kong calls it after parsing).
 func (f memberFlags) Validate() error {
+	if n := int(f.SockBuf); n != 0 && (n < transport.MinSockBuf || n > transport.MaxSockBuf) {
+		return fmt.Errorf("--tcp-sockbuf %d: want %dK..%dM, or 0 (off) for the kernel's autotuning", n, transport.MinSockBuf>>10, transport.MaxSockBuf>>20)
+	}
 	_, err := spinOf("--spin-us", f.SpinUS)
 	return err
 }
