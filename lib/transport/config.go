@@ -58,9 +58,9 @@ type Config struct {
 	// wins over Interface.
 	ListenHost string
 	// SockBuf is SO_SNDBUF and SO_RCVBUF of every TCP connection (0: 4
-	// MiB; negative: the kernel's autotuning). Smaller buffers keep less
-	// in flight per stream: a buffer sent is reduced into sooner after,
-	// while its lines may still be cached.
+	// MiB; negative: the kernel's autotuning). A link with a larger
+	// bandwidth-delay product may want more; on one host 256 KiB to 4 MiB
+	// made no difference to the 2-member all_reduce (docs/BENCHMARKS.md).
 	SockBuf int
 	// Timeout bounds the whole setup (default 60s).
 	Timeout time.Duration

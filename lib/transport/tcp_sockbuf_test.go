@@ -25,9 +25,9 @@ func sockBufOf(t *testing.T, c *net.TCPConn) (snd, rcv int) {
 	return snd, rcv
 }
 
-// Config.SockBuf sets both socket buffers of every connection, dialed and
-// accepted, data and control; out of range it is refused before anything
-// is set up.
+// Config.SockBuf sets both socket buffers of every data connection, dialed
+// and accepted alike; out of range it is refused before anything is set
+// up.
 func TestTCPSockBuf(t *testing.T) {
 	const small = 256 << 10
 	got := map[int][2]int{}
