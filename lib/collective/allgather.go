@@ -18,9 +18,6 @@ func (c *Comm) AllGather(ctx context.Context, out, in []byte, p *Progress) error
 func (c *Comm) ringAllGather(cl *call, out, in []byte, alias bool, C int) error {
 	n, r, L := c.size, c.self, len(in)
 	slot := out[r*L : (r+1)*L]
-	// The last step's slots travel no further: past Options.StreamBytes
-	// they go to memory without being read first.
-	last := c.copier(len(out))
 	pp := &pipe{
 		cl: cl, next: mod(r+1, n), prev: mod(r-1, n), steps: n - 1,
 		sendSeg: func(t int) int { return mod(r-t, n) },
@@ -46,11 +43,7 @@ func (c *Comm) ringAllGather(cl *call, out, in []byte, alias bool, C int) error 
 			cl.done(j*L+off, m)
 			return nil
 		},
-		recv: func(t, j, _, off, m int, p []byte) error {
-			if t == n-2 {
-				last(out[j*L+off:j*L+off+m], p)
-				return nil
-			}
+		recv: func(_, j, _, off, m int, p []byte) error {
 			copy(out[j*L+off:j*L+off+m], p)
 			return nil
 		},

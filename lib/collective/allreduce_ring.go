@@ -33,9 +33,6 @@ func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op
 		C = SpreadChunk(segLen(0), C, c.streams, dt.Size())
 	}
 	w := c.workersPer(min(c.streams, (segLen(0)+C-1)/C))
-	// The last step's segments are final and travel no further: past
-	// Options.StreamBytes they go to memory without being read first.
-	last := c.copier(len(buf))
 	pp := &pipe{
 		cl: cl, next: mod(r+1, n), prev: mod(r-1, n), steps: 2*n - 2,
 		sendSeg: func(t int) int { return mod(r-t-1, n) },
@@ -71,10 +68,6 @@ func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op
 		recv: func(t, j, ch, off, m int, p []byte) error {
 			at := segOff(j) + off
 			own := buf[at : at+m]
-			if t == 2*n-3 {
-				last(own, p)
-				return nil
-			}
 			if t >= n-1 {
 				copy(own, p)
 				return nil
