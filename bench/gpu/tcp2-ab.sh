@@ -7,14 +7,15 @@
 # default (ring: two halves). Rows carry the receivers' summed wait for
 # their own sends (send_wait_us), the bytes spilled meanwhile and the
 # reduction's time (member 0's checked call). Then one CPU profile per
-# member of the inplace and the ring run at the largest size. Read the profiles on the dev machine with
-# the same binary: go tool pprof -top bin/gbbridge cpu.0
+# member of the inplace and the ring run at the largest size. Read the
+# profiles on the dev machine with the same binary:
+#   go tool pprof -top bin/gbbridge inplace-cpu.0
 #
 # Needs bin/gbbridge built on the dev machine and carried. Writes under $OUT
 # (default /tmp/gpubridge-out): rows.jsonl (every row, "config" and "pass"
 # added), tcp2-ab.log, and tcp2-ab.tgz: NAME-cpu.RANK per profiled run and
 # each run's stderr. GB_PASSES (3), GB_SIZES (64M,256M,1G), GB_ITERS (10),
-# GB_STREAMS (8), GB_LIMIT_S per command (60); GB_CONFIGS (the four above),
+# GB_STREAMS (8), GB_LIMIT_S per command (60); GB_CONFIGS (the three above),
 # GB_ARGS (more gbbridge bench flags for every run, e.g. --tcp-sockbuf 1M),
 # GB_TAG (appended to every config name), GB_PROFILE=0 (no profiled runs).
 set -uo pipefail
@@ -41,7 +42,6 @@ tag=${GB_TAG:-}
 b() {  # b CONFIG PASS ARGS...: one bench run, its rows tagged
   local cfg=$1 pass=$2; shift 2
   local s=$(date +%s)
-  # shellcheck disable=SC2086
   timeout -k 5 "$limit" bin/gbbridge bench "${common[@]}" --sizes "${bsizes:-$sizes}" "${extra[@]}" "$@" 2>"$out/$cfg.err" |
     "$PY" bench/tag_rows.py "$cfg$tag" pass="$pass" >> "$rows"
   local rc=${PIPESTATUS[0]}

@@ -131,6 +131,10 @@ func p2pWords(n int) string {
 	return fmt.Sprintf(" and %d for point-to-point", n)
 }
 
+// SockBufAllowed says whether n is a Config.SockBuf Establish takes: 0
+// or negative, or MinSockBuf..MaxSockBuf.
+func SockBufAllowed(n int) bool { return n <= 0 || n >= MinSockBuf && n <= MaxSockBuf }
+
 func (c *Config) normalize() error {
 	if c.Store == nil {
 		return errors.New("no store")
@@ -160,7 +164,7 @@ func (c *Config) normalize() error {
 		return fmt.Errorf("ring of %d bytes (at most %d allowed)", c.RingBytes, maxRingBytes)
 	}
 	c.RingBytes = max(c.RingBytes, minRingBytes)
-	if c.SockBuf > MaxSockBuf || c.SockBuf > 0 && c.SockBuf < MinSockBuf {
+	if !SockBufAllowed(c.SockBuf) {
 		return fmt.Errorf("socket buffers of %d bytes (%d..%d allowed, or negative: the kernel's autotuning)", c.SockBuf, MinSockBuf, MaxSockBuf)
 	}
 	if c.Spin == 0 {

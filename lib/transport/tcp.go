@@ -492,16 +492,12 @@ func sockControl(n int) func(_, _ string, c syscall.RawConn) error {
 		if n <= 0 {
 			return nil
 		}
-		return setSockBuf(c, n)
-	}
-}
-
-func setSockBuf(c syscall.RawConn, n int) error {
-	return c.Control(func(fd uintptr) {
-		for _, o := range [][2]int{{unix.SO_SNDBUFFORCE, unix.SO_SNDBUF}, {unix.SO_RCVBUFFORCE, unix.SO_RCVBUF}} {
-			if unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[0], n) != nil {
-				_ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[1], n)
+		return c.Control(func(fd uintptr) {
+			for _, o := range [][2]int{{unix.SO_SNDBUFFORCE, unix.SO_SNDBUF}, {unix.SO_RCVBUFFORCE, unix.SO_RCVBUF}} {
+				if unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[0], n) != nil {
+					_ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[1], n)
+				}
 			}
-		}
-	})
+		})
+	}
 }

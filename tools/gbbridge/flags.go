@@ -85,7 +85,7 @@ type memberFlags struct {
 // Validate refuses flags a member would refuse, before members start
 // (kong calls it after parsing).
 func (f memberFlags) Validate() error {
-	if n := int(f.SockBuf); n != 0 && (n < transport.MinSockBuf || n > transport.MaxSockBuf) {
+	if n := int(f.SockBuf); !transport.SockBufAllowed(n) {
 		return fmt.Errorf("--tcp-sockbuf %d: want %dK..%dM, or 0 (off) for the kernel's autotuning", n, transport.MinSockBuf>>10, transport.MaxSockBuf>>20)
 	}
 	_, err := spinOf("--spin-us", f.SpinUS)
