@@ -33,6 +33,10 @@ func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op
 		C = SpreadChunk(segLen(0), C, c.streams, dt.Size())
 	}
 	w := c.workersPer(min(c.streams, (segLen(0)+C-1)/C))
+	// The all-gather's segments are final: over TCP they are read straight
+	// into buf (into); elsewhere the last step's, which travel no further,
+	// go to memory without being read first past Options.StreamBytes.
+	last := c.copier(len(buf))
 	pp := &pipe{
 		cl: cl, next: mod(r+1, n), prev: mod(r-1, n), steps: 2*n - 2,
 		sendSeg: func(t int) int { return mod(r-t-1, n) },
@@ -65,9 +69,20 @@ func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op
 			}
 			return nil
 		},
+		into: func(t, j, _, off, m int) []byte {
+			if t < n-1 {
+				return nil
+			}
+			at := segOff(j) + off
+			return buf[at : at+m]
+		},
 		recv: func(t, j, ch, off, m int, p []byte) error {
 			at := segOff(j) + off
 			own := buf[at : at+m]
+			if t == 2*n-3 {
+				last(own, p)
+				return nil
+			}
 			if t >= n-1 {
 				copy(own, p)
 				return nil

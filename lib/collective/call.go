@@ -296,6 +296,26 @@ func (cl *call) recvPieces(st transport.PieceReceiver, s, peer, step, chunk, n i
 	return cl.recvErr(err, peer, primary)
 }
 
+// recvInto is recv for a chunk read straight into dst: ready runs once
+// the header is in and checked, before the payload lands (its error ends
+// the receive). Errors are recv's.
+func (cl *call) recvInto(st transport.IntoReceiver, s, peer, step, chunk, n int, primary bool, ready func() error, dst []byte) error {
+	check := cl.checkPieces(s, peer, step, chunk, n)
+	err := st.RecvInto(cl.ctx, func(h wire.Header) error {
+		if err := check(h); err != nil {
+			return err
+		}
+		if err := ready(); err != nil {
+			return &localError{err}
+		}
+		return nil
+	}, dst)
+	if err == nil {
+		return nil
+	}
+	return cl.recvErr(err, peer, primary)
+}
+
 // recvPiecesHold is recvPieces for a stream whose pieces the receiver may
 // hold: fn gets each piece with its release (transport.PieceHolder), and
 // owns it whatever it returns. Errors are recv's.

@@ -75,12 +75,14 @@ type Options struct {
 	SplitBytes int
 	// StreamBytes is the smallest destination (the all_reduce's buffer,
 	// the all_gather's output), in bytes, into which the direct
-	// collectives over shared memory (direct.go) copy with non-temporal
-	// stores (lib/ntcopy): past the caches an ordinary copy reads every
-	// destination line before writing it (a read for ownership), a third
-	// more memory traffic; below it the copies stay in cache for the
-	// caller. Default DefaultStreamBytes; a negative value turns it off.
-	// It changes no result, so members may differ.
+	// collectives over shared memory (direct.go), and the rings' last
+	// step over any transport (whose received bytes are final and not
+	// forwarded), copy with non-temporal stores (lib/ntcopy): past the
+	// caches an ordinary copy reads every destination line before writing
+	// it (a read for ownership), a third more memory traffic; below it the
+	// copies stay in cache for the caller. Default DefaultStreamBytes; a
+	// negative value turns it off. It changes no result, so members may
+	// differ.
 	StreamBytes int
 	// Overlap says whether a data stream that hands out frames in pieces
 	// the receiver may hold (transport.PieceHolder: TCP) is read by one

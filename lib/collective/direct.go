@@ -3,6 +3,7 @@ package collective
 import (
 	"encoding/binary"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/gpubridge/gpubridge/lib/ntcopy"
 	"github.com/gpubridge/gpubridge/lib/transport"
@@ -200,18 +201,26 @@ func (c *Comm) peerViews(cl *call, descs []desc, n int) (views [][]byte, release
 }
 
 // copier is the copy of the pieces a member takes from its peers into
-// buffers of L bytes (the copy mode; writing through stores with
-// plainCopy): with non-temporal stores from
+// buffers of L bytes (the direct collectives' copy mode, writing through
+// stores with plainCopy; the rings' last step): with non-temporal stores
+// from
 // Options.StreamBytes on (the destination is the caller's, read only after
 // the call, and too large to stay in cache), else the built-in copy.
 // lib/ntcopy's copy fences its stores, so they are in memory before the
 // final frame that announces them.
 func (c *Comm) copier(L int) func(dst, src []byte) int {
 	if c.stream >= 0 && L >= c.stream {
-		return ntcopy.Copy
+		return func(dst, src []byte) int {
+			streamedCopies.Add(1)
+			return ntcopy.Copy(dst, src)
+		}
 	}
 	return func(dst, src []byte) int { return copy(dst, src) }
 }
+
+// streamedCopies counts the copies copier made with non-temporal stores
+// (tests).
+var streamedCopies atomic.Int64
 
 // dpiece is one piece of a direct collective: its owner and its bytes
 // [off, off+n) of the owner's buffer (and of this member's, for

@@ -102,6 +102,16 @@
 // element per segment: element 0 is (x1 op x2) op x0, element 1
 // (x2 op x0) op x1, element 2 (x0 op x1) op x2.
 //
+// The all-gather's segments (with two members the second half; all_gather
+// and the broadcast chain alike) arrive final, so no pass of ours is
+// needed: over TCP each chunk is read off the socket straight into the
+// destination (transport.IntoReceiver), as the exchange ceiling's frames
+// land in its receive buffer. Over other transports the last step's
+// chunks, which travel no further, are copied into a destination of
+// Options.StreamBytes and more with non-temporal stores (lib/ntcopy), like
+// the direct collectives' copies, so that its lines are not read from
+// memory first. The bytes are the same either way.
+//
 // # Recursive doubling: small all_reduces
 //
 // With three or more members, a buffer of at most Options.SmallBytes

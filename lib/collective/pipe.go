@@ -76,6 +76,16 @@ type pipe struct {
 	// stream that hands out pieces, bytes [off, off+n) of the segment); p
 	// is a view valid only during the call.
 	recv func(t, j, c, off, n int, p []byte) error
+	// into returns where the payload of chunk (t, c) lands as it is (the
+	// final bytes of a ring's all-gather or a broadcast's chain, which
+	// travel on from there if at all), or nil when recv must see it. Over a stream that reads into
+	// memory (transport.IntoReceiver: TCP) such a chunk is read straight
+	// into it, and recv does not run. The wait for the send the chunk
+	// depends on then comes after the frame's header and before its
+	// payload, which stays in the socket meanwhile: only for chunks whose
+	// bytes were computed from that send (so that it is done once they
+	// arrive); may be nil.
+	into func(t, j, c, off, n int) []byte
 	// received runs once chunk (t, c) was wholly consumed (it reports
 	// final results: one Progress range per chunk, not per piece); may be
 	// nil.
@@ -271,8 +281,14 @@ func (pp *pipe) consumed(k chunkAt) {
 // it.
 func (pp *pipe) pieceReceiver(s int, st transport.PieceReceiver, sink *pieceSink) error {
 	cl := pp.cl
+	ir, _ := st.(transport.IntoReceiver)
 	return pp.recvChunks(s, func(k chunkAt) error {
 		sink.begin(k)
+		if ir != nil && pp.into != nil {
+			if dst := pp.into(k.t, k.j, k.c, k.off, k.n); dst != nil {
+				return sink.into(ir, dst)
+			}
+		}
 		err := cl.recvPieces(st, s, pp.prev, pp.stepOff+k.t, k.c, k.n, pp.primary, sink.piece)
 		if err != nil {
 			return err
@@ -451,6 +467,32 @@ func (ps *pieceSink) piece(off int, p []byte) error {
 	}
 	return nil
 }
+
+// into receives the chunk straight into dst (pipe.into): the send it
+// depends on must be done before the payload lands, so it is awaited once
+// the header is in. Then it reports the chunk and lets the sender go on.
+func (ps *pieceSink) into(st transport.IntoReceiver, dst []byte) error {
+	pp, k, cl := ps.pp, ps.k, ps.pp.cl
+	err := cl.recvInto(st, ps.s, pp.prev, pp.stepOff+k.t, k.c, k.n, pp.primary, func() error {
+		if ps.needs {
+			return cl.awaitSend(ps.s, ps.sendTok)
+		}
+		return nil
+	}, dst)
+	if err != nil {
+		return err
+	}
+	directRecvs.Add(1)
+	pp.consumed(k)
+	if pp.unblocksSend(k.t) {
+		ps.recvTok <- struct{}{}
+	}
+	return nil
+}
+
+// directRecvs counts the chunks read straight into their destination
+// (tests).
+var directRecvs atomic.Int64
 
 // end finishes the chunk once its frame is wholly in: it waits for the
 // send the chunk depends on, consumes what was spilled, reports the chunk

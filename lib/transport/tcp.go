@@ -283,6 +283,43 @@ func (s *tcpStream) RecvPiecesHold(ctx context.Context, check func(wire.Header) 
 	return s.recvPieces(ctx, check, true, fn)
 }
 
+// RecvInto implements IntoReceiver: the payload is read off the socket
+// straight into dst (bufio hands reads of its size and more to the
+// connection).
+func (s *tcpStream) RecvInto(ctx context.Context, check func(wire.Header) error, dst []byte) error {
+	h, err := s.header(ctx)
+	if err != nil {
+		return err
+	}
+	if h.Kind == wire.KindAbort || h.Kind == wire.KindClose || h.Flags&wire.FlagCRC != 0 {
+		// Rare (or checked) frames: read whole, then hand over.
+		_, p, err := s.payload(ctx, h, &s.buf)
+		if err != nil {
+			return err
+		}
+		if err := check(h); err != nil {
+			return err
+		}
+		if len(p) != len(dst) {
+			return fmt.Errorf("receive from %s on stream %d: a payload of %d bytes, want %d", s.m.Peer(s.peer), s.idx, len(p), len(dst))
+		}
+		copy(dst, p)
+		return nil
+	}
+	if err := check(h); err != nil {
+		s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a refused frame: %w", s.m.Peer(s.peer), s.idx, err)
+		return err
+	}
+	if int(h.Len) != len(dst) {
+		s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a frame of %d bytes where %d were expected", s.m.Peer(s.peer), s.idx, h.Len, len(dst))
+		return s.rbroken
+	}
+	if _, err := io.ReadFull(s.br, dst); err != nil {
+		return s.brokenRead(ctx, err)
+	}
+	return nil
+}
+
 // noRelease is the release of a piece that is not held.
 func noRelease() {}
 

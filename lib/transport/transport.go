@@ -115,6 +115,25 @@ type PieceHolder interface {
 	RecvPiecesHold(ctx context.Context, check func(wire.Header) error, fn func(off int, p []byte, release func()) error) error
 }
 
+// IntoReceiver is implemented by PieceReceiver streams that can read a
+// frame's payload straight into the receiver's memory (the TCP stream:
+// the kernel copies from the socket into dst, through no buffer of ours),
+// for payloads that need no pass of the receiver's own (final bytes that
+// only land).
+type IntoReceiver interface {
+	PieceReceiver
+	// RecvInto reads the next frame, whose payload must be len(dst)
+	// bytes, into dst: check sees its header first, and its error ends
+	// the call before any payload byte is read (check may wait: until it
+	// returns, the payload stays in the socket); a payload of another
+	// length is an error. A KindAbort frame is a *PeerError carrying the
+	// peer's message, and check is not called. On an error dst's bytes
+	// are undefined, and an error after the header leaves the stream out
+	// of step. Frames that carry a CRC are read and checked whole, then
+	// copied into dst.
+	RecvInto(ctx context.Context, check func(wire.Header) error, dst []byte) error
+}
+
 // ProgressSender is implemented by streams that can say how much of a
 // frame's payload is out while they send it (the TCP stream, which then
 // writes a large payload in pieces), so that a receiver whose data depends
