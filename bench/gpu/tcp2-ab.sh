@@ -4,11 +4,14 @@
 #
 # Each pass times, in an order that rotates from pass to pass: the exchange
 # (the ceiling), the exchange all_reduce (inplace: --split off) and the
-# default (ring: two halves). Rows carry the receivers' summed wait for
-# their own sends (send_wait_us), the bytes spilled meanwhile and the
-# reduction's time (member 0's checked call). Then one CPU profile per
-# member of the inplace and the ring run at the largest size. Read the
-# profiles on the dev machine with the same binary:
+# default (ring: two halves); GB_CONFIGS may name ringplain too (the ring
+# with --stream off: its last step copies through the caches), and any
+# of them with "@b" appended runs with the gbbridge that GB_BBIN names (an
+# A/B of two builds in the same passes). Rows carry
+# the receivers' summed wait for their own sends (send_wait_us), the bytes
+# spilled meanwhile and the reduction's time (member 0's checked call).
+# Then one CPU profile per member of the inplace and the ring run at the
+# largest size. Read the profiles on the dev machine with the same binary:
 #   go tool pprof -top bin/gbbridge inplace-cpu.0
 #
 # Needs bin/gbbridge built on the dev machine and carried. Writes under $OUT
@@ -35,14 +38,16 @@ declare -A args=(
   [exchange]="--collective exchange"
   [inplace]="--split off"
   [ring]=""
+  [ringplain]="--stream off"
 )
 read -r -a order <<< "${GB_CONFIGS:-exchange inplace ring}"
 read -r -a extra <<< "${GB_ARGS:-}"
 tag=${GB_TAG:-}
 b() {  # b CONFIG PASS ARGS...: one bench run, its rows tagged
   local cfg=$1 pass=$2; shift 2
-  local s=$(date +%s)
-  timeout -k 5 "$limit" bin/gbbridge bench "${common[@]}" --sizes "${bsizes:-$sizes}" "${extra[@]}" "$@" 2>"$out/$cfg.err" |
+  local s=$(date +%s) gb=bin/gbbridge
+  [[ $cfg == *@b ]] && gb=${GB_BBIN:?a config ending in @b needs GB_BBIN}
+  timeout -k 5 "$limit" "$gb" bench "${common[@]}" --sizes "${bsizes:-$sizes}" "${extra[@]}" "$@" 2>"$out/$cfg.err" |
     "$PY" bench/tag_rows.py "$cfg$tag" pass="$pass" >> "$rows"
   local rc=${PIPESTATUS[0]}
   echo "== $cfg pass $pass: rc=$rc in $(( $(date +%s) - s ))s: $("$PY" -c 'import json,sys
@@ -54,7 +59,7 @@ for (( p = 0; p < passes; p++ )); do
   for (( i = 0; i < ${#order[@]}; i++ )); do
     cfg=${order[$(( (i + p) % ${#order[@]} ))]}
     # shellcheck disable=SC2086
-    b "$cfg" "$p" ${args[$cfg]}
+    b "$cfg" "$p" ${args[${cfg%@b}]}
   done
 done
 big=${sizes##*,}
@@ -76,7 +81,7 @@ print("== medians over passes (GB/s), and against the exchange")
 for s in sizes:
     ex = statistics.median(by.get(("exchange", s), [float("nan")]))
     line = [f"{s >> 20}M exchange {ex:.2f}"]
-    for cfg in ("inplace", "ring"):
+    for cfg in sorted({c for c, _ in by} - {"exchange"}):
         v = by.get((cfg, s))
         if v:
             m = statistics.median(v)
