@@ -19,9 +19,10 @@ func (c *Comm) ringAllGather(cl *call, out, in []byte, alias bool, C int) error 
 	n, r, L := c.size, c.self, len(in)
 	slot := out[r*L : (r+1)*L]
 	// The slots arrive final: over TCP they are read straight into out
-	// (into); elsewhere the last step's, which travel no further, go to
-	// memory without being read first past Options.StreamBytes.
-	last := c.copier(len(out))
+	// (into), but for the last step's past Options.StreamBytes, which
+	// travel no further and go to memory with non-temporal stores instead
+	// (last; ringAllReduce says why).
+	last, streamed := c.copier(len(out)), c.streamed(len(out))
 	pp := &pipe{
 		cl: cl, next: mod(r+1, n), prev: mod(r-1, n), steps: n - 1,
 		sendSeg: func(t int) int { return mod(r-t, n) },
@@ -47,7 +48,12 @@ func (c *Comm) ringAllGather(cl *call, out, in []byte, alias bool, C int) error 
 			cl.done(j*L+off, m)
 			return nil
 		},
-		into: func(_, j, _, off, m int) []byte { return out[j*L+off : j*L+off+m] },
+		into: func(t, j, _, off, m int) []byte {
+			if t == n-2 && streamed {
+				return nil
+			}
+			return out[j*L+off : j*L+off+m]
+		},
 		recv: func(t, j, _, off, m int, p []byte) error {
 			if t == n-2 {
 				last(out[j*L+off:j*L+off+m], p)

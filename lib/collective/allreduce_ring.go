@@ -33,10 +33,13 @@ func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op
 		C = SpreadChunk(segLen(0), C, c.streams, dt.Size())
 	}
 	w := c.workersPer(min(c.streams, (segLen(0)+C-1)/C))
-	// The all-gather's segments are final: over TCP they are read straight
-	// into buf (into); elsewhere the last step's, which travel no further,
-	// go to memory without being read first past Options.StreamBytes.
-	last := c.copier(len(buf))
+	// The all-gather's segments arrive final: over TCP they are read
+	// straight into buf (into), but for the last step's past
+	// Options.StreamBytes, which travel no further: the kernel's copy
+	// would read every line of buf from memory before writing it, so they
+	// come through a piece that stays in cache and go to memory with
+	// non-temporal stores (last), as over the other transports.
+	last, streamed := c.copier(len(buf)), c.streamed(len(buf))
 	pp := &pipe{
 		cl: cl, next: mod(r+1, n), prev: mod(r-1, n), steps: 2*n - 2,
 		sendSeg: func(t int) int { return mod(r-t-1, n) },
@@ -70,7 +73,7 @@ func (c *Comm) ringAllReduce(cl *call, buf []byte, dt reduce.DType, op reduce.Op
 			return nil
 		},
 		into: func(t, j, _, off, m int) []byte {
-			if t < n-1 {
+			if t < n-1 || t == 2*n-3 && streamed {
 				return nil
 			}
 			at := segOff(j) + off

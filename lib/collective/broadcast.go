@@ -37,7 +37,8 @@ func (c *Comm) broadcast(cl *call, buf []byte, root, C int) error {
 			cl.done(off, m)
 			return nil
 		},
-		// What arrives is final: over TCP it is read straight into buf.
+		// What arrives is final: over TCP it is read straight into buf
+		// (a copy of ours would read buf's lines first as well).
 		into: func(_, _, _, off, m int) []byte { return buf[off : off+m] },
 		recv: func(_, _, _, off, m int, p []byte) error {
 			copy(buf[off:off+m], p)

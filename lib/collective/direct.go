@@ -203,13 +203,11 @@ func (c *Comm) peerViews(cl *call, descs []desc, n int) (views [][]byte, release
 // copier is the copy of the pieces a member takes from its peers into
 // buffers of L bytes (the direct collectives' copy mode, writing through
 // stores with plainCopy; the rings' last step): with non-temporal stores
-// from
-// Options.StreamBytes on (the destination is the caller's, read only after
-// the call, and too large to stay in cache), else the built-in copy.
-// lib/ntcopy's copy fences its stores, so they are in memory before the
-// final frame that announces them.
+// when streamed(L), else the built-in copy. lib/ntcopy's copy fences its
+// stores, so they are in memory before the final frame that announces
+// them.
 func (c *Comm) copier(L int) func(dst, src []byte) int {
-	if c.stream >= 0 && L >= c.stream {
+	if c.streamed(L) {
 		return func(dst, src []byte) int {
 			streamedCopies.Add(1)
 			return ntcopy.Copy(dst, src)
@@ -217,6 +215,12 @@ func (c *Comm) copier(L int) func(dst, src []byte) int {
 	}
 	return func(dst, src []byte) int { return copy(dst, src) }
 }
+
+// streamed says whether final bytes copied into a destination of L bytes
+// go there with non-temporal stores: from Options.StreamBytes on (the
+// destination is the caller's, read only after the call, and too large
+// to stay in cache).
+func (c *Comm) streamed(L int) bool { return c.stream >= 0 && L >= c.stream }
 
 // streamedCopies counts the copies copier made with non-temporal stores
 // (tests).

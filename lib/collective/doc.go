@@ -106,11 +106,16 @@
 // and the broadcast chain alike) arrive final, so no pass of ours is
 // needed: over TCP each chunk is read off the socket straight into the
 // destination (transport.IntoReceiver), as the exchange ceiling's frames
-// land in its receive buffer. Over other transports the last step's
-// chunks, which travel no further, are copied into a destination of
-// Options.StreamBytes and more with non-temporal stores (lib/ntcopy), like
-// the direct collectives' copies, so that its lines are not read from
-// memory first. The bytes are the same either way.
+// land in its receive buffer. The exception is the last step's chunks
+// (they travel no further) into a destination of Options.StreamBytes and
+// more: the kernel's copy would read each of its lines from memory before
+// writing it, so they come through a piece that stays in cache and are
+// copied on with non-temporal stores (lib/ntcopy), like the direct
+// collectives' copies and as over the other transports. (On the 16-core
+// host the copy with non-temporal stores ran as fast as the kernel's
+// straight into a 256 MiB or 1 GiB destination, or faster; below the
+// caches' size the read straight in saved 12%: docs/BENCHMARKS.md.) The
+// bytes are the same either way.
 //
 // # Recursive doubling: small all_reduces
 //
