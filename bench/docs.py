@@ -148,6 +148,7 @@ H200X1_C = "h200x1-host-52e06f4.jsonl"  # the TCP read-ahead (--overlap) on and 
 H200X1_D = "h200x1-host-b1c9283.jsonl"  # a normal-speed host, before the direct path writes peers
 H200X1_E = "h200x1-host-8c7c059.jsonl"  # the direct all_reduce writes through (--peer-writes) and copies
 H200X1_F = "h200x1-host-2c1c6db.jsonl"  # the same with --min-time 0.2 (small sizes time many calls)
+H200X1_G = "h200x1-host-fa472a1.jsonl"  # TCP's final bytes read into place, the last step streamed
 
 
 def goal_table(head: str, rows: list[tuple[str, str]]) -> str:
@@ -451,6 +452,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "issue12-goals-h200x1-8c7c059": lambda: goals12_host(H200X1_E, "8c7c059"),
     "bridge h200x1-host-2c1c6db": lambda: bridge_block(H200X1_F),
     "issue12-goals-h200x1-2c1c6db": lambda: goals12_host(H200X1_F, "2c1c6db"),
+    "bridge h200x1-host-fa472a1": lambda: bridge_block(H200X1_G),
+    "issue12-goals-h200x1-fa472a1": lambda: goals12_host(H200X1_G, "fa472a1"),
     "issue12-before-after": before_after,
     "plugin-bench a5a9c0b": plugin_bench,
     "plugin-profile b5844c9": profile,
