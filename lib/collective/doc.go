@@ -113,9 +113,9 @@
 // copied on with non-temporal stores (lib/ntcopy), like the direct
 // collectives' copies and as over the other transports. (On the 16-core
 // host the copy with non-temporal stores ran as fast as the kernel's
-// straight into a 256 MiB or 1 GiB destination, or faster; below the
-// caches' size the read straight in saved 12%: docs/BENCHMARKS.md.) The
-// bytes are the same either way.
+// straight into a 256 MiB or 1 GiB destination, or faster, while at 64
+// MiB the read straight in made the 2-member ring 6% faster:
+// docs/BENCHMARKS.md.) The bytes are the same either way.
 //
 // # Recursive doubling: small all_reduces
 //

@@ -78,10 +78,11 @@ type pipe struct {
 	recv func(t, j, c, off, n int, p []byte) error
 	// into returns where the payload of chunk (t, c) lands as it is (the
 	// final bytes of a ring's all-gather or a broadcast's chain, which
-	// travel on from there if at all), or nil when recv must see it. Over a stream that reads into
-	// memory (transport.IntoReceiver: TCP) such a chunk is read straight
-	// into it, and recv does not run. The wait for the send the chunk
-	// depends on then comes after the frame's header and before its
+	// travel on from there if at all), or nil when recv must see it. Over
+	// a stream that reads into memory (transport.IntoReceiver: TCP, unless
+	// Options.Overlap reads its pieces ahead) such a chunk is read
+	// straight into it, and recv does not run. The wait for the send the
+	// chunk depends on then comes after the frame's header and before its
 	// payload, which stays in the socket meanwhile: only for chunks whose
 	// bytes were computed from that send (so that it is done once they
 	// arrive); may be nil.
