@@ -287,28 +287,16 @@ func (s *tcpStream) RecvPiecesHold(ctx context.Context, check func(wire.Header) 
 // straight into dst (bufio hands reads of its size and more to the
 // connection).
 func (s *tcpStream) RecvInto(ctx context.Context, check func(wire.Header) error, dst []byte) error {
-	h, err := s.header(ctx)
+	h, p, whole, err := s.frameStart(ctx, check)
 	if err != nil {
 		return err
 	}
-	if h.Kind == wire.KindAbort || h.Kind == wire.KindClose || h.Flags&wire.FlagCRC != 0 {
-		// Rare (or checked) frames: read whole, then hand over.
-		_, p, err := s.payload(ctx, h, &s.buf)
-		if err != nil {
-			return err
-		}
-		if err := check(h); err != nil {
-			return err
-		}
+	if whole {
 		if len(p) != len(dst) {
 			return fmt.Errorf("receive from %s on stream %d: a payload of %d bytes, want %d", s.m.Peer(s.peer), s.idx, len(p), len(dst))
 		}
 		copy(dst, p)
 		return nil
-	}
-	if err := check(h); err != nil {
-		s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a refused frame: %w", s.m.Peer(s.peer), s.idx, err)
-		return err
 	}
 	if int(h.Len) != len(dst) {
 		s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a frame of %d bytes where %d were expected", s.m.Peer(s.peer), s.idx, h.Len, len(dst))
@@ -320,25 +308,43 @@ func (s *tcpStream) RecvInto(ctx context.Context, check func(wire.Header) error,
 	return nil
 }
 
+// frameStart reads the next frame's header for RecvPieces and RecvInto
+// and has check see it. Rare (or checked) frames, an abort, a close or one
+// with a CRC, are read whole first and returned with whole set (a check
+// refusing one leaves the stream in step); for the rest the payload is
+// still in the socket, and a check refusing it leaves the stream out of
+// step.
+func (s *tcpStream) frameStart(ctx context.Context, check func(wire.Header) error) (h wire.Header, p []byte, whole bool, err error) {
+	if h, err = s.header(ctx); err != nil {
+		return h, nil, false, err
+	}
+	if h.Kind == wire.KindAbort || h.Kind == wire.KindClose || h.Flags&wire.FlagCRC != 0 {
+		if _, p, err = s.payload(ctx, h, &s.buf); err != nil {
+			return h, nil, false, err
+		}
+		if err := check(h); err != nil {
+			return h, nil, false, err
+		}
+		return h, p, true, nil
+	}
+	if err := check(h); err != nil {
+		s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a refused frame: %w", s.m.Peer(s.peer), s.idx, err)
+		return h, nil, false, err
+	}
+	return h, nil, false, nil
+}
+
 // noRelease is the release of a piece that is not held.
 func noRelease() {}
 
 // recvPieces is RecvPieces (hold false: one buffer, release does nothing)
 // and RecvPiecesHold (hold: a buffer of the pool per piece).
 func (s *tcpStream) recvPieces(ctx context.Context, check func(wire.Header) error, hold bool, fn func(off int, p []byte, release func()) error) error {
-	h, err := s.header(ctx)
+	h, p, whole, err := s.frameStart(ctx, check)
 	if err != nil {
 		return err
 	}
-	if h.Kind == wire.KindAbort || h.Kind == wire.KindClose || h.Flags&wire.FlagCRC != 0 {
-		// Rare (or checked) frames: read whole, then hand over.
-		_, p, err := s.payload(ctx, h, &s.buf)
-		if err != nil {
-			return err
-		}
-		if err := check(h); err != nil {
-			return err
-		}
+	if whole {
 		for off := 0; off < len(p); off += tcpPiece {
 			q, release := p[off:min(off+tcpPiece, len(p))], noRelease
 			if hold {
@@ -356,10 +362,6 @@ func (s *tcpStream) recvPieces(ctx context.Context, check func(wire.Header) erro
 			}
 		}
 		return nil
-	}
-	if err := check(h); err != nil {
-		s.rbroken = fmt.Errorf("receive from %s on stream %d: stream out of step after a refused frame: %w", s.m.Peer(s.peer), s.idx, err)
-		return err
 	}
 	if !hold && len(s.piece) < tcpPiece {
 		s.piece = make([]byte, tcpPiece)
