@@ -233,7 +233,7 @@ def render(rows: list[dict[str, Any]], title: str | None = "run") -> str:
         )
     if "tcp-allreduce-s8-nosplit" in bw:
         table(
-            "TCP, 8 streams: two members split from 64 MiB (--split 64M, the default: ring) "
+            "TCP, 8 streams: two members split from the default --split on (ring) "
             "or exchange at every size (--split off)",
             [
                 ("exchange (ceiling)", "tcp-exchange-s8"),

@@ -30,8 +30,11 @@ const (
 	DefaultSmallBytes = 32 << 10
 	// DefaultSplitBytes is the smallest all_reduce (bytes per member) that
 	// two members split into halves when Options.SplitBytes is 0
-	// (docs/BENCHMARKS.md, issue 12, has the measurements it comes from).
-	DefaultSplitBytes = 64 << 20
+	// (docs/BENCHMARKS.md, issue 12, has the measurements it comes from:
+	// 64 MiB until the halves' second steps were read straight into the
+	// destination over TCP, which made the ring of two 1.05-1.11x the
+	// exchange at 16 and 32 MiB).
+	DefaultSplitBytes = 16 << 20
 	// DefaultStreamBytes is Options.StreamBytes when it is 0: above the
 	// 64 MiB buffers that the caches of the 16-core H200 host still helped
 	// (30 GB/s there against 23 GB/s at 256 MiB: docs/BENCHMARKS.md, issue

@@ -64,7 +64,7 @@
 // then reduce.Finish with n = 2, so both hold the same bits, equal to
 // reduce.Reference.
 //
-// From Options.SplitBytes on (default DefaultSplitBytes, 64 MiB) two
+// From Options.SplitBytes on (default DefaultSplitBytes, 16 MiB) two
 // members split instead: the ring below with n = 2, a reduce-scatter then
 // an all-gather. Member r sends the half it does not own, reduces the
 // peer's copy of its own half into its buffer as the chunks arrive, and

@@ -71,7 +71,7 @@ type memberFlags struct {
 	Streams   int           `help:"TCP connections (shm rings, verbs queue pairs) per pair of members (8: see docs/BENCHMARKS.md)." default:"8"`
 	Chunk     byteSize      `help:"Pipelining unit of the collectives (K, M, G: powers of 1024)." default:"4M" placeholder:"BYTES"`
 	Small     smallSize     `help:"An all_reduce of 3 or more members up to this size runs recursive doubling (log2 N dependent steps instead of the ring's 2(N-1)); 0 or off turns it off." default:"32K" placeholder:"BYTES"`
-	Split     smallSize     `help:"A 2-member all_reduce of this size and more runs as two halves through the transport (each member reduces the half it owns, then sends it: half the exchange's reduction, the same bytes on the wire); 0 or off: never (the exchange)." default:"64M" placeholder:"BYTES"`
+	Split     smallSize     `help:"A 2-member all_reduce of this size and more runs as two halves through the transport (each member reduces the half it owns, then sends it: half the exchange's reduction, the same bytes on the wire); 0 or off: never (the exchange)." default:"16M" placeholder:"BYTES"`
 	SockBuf   smallSize     `name:"tcp-sockbuf" help:"SO_SNDBUF and SO_RCVBUF of every TCP connection between members (K, M: powers of 1024); 0 or off: the kernel's autotuning." default:"4M" placeholder:"BYTES"`
 	CRC       bool          `help:"CRC32C on every frame between members (off by default: it costs 25-45% at 256 MiB on a 2-core host, see docs/BENCHMARKS.md)." negatable:""`
 	Workers   int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`

@@ -27,7 +27,7 @@ type serveCmd struct {
 	Streams       int           `help:"TCP connections (shm rings) per pair of members; every member must use the same (8: see docs/BENCHMARKS.md)." default:"8"`
 	Chunk         byteSize      `help:"Pipelining unit of the collectives (K, M, G suffixes: powers of 1024); every member must use the same." default:"4M" placeholder:"BYTES"`
 	Small         smallSize     `help:"An all_reduce of 3 or more members up to this size runs recursive doubling; 0 or off turns it off; every member must use the same." default:"32K" placeholder:"BYTES"`
-	Split         smallSize     `help:"A 2-member all_reduce of this size and more runs as two halves (each member reduces the half it owns, then sends it); 0 or off: never; every member must use the same." default:"64M" placeholder:"BYTES"`
+	Split         smallSize     `help:"A 2-member all_reduce of this size and more runs as two halves (each member reduces the half it owns, then sends it); 0 or off: never; every member must use the same." default:"16M" placeholder:"BYTES"`
 	CRC           bool          `help:"CRC32C on every frame between members (off by default, like selftest and bench: see docs/ARCHITECTURE.md); every member must use the same." negatable:""`
 	Workers       int           `help:"Goroutines that reduce at once; 0: one per CPU." default:"0"`
 	Stream        smallSize     `help:"Direct collectives over shared memory, and the last step of a ring, copy into destinations of this size and more with non-temporal stores (no read of the destination before it is written; the all_reduce's writes through, into lines just read, never stream); 0 or off: never." default:"128M" placeholder:"BYTES"`
