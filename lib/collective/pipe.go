@@ -248,10 +248,7 @@ func (pp *pipe) receiver(s int, recvTok chan<- struct{}, sendTok <-chan struct{}
 		if err != nil {
 			return err
 		}
-		pp.consumed(k)
-		if pp.unblocksSend(k.t) {
-			recvTok <- struct{}{}
-		}
+		pp.finished(k, recvTok)
 		return nil
 	})
 }
@@ -484,10 +481,7 @@ func (ps *pieceSink) into(st transport.IntoReceiver, dst []byte) error {
 		return err
 	}
 	directRecvs.Add(1)
-	pp.consumed(k)
-	if pp.unblocksSend(k.t) {
-		ps.recvTok <- struct{}{}
-	}
+	pp.finished(k, ps.recvTok)
 	return nil
 }
 
@@ -510,10 +504,7 @@ func (ps *pieceSink) end() error {
 			return cl.recvErr(&localError{err}, pp.prev, pp.primary)
 		}
 	}
-	pp.consumed(k)
-	if pp.unblocksSend(k.t) {
-		ps.recvTok <- struct{}{}
-	}
+	pp.finished(k, ps.recvTok)
 	return nil
 }
 
@@ -622,6 +613,15 @@ func (pp *pipe) recvChunks(s int, fn func(k chunkAt) error) error {
 	return nil
 }
 
+// finished reports chunk k wholly consumed (the received hook) and, when
+// its receive lets this member's sender go on, gives it the token.
+func (pp *pipe) finished(k chunkAt, recvTok chan<- struct{}) {
+	pp.consumed(k)
+	if pp.unblocksSend(k.t) {
+		recvTok <- struct{}{}
+	}
+}
+
 // unblocksSend says whether the receive of step t lets this member's
 // sender go on (a token on recvTok).
 func (pp *pipe) unblocksSend(t int) bool {
@@ -707,10 +707,7 @@ func (pp *pipe) consumer(s int, held <-chan heldChunk, recvTok chan<- struct{}, 
 		if err != nil {
 			return cl.recvErr(&localError{err}, pp.prev, pp.primary)
 		}
-		pp.consumed(h.chunkAt)
-		if pp.unblocksSend(h.t) {
-			recvTok <- struct{}{}
-		}
+		pp.finished(h.chunkAt, recvTok)
 	}
 	return nil
 }
